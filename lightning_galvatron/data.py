@@ -1,0 +1,42 @@
+"""Batch semantics: every optimizer step trains on exactly the samples DDP would.
+
+DDP on ``W`` devices with a DataLoader of ``batch_size=b`` trains each step on ``b * W`` samples:
+one contiguous block of the ``DistributedSampler`` permutation. Under a plan, only the ``dp`` data
+shards of the input layout read distinct samples (tensor-parallel ranks share theirs), so each
+shard must read ``b * W / dp`` samples per step. With the sampler set to ``dp`` replicas, the union
+of the shards' batches is again the same contiguous block of the same permutation, so the loss
+curve matches DDP's. This module rebuilds the DataLoader with that batch size.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
+from torch.utils.data import BatchSampler, DataLoader
+
+
+def shard_batch_size(global_batch_size: int, num_shards: int) -> int:
+    if global_batch_size % num_shards:
+        raise ValueError(
+            f"the global batch size {global_batch_size} cannot be split evenly over {num_shards} data shards; "
+            f"use a multiple of {num_shards} (DataLoader batch_size x devices, or global_batch_size=)"
+        )
+    return global_batch_size // num_shards
+
+
+def rebatch(dataloader: object, batch_size: int) -> object:
+    """A copy of ``dataloader`` that yields ``batch_size`` samples per batch, same sampler and options."""
+    if not isinstance(dataloader, DataLoader) or dataloader.batch_size == batch_size:
+        return dataloader
+    if dataloader.batch_size is None or type(dataloader.batch_sampler) not in (BatchSampler, type(None)):
+        raise ValueError(
+            f"the plan needs {batch_size} samples per data shard and step, but this DataLoader batches through a "
+            f"custom {type(dataloader.batch_sampler).__name__}; give it batch_size= (and a sampler) instead"
+        )
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, dataloader.sampler)
+    arg_names = getattr(dataloader, "__pl_saved_arg_names", ())
+    if "batch_size" in arg_names[: len(args)]:
+        args = list(args)
+        args[arg_names.index("batch_size")] = batch_size
+    else:
+        kwargs["batch_size"] = batch_size
+    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)

@@ -1,0 +1,134 @@
+"""Find the repeated Transformer blocks of a model.
+
+A plan assigns one strategy per block, so the runtime first has to know which modules the blocks
+are. Transformer implementations keep them in one container -- ``nn.ModuleList`` or
+``nn.Sequential`` of modules of one class (``model.blocks``, ``transformer.h``, ``model.layers``,
+``encoder.layer``). Everything else with parameters (embeddings, final norm, head) belongs to the
+"vocabulary" part that the plan's ``vocab`` strategy covers.
+
+When several such containers exist, the one holding the most parameters wins (attention heads kept
+in a small list inside each block never beat the block list itself). Users can name the list(s)
+explicitly, e.g. ``layers="model.blocks"``; encoder-decoder models name two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+
+class BlockDiscoveryError(ValueError):
+    """The model's Transformer blocks could not be found; the message says what to pass."""
+
+
+@dataclass(frozen=True)
+class BlockList:
+    """One container of same-class blocks and where it sits in the model."""
+
+    path: str
+    container: nn.Module
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        return list(self.container.children())
+
+    @property
+    def block_type(self) -> str:
+        return type(self.blocks[0]).__name__
+
+
+@dataclass(frozen=True)
+class ModelStructure:
+    """The blocks of a model in execution order, across one or more block lists."""
+
+    root: nn.Module
+    block_lists: tuple[BlockList, ...]
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        return [block for block_list in self.block_lists for block in block_list.blocks]
+
+    @property
+    def block_names(self) -> list[str]:
+        return [f"{bl.path}.{i}" for bl in self.block_lists for i in range(len(bl.blocks))]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(bl.blocks) for bl in self.block_lists)
+
+    def block_parameter_ids(self) -> set[int]:
+        return {id(p) for block in self.blocks for p in block.parameters()}
+
+    def vocab_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Named parameters outside every block: embeddings, final norm, head."""
+        in_blocks = self.block_parameter_ids()
+        return [(name, p) for name, p in self.root.named_parameters() if id(p) not in in_blocks]
+
+
+def find_blocks(model: nn.Module, layers: str | Sequence[str] | None = None) -> ModelStructure:
+    """Locate the Transformer blocks of ``model``.
+
+    Args:
+        model: the LightningModule (or any ``nn.Module``) that owns the network.
+        layers: dotted path(s) of the block container(s) relative to ``model``; ``None`` detects it.
+    """
+    if layers is not None:
+        paths = [layers] if isinstance(layers, str) else list(layers)
+        return ModelStructure(model, tuple(_named_block_list(model, path) for path in paths))
+
+    candidates = [
+        BlockList(name, module)
+        for name, module in model.named_modules()
+        if name and _is_block_container(module)
+    ]
+    if not candidates:
+        raise BlockDiscoveryError(
+            f"could not find the Transformer blocks of {type(model).__name__}: expected an nn.ModuleList or "
+            "nn.Sequential holding modules of one class. Put the blocks in such a list, or tell the strategy where "
+            "they are: GalvatronStrategy(layers='path.to.blocks')"
+        )
+    best = max(candidates, key=lambda c: (_num_params(c.container), -c.path.count(".")))
+    return ModelStructure(model, (best,))
+
+
+def _named_block_list(model: nn.Module, path: str) -> BlockList:
+    try:
+        container = model.get_submodule(path)
+    except AttributeError:
+        raise BlockDiscoveryError(
+            f"layers={path!r}: {type(model).__name__} has no submodule at that path; "
+            f"containers that hold several blocks: {_container_names(model) or 'none'}"
+        ) from None
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) == 0:
+        raise BlockDiscoveryError(
+            f"layers={path!r} is a {type(container).__name__}, not a non-empty nn.ModuleList or nn.Sequential of blocks"
+        )
+    classes = {type(m).__name__ for m in container.children()}
+    if len(classes) > 1:
+        raise BlockDiscoveryError(
+            f"layers={path!r} mixes block classes {sorted(classes)}; every block in one list must have the same "
+            "class. Name one list per block type, e.g. layers=['encoder.layers', 'decoder.layers']"
+        )
+    return BlockList(path, container)
+
+
+def _is_block_container(module: nn.Module) -> bool:
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return False
+    children = list(module.children())
+    if len(children) < 2:
+        return False
+    first = type(children[0])
+    return all(type(c) is first for c in children) and _num_params(children[0]) > 0 and len(list(children[0].children())) > 0
+
+
+def _container_names(model: nn.Module) -> str:
+    return ", ".join(
+        repr(name) for name, m in model.named_modules() if name and isinstance(m, (nn.ModuleList, nn.Sequential))
+    )
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

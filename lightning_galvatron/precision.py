@@ -1,0 +1,74 @@
+"""Precision for the Galvatron strategy: Lightning's plugins plus clipping across meshes.
+
+Lightning only validates precision for ``ModelParallelStrategy`` instances given directly, and its
+norm clipping stacks per-parameter norms, which fails for parameters on different meshes. Each
+supported precision therefore reuses Lightning's own plugin (autocast for ``bf16-mixed``, a bf16
+module for ``bf16-true``) with norm clipping replaced by the global norm across meshes and stages,
+and maps onto the FSDP2 ``MixedPrecisionPolicy`` that the runtime applies per block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.optim import Optimizer
+
+from lightning_galvatron.runtime.clipping import clip_grad_norm_
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+
+
+class _GlobalNormClipping:
+    """Mixin: clip by the norm over every mesh and pipeline stage."""
+
+    pipeline_group: dist.ProcessGroup | None = None
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_(params, clip_val, pipeline_group=self.pipeline_group)
+
+
+class GalvatronFullPrecision(_GlobalNormClipping, Precision):
+    """``32-true``."""
+
+
+class GalvatronMixedPrecision(_GlobalNormClipping, MixedPrecision):
+    """``bf16-mixed``: fp32 parameters and optimizer states, bf16 compute (FSDP2 casts, autocast guards)."""
+
+
+class GalvatronHalfPrecision(_GlobalNormClipping, HalfPrecision):
+    """``bf16-true``: everything in bf16."""
+
+
+def precision_plugin_for(precision: str, device_type: str) -> Precision:
+    """The plugin for a Lightning precision flag; unsupported flags get an error saying what to use."""
+    if precision == "32-true":
+        return GalvatronFullPrecision()
+    if precision == "bf16-mixed":
+        return GalvatronMixedPrecision("bf16-mixed", device="cuda" if device_type == "cuda" else device_type)
+    if precision == "bf16-true":
+        return GalvatronHalfPrecision("bf16-true")
+    hint = (
+        " fp16 needs a gradient scaler, which this strategy does not provide; bf16 has fp32's range and needs none."
+        if "16" in precision
+        else ""
+    )
+    raise ValueError(
+        f"GalvatronStrategy does not support precision={precision!r}; choose one of {', '.join(SUPPORTED_PRECISION)}."
+        + hint
+    )
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2 policy per precision: ``bf16-mixed`` gathers bf16 weights and reduces gradients in fp32."""
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()  # 32-true: fp32 throughout; bf16-true: the module itself is bf16
+
+
+def precision_flag(plugin: Any) -> str:
+    return str(getattr(plugin, "precision", "32-true"))

@@ -1,0 +1,49 @@
+"""Data parallelism per block through FSDP2: DDP, ZeRO-2 and ZeRO-3.
+
+All three dp types go through the FSDP2 family so that one mechanism holds every parameter as a
+``DTensor`` with unchanged names, shares mixed precision, and checkpoints through DCP:
+
+- ``zero3``: ``fully_shard(reshard_after_forward=True)``: parameters gathered for forward and again
+  for backward, gradients reduce-scattered.
+- ``zero2``: ``fully_shard(reshard_after_forward=False)``: parameters stay gathered from forward
+  to the end of backward; gradients and optimizer states are sharded.
+- ``ddp``: ``replicate`` (FSDP2's replicated data parallelism): whole parameters on every replica,
+  gradients all-reduced.
+
+Gradient convention: the loss of each data shard is scaled by ``1 / input_dp`` (the mean over the
+global batch) and gradients are **summed** over each block's own dp group, never averaged. A block
+whose dp degree differs from its neighbours' (dp=4 here, dp=2 x tp=2 there) then still receives
+exactly the gradient of the global-batch mean; averaging would scale each block differently.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from lightning_galvatron.plan import LayerStrategy
+
+
+def apply_data_parallel(
+    module: nn.Module | list[nn.Module],
+    strategy: LayerStrategy,
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+) -> None:
+    """Make ``module``'s parameters data-parallel over ``dp_mesh`` as ``strategy.dp_type`` says."""
+    if strategy.dp_type == "ddp":
+        replicate(module, mesh=dp_mesh, mp_policy=mp_policy)
+    else:
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=strategy.dp_type == "zero3", mp_policy=mp_policy)
+    for m in module if isinstance(module, list) else [module]:
+        use_sum_reduction(m)
+
+
+def use_sum_reduction(module: nn.Module) -> None:
+    """Sum gradients over the dp group instead of averaging (see the module docstring)."""
+    assert isinstance(module, FSDPModule)
+    module.set_gradient_divide_factor(1.0)
+    # gloo has no PREMUL_SUM: without this, a divide factor of 1.0 still takes that path and fails.
+    module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,192 @@
+"""``GalvatronStrategy``: the Lightning glue. Read it as "what happens at which Lightning hook".
+
+- ``_configure_launcher`` (main process, before any worker starts): check the precision and
+  install the plugin that clips by the global norm across meshes.
+- ``setup_environment`` (every worker): initialise the process group; meshes are made lazily.
+- ``setup``: resolve the plan for this world size, find the model's blocks, broadcast rank 0's
+  weights, apply the plan (the runtime does the work), create the optimizers.
+- ``distributed_sampler_kwargs`` / ``process_dataloader``: give each data shard of the plan's input
+  layout the samples DDP would have trained on (batch semantics, see :mod:`lightning_galvatron.data`).
+- ``backward``: scale the loss to the global-batch mean (gradients are summed over dp groups).
+- ``save_checkpoint`` / ``load_checkpoint``: sharded DCP checkpoints (from ``ModelParallelStrategy``),
+  with the plan recorded in the metadata.
+
+No parallelism maths lives here: plans in :mod:`lightning_galvatron.plan`, execution in
+:mod:`lightning_galvatron.runtime`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_galvatron.data import rebatch, shard_batch_size
+from lightning_galvatron.display import plan_table, render
+from lightning_galvatron.model.discovery import ModelStructure, find_blocks
+from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
+from lightning_galvatron.precision import mixed_precision_policy, precision_flag, precision_plugin_for
+from lightning_galvatron.runtime.apply import apply_plan, check_runtime_support, input_shard
+from lightning_galvatron.runtime.mesh import MeshCache
+from lightning_galvatron.runtime.sync import broadcast_module_states
+
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+class GalvatronStrategy(ModelParallelStrategy):
+    """Train a LightningModule with a per-layer hybrid-parallel plan.
+
+    Args:
+        plan: the plan to execute: a :class:`~lightning_galvatron.plan.ParallelPlan`, a dict, or a path to a
+            JSON file, in this package's format or the reference system's (Hetu-Galvatron).
+        layers: dotted path(s) of the container(s) holding the Transformer blocks, relative to the
+            LightningModule (e.g. ``"model.blocks"``); detected when omitted.
+        global_batch_size: samples per optimizer step. Default: the plan's, else what DDP would train
+            (the DataLoader's ``batch_size`` x number of devices).
+        broadcast_initial_weights: start every rank from rank 0's weights, as DDP does.
+        save_distributed_checkpoint: save sharded (DCP) checkpoints; ``False`` gathers one full file on rank 0.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; by default chosen from the device.
+        timeout: timeout of collective operations.
+    """
+
+    strategy_name = "galvatron"
+
+    def __init__(
+        self,
+        plan: ParallelPlan | Mapping[str, Any] | str | os.PathLike | None = None,
+        layers: str | Sequence[str] | None = None,
+        global_batch_size: int | None = None,
+        broadcast_initial_weights: bool = True,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._plan_source = plan
+        self._layers = layers
+        self._global_batch_size = global_batch_size
+        self._broadcast_initial_weights = broadcast_initial_weights
+        self.plan: ParallelPlan | None = None
+        self.structure: ModelStructure | None = None
+        self._meshes: MeshCache | None = None
+
+    # ------------------------------------------------------------------ launch and environment
+    def _configure_launcher(self) -> None:
+        assert self.parallel_devices is not None
+        self.precision_plugin = precision_plugin_for(precision_flag(self.precision_plugin), self.parallel_devices[0].type)
+        super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        initialised_here = not dist.is_initialized()
+        self._setup_distributed()
+        if initialised_here:
+            atexit.register(_destroy_process_group)
+        self._meshes = MeshCache.shared(self.root_device.type)
+
+    # ------------------------------------------------------------------ setup: resolve and apply the plan
+    def setup(self, trainer: Any) -> None:
+        assert self.model is not None and self.accelerator is not None and self._meshes is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        self.plan = self._resolve_plan()
+        self.structure = find_blocks(module, self._layers)
+        check_runtime_support(self.plan, self.structure)
+        rank_zero_info(render(plan_table(self.plan, self.structure.block_names)))
+
+        self.model = self.precision_plugin.convert_module(self.model)
+        if self._broadcast_initial_weights and self.world_size > 1:
+            broadcast_module_states(self.model)
+        apply_plan(
+            self.model,
+            self.structure,
+            self.plan,
+            self._meshes,
+            mixed_precision_policy(precision_flag(self.precision_plugin)),
+            entry_methods=[name for name in _STEP_METHODS if is_overridden(name, module)],
+        )
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model_to_device()
+        self.barrier()
+
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _resolve_plan(self) -> ParallelPlan:
+        if self._plan_source is None or self._plan_source == "auto":
+            raise PlanError(
+                "GalvatronStrategy needs a plan: pass plan= a ParallelPlan, a dict or a JSON file "
+                "(automatic search inside the strategy is not available yet; `lightning-galvatron search` makes one)"
+            )
+        plan = load_plan(self._plan_source, world_size=self.world_size)
+        if self._global_batch_size is not None:
+            plan = plan.replace(global_batch_size=self._global_batch_size)
+        return plan
+
+    # ------------------------------------------------------------------ data: batch semantics
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        num_shards, shard = input_shard(self._require_plan(), self.global_rank)
+        return {"num_replicas": num_shards, "rank": shard}
+
+    def process_dataloader(self, dataloader: object) -> object:
+        plan = self._require_plan()
+        num_shards, _ = input_shard(plan, self.global_rank)
+        per_device = getattr(dataloader, "batch_size", None)
+        if per_device is None:
+            return dataloader
+        ddp_batch = per_device * self.world_size
+        training = self.lightning_module.trainer.state.stage == RunningStage.TRAINING
+        global_batch = (plan.global_batch_size or ddp_batch) if training else ddp_batch
+        if training:
+            plan.check_batch_size(global_batch)
+            if global_batch != ddp_batch:
+                rank_zero_info(
+                    f"Galvatron: training on a global batch of {global_batch} samples per step (the DataLoader's "
+                    f"batch_size {per_device} x {self.world_size} devices would give {ddp_batch})"
+                )
+        return rebatch(dataloader, shard_batch_size(global_batch, num_shards))
+
+    # ------------------------------------------------------------------ training
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        # Each data shard returns the mean over its own samples; gradients are summed over dp groups,
+        # so the shard loss is scaled to its share of the global-batch mean.
+        num_shards, _ = input_shard(self._require_plan(), self.global_rank)
+        return super().backward(closure_loss / num_shards, optimizer, *args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.plan is not None:
+            checkpoint["galvatron"] = {"plan": self.plan.to_dict()}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    # ------------------------------------------------------------------ helpers
+    def _require_plan(self) -> ParallelPlan:
+        if self.plan is None:
+            raise RuntimeError("the Galvatron plan is resolved in setup(); it is not available yet")
+        return self.plan
+
+
+def _destroy_process_group() -> None:
+    # Without this, gloo processes sometimes abort (SIGABRT) while tearing down at exit.
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
