@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
@@ -86,6 +87,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         self.plan: ParallelPlan | None = None
         self.structure: ModelStructure | None = None
         self._meshes: MeshCache | None = None
+        self._parallelised: torch.nn.Module | None = None  # the model the plan was applied to
 
     # ------------------------------------------------------------------ launch and environment
     def _configure_launcher(self) -> None:
@@ -102,8 +104,21 @@ class GalvatronStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ setup: resolve and apply the plan
     def setup(self, trainer: Any) -> None:
-        assert self.model is not None and self.accelerator is not None and self._meshes is not None
+        assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        if self._parallelised is not self.model:  # validate/test after fit reuse the parallel model
+            self._parallelise()
+        self.model_to_device()
+        self.barrier()
+
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelise(self) -> None:
+        assert self.model is not None and self._meshes is not None
         module = self.lightning_module
         self.plan = self._resolve_plan()
         self.structure = find_blocks(module, self._layers)
@@ -122,14 +137,7 @@ class GalvatronStrategy(ModelParallelStrategy):
             entry_methods=[name for name in _STEP_METHODS if is_overridden(name, module)],
         )
         _materialize_distributed_module(self.model, self.root_device)
-        self.model_to_device()
-        self.barrier()
-
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        self._parallelised = self.model
 
     def _resolve_plan(self) -> ParallelPlan:
         if self._plan_source is None or self._plan_source == "auto":

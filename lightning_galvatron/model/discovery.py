@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 
 class BlockDiscoveryError(ValueError):
@@ -36,7 +37,7 @@ class BlockList:
 
     @property
     def block_type(self) -> str:
-        return type(self.blocks[0]).__name__
+        return model_class(self.blocks[0]).__name__
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def _named_block_list(model: nn.Module, path: str) -> BlockList:
         raise BlockDiscoveryError(
             f"layers={path!r} is a {type(container).__name__}, not a non-empty nn.ModuleList or nn.Sequential of blocks"
         )
-    classes = {type(m).__name__ for m in container.children()}
+    classes = {model_class(m).__name__ for m in container.children()}
     if len(classes) > 1:
         raise BlockDiscoveryError(
             f"layers={path!r} mixes block classes {sorted(classes)}; every block in one list must have the same "
@@ -120,8 +121,13 @@ def _is_block_container(module: nn.Module) -> bool:
     children = list(module.children())
     if len(children) < 2:
         return False
-    first = type(children[0])
-    return all(type(c) is first for c in children) and _num_params(children[0]) > 0 and len(list(children[0].children())) > 0
+    first = model_class(children[0])
+    return all(model_class(c) is first for c in children) and _num_params(children[0]) > 0 and len(list(children[0].children())) > 0
+
+
+def model_class(module: nn.Module) -> type:
+    """The user's class of a module, looking through the classes FSDP2 inserts when it shards one."""
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
 
 
 def _container_names(model: nn.Module) -> str:

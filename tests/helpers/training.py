@@ -30,6 +30,7 @@ class RunResult:
     losses: list[float] = field(default_factory=list)  # per optimizer step, mean over data shards
     state: dict[str, torch.Tensor] | None = None  # full model state (rank 0 / single process)
     grads: dict[str, torch.Tensor] | None = None  # full gradients of the first step, before clipping
+    param_dtypes: set[torch.dtype] = field(default_factory=set)  # as trained, before gathering
     val_loss: float | None = None
 
 
@@ -125,7 +126,8 @@ def run_distributed(
     if save_path is not None:
         trainer.save_checkpoint(save_path)
     result = RunResult(losses=_mean_over_ranks(recorder.losses), grads=recorder.grads if dist.get_rank() == 0 else None)
-    result.state = gather_full_state(trainer.strategy.model)
+    result.param_dtypes = {p.dtype for p in trainer.lightning_module.parameters()}
+    result.state = gather_full_state(trainer.lightning_module)
     if validate:
         result.val_loss = _validation_loss(trainer, module, global_batch // world)
     return result

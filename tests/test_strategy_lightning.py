@@ -1,0 +1,164 @@
+"""GalvatronStrategy inside Lightning's loop: batch semantics, resume, clipping, validation, registration."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning.pytorch as L
+import pytest
+import torch
+
+import lightning_galvatron
+from lightning_galvatron import GalvatronStrategy
+from lightning_galvatron.plan import LayerStrategy as S
+from lightning_galvatron.plan import ParallelPlan, PlanError
+from tests.helpers.training import assert_close_runs, run_distributed, run_single
+from tests.test_parity_data_parallel import FP32_TOL, MIXED_DP_PLAN
+
+pytestmark = pytest.mark.timeout(600)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_same_loss_curve_as_ddp_on_the_same_dataloader(pools):
+    pool = pools(4)
+    ddp = pool.run(run_distributed, strategy="ddp", max_steps=4)[0]
+    galvatron = pool.run(run_distributed, MIXED_DP_PLAN, max_steps=4)[0]
+    assert_close_runs(galvatron, ddp, **FP32_TOL)
+
+
+def test_input_shards_get_the_ddp_global_batch(pools):
+    """With a global batch set, each step still trains on one contiguous block of the shuffled data."""
+    expected = run_single(global_batch=16)
+    result = pools(4).run(run_distributed, MIXED_DP_PLAN, global_batch=8, strategy_kwargs=dict(global_batch_size=16))[0]
+    assert_close_runs(result, expected, **FP32_TOL)
+
+
+def test_resume_from_a_sharded_checkpoint_matches_uninterrupted_training(pools, tmp_path):
+    pool = pools(4)
+    epochs = dict(max_steps=-1, num_samples=16)  # 2 steps per epoch
+    uninterrupted = pool.run(run_distributed, MIXED_DP_PLAN, max_epochs=2, **epochs)[0]
+    checkpoint = str(tmp_path / "epoch1.ckpt")
+    first = pool.run(run_distributed, MIXED_DP_PLAN, max_epochs=1, save_path=checkpoint, **epochs)[0]
+    assert (tmp_path / "epoch1.ckpt" / "meta.pt").is_file()  # a DCP directory, one shard file per rank
+    assert len(list((tmp_path / "epoch1.ckpt").glob("*.distcp"))) == 4
+    resumed = pool.run(run_distributed, MIXED_DP_PLAN, max_epochs=2, ckpt_path=checkpoint, **epochs)[0]
+    resumed.losses = first.losses + resumed.losses
+    assert len(resumed.losses) == 4
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(uninterrupted.losses), atol=1e-6, rtol=0)
+    for name, value in uninterrupted.state.items():
+        torch.testing.assert_close(resumed.state[name], value, atol=1e-6, rtol=0)
+
+
+def test_gradient_clipping_by_global_norm(pools):
+    clip = dict(gradient_clip_val=0.05)
+    expected = run_single(**clip)
+    total_norm = torch.cat([g.flatten() for g in expected.grads.values()]).norm()
+    assert total_norm > 10 * 0.05  # clipping is active
+    result = pools(4).run(run_distributed, MIXED_DP_PLAN, **clip)[0]
+    assert_close_runs(result, expected, **FP32_TOL)
+
+
+def test_validation_loss_matches(pools):
+    expected = run_single(validate=True)
+    result = pools(4).run(run_distributed, MIXED_DP_PLAN, validate=True)[0]
+    assert result.val_loss == pytest.approx(expected.val_loss, abs=1e-5)
+
+
+def test_bf16_true_trains_in_bf16(pools):
+    run = pools(4).run(run_distributed, MIXED_DP_PLAN, precision="bf16-true", max_steps=6)[0]
+    assert run.param_dtypes == {torch.bfloat16}
+    assert run.losses[-1] < run.losses[0]
+
+
+# --------------------------------------------------------------------------- bad input, registration
+@pytest.mark.parametrize(
+    ("strategy", "precision"), [("galvatron", "16-true"), ("galvatron", "64-true"), (GalvatronStrategy(plan=MIXED_DP_PLAN), "16-true")]
+)
+def test_unsupported_precision_is_refused_before_launch(strategy, precision):
+    with pytest.raises(ValueError, match=f"does not support precision='{precision}'; choose one of 32-true, bf16-mixed, bf16-true"):
+        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision)
+
+
+def test_plan_for_another_world_size_is_refused(pools):
+    with pytest.raises(AssertionError, match="the plan is for world_size=4 but 2 devices are running"):
+        pools(2).run(run_distributed, MIXED_DP_PLAN)
+
+
+def test_plans_the_runtime_cannot_execute_yet_are_refused(pools):
+    tp_plan = ParallelPlan(world_size=2, layers=(S(tp=2),) * 4)
+    with pytest.raises(AssertionError, match=r"layers\[0\]: tensor/sequence parallelism \(tp=2, sp='none'\) is not supported yet"):
+        pools(2).run(run_distributed, tp_plan)
+    wrong_depth = ParallelPlan(world_size=2, layers=(S(),) * 3)
+    with pytest.raises(AssertionError, match=r"3 layer strategies but the model has 4 blocks \(model.blocks \(4 x Block\)\)"):
+        pools(2).run(run_distributed, wrong_depth)
+
+
+def test_missing_plan_says_how_to_get_one(pools):
+    with pytest.raises(AssertionError, match="GalvatronStrategy needs a plan"):
+        pools(2).run(run_distributed, None)
+
+
+def test_registered_with_lightning_and_pytorch_lightning():
+    trainer = L.Trainer(strategy="galvatron", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, GalvatronStrategy)
+    import pytorch_lightning as pl
+
+    pl_trainer = pl.Trainer(strategy="galvatron", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(pl_trainer.strategy, pl.strategies.ModelParallelStrategy)
+    assert type(pl_trainer.strategy).__name__ == "GalvatronStrategy"
+    assert lightning_galvatron.__name__ in type(pl_trainer.strategy).__module__
+
+
+def test_offline_parts_do_not_load_lightning():
+    code = "import sys, lightning_galvatron.plan; print('lightning' in sys.modules, 'pytorch_lightning' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_lightning_cli_yaml_class_path_needs_no_import(tmp_path):
+    """A project that never imports lightning_galvatron selects it from YAML by class path."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(
+        """
+        import sys
+        import torch
+        from lightning.pytorch.cli import LightningCLI
+        from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+        class Blocks(BoringModel):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(3)), torch.nn.Linear(32, 2))
+                self.layer = torch.nn.Sequential(torch.nn.Sequential(*list(self.layer)[:3]), list(self.layer)[3])
+
+        assert "lightning_galvatron" not in sys.modules
+        cli = LightningCLI(Blocks, BoringDataModule, run=False)
+        cli.trainer.fit(cli.model, cli.datamodule)
+        print("strategy:", type(cli.trainer.strategy).__module__, type(cli.trainer.strategy).__name__)
+        """
+    ))
+    config = tmp_path / "train.yaml"
+    config.write_text(textwrap.dedent(
+        """
+        trainer:
+          accelerator: cpu
+          devices: 1
+          max_steps: 2
+          logger: false
+          enable_checkpointing: false
+          enable_progress_bar: false
+          strategy:
+            class_path: lightning_galvatron.GalvatronStrategy
+            init_args:
+              layers: layer.0
+              plan: {world_size: 1, layers: [{dp_type: zero3}, {dp_type: ddp, recompute: true}, {dp_type: zero2}]}
+        """
+    ))
+    out = subprocess.run(
+        [sys.executable, str(script), "--config", str(config)], capture_output=True, text=True, cwd=tmp_path, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "strategy: lightning_galvatron.strategy GalvatronStrategy" in out.stdout
