@@ -1,0 +1,163 @@
+"""Dynamic programming over the blocks of a stage, with memory discretised into cells.
+
+State: (block ``i``, memory used by blocks ``0..i`` in cells, strategy of block ``i``); value: the
+least time. A block's cost is its time plus the relocation from the previous block's activation
+layout (nothing at the start of a pipeline chunk, where activations arrive by point-to-point).
+Relocation depends only on the two layouts, so the transition first takes, per memory cell, the
+best predecessor of each layout (``K`` of them, ``K`` << strategies), then adds the ``K x K``
+relocation matrix: ``O(M * (S + K^2))`` per block, all in numpy -- no Python loop over cells.
+
+Error bound. Each block's memory is rounded *up* to whole cells of ``c`` bytes, and a plan is
+accepted if its rounded total fits the cap in cells. Hence (1) every plan the DP returns fits
+the exact cap, and (2) any plan whose exact memory is at most ``cap - J*c`` (``J`` blocks) also
+fits after rounding, so the DP's optimum is no slower than the exact optimum for a cap smaller
+by ``J*c``. The engine picks ``c = eps * capacity / J_max`` so that this slack is at most ``eps``
+(``SearchOptions.memory_tolerance``) of the memory left for the stage's blocks. The tests check
+both statements against exhaustive enumeration.
+
+One run gives the answer for every prefix length and every cap (:meth:`LayerDP.tables`), so stages
+with the same blocks and micro-batches in flight, and every embedding/head strategy (which only
+changes the cap), share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+INF = np.inf
+
+
+def cell_bytes(capacity_bytes: float, num_blocks: int, tolerance: float) -> float:
+    """Cell size so that ``num_blocks`` roundings lose at most ``tolerance * capacity`` bytes."""
+    return max(tolerance * max(capacity_bytes, 1.0) / max(num_blocks, 1), 1.0)
+
+
+def cells_for(nbytes: np.ndarray, cell: float) -> np.ndarray:
+    """Memory in whole cells, rounded up (conservative)."""
+    return np.ceil(np.asarray(nbytes, dtype=float) / cell).astype(np.int64)
+
+
+def cap_cells(cap_bytes, cell: float):
+    """How many whole cells fit a cap (-1 when even an empty stage does not fit)."""
+    return np.floor(np.asarray(cap_bytes, dtype=float) / cell * (1 - 1e-12)).astype(np.int64)
+
+
+@dataclass(eq=False)
+class Step:
+    """The candidates of one block: per strategy its time, memory (bytes) and layout index.
+
+    ``relocation[k_prev, k]`` is the time to go from layout ``k_prev`` of the previous block to layout
+    ``k`` of this one (layouts are indices into one list shared by all steps of a run). ``candidates``
+    maps the columns back to the caller's strategies (e.g. after pruning).
+    """
+
+    time: np.ndarray
+    memory: np.ndarray
+    layout: np.ndarray
+    relocation: np.ndarray
+    candidates: np.ndarray | None = None  # what each column stands for in the caller's list
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.time = np.asarray(self.time, dtype=float)
+        self.memory = np.asarray(self.memory, dtype=float)
+        self.layout = np.asarray(self.layout, dtype=np.int64)
+        if not (len(self.time) == len(self.memory) == len(self.layout)) or not len(self.time):
+            raise ValueError("a DP step needs the same, non-zero number of times, memories and layouts")
+
+    def prepared(self, cell: float, num_cells: int):
+        """Column order grouped by layout, and the flat gather index for the shifted predecessor table."""
+        key = (cell, num_cells)
+        if key not in self._cache:
+            order = np.argsort(self.layout, kind="stable")
+            layouts, starts = np.unique(self.layout[order], return_index=True)
+            position = np.searchsorted(layouts, self.layout[order])
+            cells = np.minimum(cells_for(self.memory[order], cell), num_cells)
+            pad = int(cells.max())
+            rows = np.arange(num_cells)[:, None] - cells[None, :] + pad
+            gather = rows * len(layouts) + position[None, :]
+            self._cache[key] = (order, layouts, starts, cells, pad, gather)
+        return self._cache[key]
+
+
+class LayerDP:
+    """DP over a sequence of steps; ``resets[i]`` marks a block that starts a pipeline chunk."""
+
+    def __init__(self, steps: Sequence[Step], resets: Sequence[bool], cell: float, num_cells: int):
+        if not steps:
+            raise ValueError("the DP needs at least one block")
+        self.steps = list(steps)
+        self.resets = [True, *list(resets)[1:]] if resets else [True] + [False] * (len(steps) - 1)
+        self.cell = float(cell)
+        self.num_cells = int(num_cells)
+        self._values: list[np.ndarray] = []
+
+    def _entry(self, i: int, previous: np.ndarray | None, previous_step: Step | None) -> np.ndarray:
+        """Best time per (cell, layout of step i) before adding step i, from the previous step's
+        best per (cell, layout): a min over the previous layouts of value + relocation."""
+        step = self.steps[i]
+        order, layouts, starts, cells, pad, gather = step.prepared(self.cell, self.num_cells)
+        if previous is None:
+            entry = np.full((self.num_cells, len(layouts)), INF)
+            entry[0, :] = 0.0
+            return entry
+        if self.resets[i]:
+            return np.repeat(previous.min(axis=1, keepdims=True), len(layouts), axis=1)
+        p_layouts = previous_step.prepared(self.cell, self.num_cells)[1]
+        relocation = step.relocation[np.ix_(p_layouts, layouts)]  # (K_prev, K)
+        entry = previous[:, :1] + relocation[0]
+        for k in range(1, len(p_layouts)):
+            np.minimum(entry, previous[:, k : k + 1] + relocation[k], out=entry)
+        return entry
+
+    def _advance(self, i: int, entry: np.ndarray) -> np.ndarray:
+        """Values per (cell, strategy of step i): the entry shifted down by the strategy's cells, plus its time."""
+        step = self.steps[i]
+        order, layouts, starts, cells, pad, gather = step.prepared(self.cell, self.num_cells)
+        padded = np.concatenate([np.full((pad, entry.shape[1]), INF), entry], axis=0)
+        return np.take(padded, gather) + step.time[order][None, :]
+
+    def tables(self, keep: bool = False) -> np.ndarray:
+        """``best[j, c]``: least time of the first ``j + 1`` blocks using at most ``c`` cells (inf if none fits)."""
+        best = np.empty((len(self.steps), self.num_cells))
+        by_layout, previous_step = None, None
+        self._values = []
+        for i, step in enumerate(self.steps):
+            values = self._advance(i, self._entry(i, by_layout, previous_step))
+            if keep:
+                self._values.append(values)
+            by_layout = np.minimum.reduceat(values, step.prepared(self.cell, self.num_cells)[2], axis=1)
+            best[i] = np.minimum.accumulate(by_layout.min(axis=1))
+            previous_step = step
+        return best
+
+    def solve(self, cap: int) -> tuple[float, list[int]]:
+        """Least time of all blocks within ``cap`` cells and the chosen strategy index per block."""
+        self.tables(keep=True)
+        if cap < 0:
+            return INF, []
+        cap = min(cap, self.num_cells - 1)
+        last = self._values[-1][: cap + 1]
+        if not np.isfinite(last).any():
+            return INF, []
+        m, col = np.unravel_index(int(np.argmin(last)), last.shape)
+        time = float(last[m, col])
+        choices = []
+        for i in range(len(self.steps) - 1, -1, -1):
+            step = self.steps[i]
+            order, layouts, starts, cells, pad, gather = step.prepared(self.cell, self.num_cells)
+            choices.append(int(order[col]))
+            if i == 0:
+                break
+            m = int(m - cells[col])
+            prev_step = self.steps[i - 1]
+            p_order, p_layouts, *_ = prev_step.prepared(self.cell, self.num_cells)
+            row = self._values[i - 1][m]
+            if not self.resets[i]:
+                row = row + step.relocation[prev_step.layout[p_order], step.layout[order[col]]]
+            col = int(np.argmin(row))
+        choices.reverse()
+        return time, choices

@@ -1,0 +1,177 @@
+"""Pipeline terms: micro-batches in flight, step time of a schedule, and stage partitions.
+
+Step time. With ``T_s`` the time stage ``s`` spends per micro-batch (its blocks' forward and
+backward, the embedding/head on the end stages, its point-to-point transfers, and the
+once-per-step gradient reduction spread over the ``m`` micro-batches), GPipe and 1F1B take
+``sum_s T_s + (m - 1) * max_s T_s``: one micro-batch crosses every stage, the other ``m - 1`` follow
+at the pace of the slowest. Interleaving ``v`` chunks per rank shrinks the fill and drain ``v``
+times: ``sum_s T_s / v + (m - 1/v) * max_s T_s``. The formula is monotone in every ``T_s``, so
+minimising each stage on its own minimises the step: the per-stage DP is exact for it.
+
+Partitions. ``even``; ``time-balanced`` and ``memory-balanced`` (min-max contiguous partitions of
+per-block weights that may differ per stage, e.g. more micro-batches in flight on early 1F1B
+stages); and, as in Galvatron-BMW, partitions between those two, refined by moving single blocks
+across stage boundaries while the exact objective improves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from lightning_galvatron.plan import even_partition
+
+
+def in_flight_micro_batches(schedule: str, pp: int, micro_batches: int, stage: int, virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations a stage holds at its peak (per chunk when interleaved).
+
+    No pipeline: 1 (accumulation runs micro-batches one after another). GPipe: all ``m``. 1F1B:
+    ``min(m, pp - stage)``. Interleaved 1F1B (Megatron's warm-up of ``2(pp - stage - 1) + (v - 1) pp``
+    chunk forwards, plus the one in progress), spread evenly over the rank's ``v`` chunks.
+    """
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(micro_batches)
+    if schedule == "1f1b":
+        return float(min(micro_batches, pp - stage))
+    if schedule == "interleaved_1f1b":
+        v = virtual_stages
+        chunks_in_flight = min(micro_batches * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
+        return chunks_in_flight / v
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def p2p_transfers(pp: int, stage: int, virtual_stages: int = 1) -> int:
+    """Transfers a rank receives per micro-batch: activations from the previous chunk, gradients from the next."""
+    chunks = pp * virtual_stages
+    return sum((c > 0) + (c < chunks - 1) for c in range(stage, chunks, pp))
+
+
+def pipeline_step_time(stage_times: np.ndarray, micro_batches: int, virtual_stages: int = 1) -> np.ndarray:
+    """Step time from per-stage times per micro-batch (last axis = stages); see the module docstring."""
+    t = np.asarray(stage_times, dtype=float)
+    v = virtual_stages
+    return t.sum(axis=-1) / v + (micro_batches - 1.0 / v) * t.max(axis=-1)
+
+
+# ---------------------------------------------------------------------------------------------- partitions
+def balanced_partition(
+    pp: int,
+    weights: np.ndarray,
+    constants: Sequence[float] = (),
+    max_blocks: int | None = None,
+) -> tuple[int, ...] | None:
+    """Contiguous partition of the blocks into ``pp`` stages minimising the largest stage cost.
+
+    ``weights`` is ``(pp, L)``: the cost of each block if it sits on each stage (or ``(L,)`` for all
+    stages alike); ``constants`` adds a fixed cost per stage (the embedding on the first, the head on
+    the last). Stages hold between 1 and ``max_blocks`` blocks. Binary search on the largest stage
+    cost with a greedy fill (each stage takes as many blocks as fit), which is exact for monotone
+    stage costs. ``None`` if no partition respects ``max_blocks``.
+    """
+    w = np.atleast_2d(np.asarray(weights, dtype=float))
+    if w.shape[0] == 1:
+        w = np.repeat(w, pp, axis=0)
+    num_blocks = w.shape[1]
+    limit = min(max_blocks or num_blocks, num_blocks - pp + 1)
+    if limit * pp < num_blocks:
+        return None
+    consts = np.zeros(pp) if len(constants) == 0 else np.asarray(constants, dtype=float)
+    prefix = np.concatenate([np.zeros((pp, 1)), np.cumsum(w, axis=1)], axis=1)
+
+    def fill(threshold: float) -> tuple[int, ...] | None:
+        sizes, start = [], 0
+        for s in range(pp):
+            remaining_stages = pp - s - 1
+            most = min(limit, num_blocks - start - remaining_stages)
+            least = max(1, num_blocks - start - remaining_stages * limit)
+            if s == pp - 1:
+                least = most = num_blocks - start
+            costs = consts[s] + prefix[s, start + least : start + most + 1] - prefix[s, start]
+            fits = np.nonzero(costs <= threshold)[0]
+            if least > most or not len(fits):
+                return None
+            take = least + int(fits[-1])
+            sizes.append(take)
+            start += take
+        return tuple(sizes)
+
+    low, high = 0.0, float(consts.max() + prefix[:, -1].max()) + 1.0
+    best = fill(high)
+    if best is None:
+        return None
+    for _ in range(60):
+        mid = (low + high) / 2
+        found = fill(mid)
+        if found is None:
+            low = mid
+        else:
+            high, best = mid, found
+        if high - low <= 1e-9 * max(high, 1e-30):
+            break
+    return best
+
+
+def interpolate_partitions(a: Sequence[int], b: Sequence[int], steps: int = 4) -> list[tuple[int, ...]]:
+    """Partitions whose stage boundaries lie between those of ``a`` and ``b`` (Galvatron-BMW's middle ground)."""
+    ba, bb = np.cumsum(a)[:-1], np.cumsum(b)[:-1]
+    out = []
+    for i in range(1, steps):
+        bounds = np.rint(ba + (bb - ba) * i / steps).astype(int)
+        bounds = np.maximum.accumulate(bounds)
+        sizes = np.diff(np.concatenate([[0], bounds, [sum(a)]]))
+        if (sizes >= 1).all():
+            out.append(tuple(int(x) for x in sizes))
+    return out
+
+
+def partition_neighbours(partition: Sequence[int], max_blocks: int) -> np.ndarray:
+    """All partitions one block away: a boundary moved by one (rows of an ``(N, pp)`` array)."""
+    p = np.asarray(partition)
+    rows = []
+    for s in range(len(p) - 1):
+        for delta in (1, -1):
+            q = p.copy()
+            q[s] += delta
+            q[s + 1] -= delta
+            if q[s] >= 1 and q[s + 1] >= 1 and q[s] <= max_blocks and q[s + 1] <= max_blocks:
+                rows.append(q)
+    return np.array(rows, dtype=np.int64).reshape(len(rows), len(p))
+
+
+def refine_partition(
+    start: Sequence[int],
+    objective: Callable[[np.ndarray], np.ndarray],
+    max_blocks: int,
+    max_rounds: int = 256,
+) -> tuple[tuple[int, ...], float]:
+    """Hill-climb from ``start``: move one block across a stage boundary while the objective drops.
+
+    ``objective`` maps an ``(N, pp)`` array of partitions to their ``N`` values (inf = infeasible).
+    """
+    current = np.asarray(start, dtype=np.int64)
+    value = float(objective(current[None, :])[0])
+    for _ in range(max_rounds):
+        neighbours = partition_neighbours(current, max_blocks)
+        if not len(neighbours):
+            break
+        values = objective(neighbours)
+        best = int(np.argmin(values))
+        if not values[best] < value * (1 - 1e-12):
+            break
+        current, value = neighbours[best], float(values[best])
+    return tuple(int(x) for x in current), value
+
+
+__all__ = [
+    "balanced_partition",
+    "even_partition",
+    "in_flight_micro_batches",
+    "interpolate_partitions",
+    "p2p_transfers",
+    "partition_neighbours",
+    "pipeline_step_time",
+    "refine_partition",
+]
