@@ -315,7 +315,7 @@ class _FixedBatchSearch:
         self.smallest_budget: float | None = None
 
     # ------------------------------------------------------------------ pricing
-    def _shape(self, config: PipelineConfig) -> _Shape | None:
+    def _shape(self, config: PipelineConfig, max_blocks: int | None = None) -> _Shape | None:
         cm, model, W, B = self.cm, self.model, self.W, self.B
         pp, m, v = config.pp, config.micro_batches, config.virtual_stages
         n = W // pp
@@ -350,10 +350,12 @@ class _FixedBatchSearch:
         p2p = np.array([p2p_transfers(pp, r, v) for r in range(pp)]) * cm.p2p_time(ctx, model.hidden_size, model.seq_length)
         # Working-memory reserve of a stage [a, a+j): the largest over the block types it holds.
         per_type = np.array([working_memory_bytes(cm, [lt], ctx) for lt in model.layer_types])
+        max_blocks_override = max_blocks
         if v == 1:
             max_blocks = self.L if pp == 1 else min(self.L - pp + 1, math.ceil(self.options.max_stage_imbalance * self.L / pp))
         else:
             max_blocks = max(sum(even_partition(self.L, pp * v)[c] for c in range(r, pp * v, pp)) for r in range(pp))
+        max_blocks = max(max_blocks, max_blocks_override or 0)
         working = np.zeros((self.L + 1, max_blocks + 1))
         for a in range(self.L):
             running = 0.0
@@ -585,6 +587,48 @@ class _FixedBatchSearch:
         )
 
 
+def solve_configuration(
+    profile: Profile | str,
+    world_size: int,
+    memory_budget_bytes: int | str,
+    global_batch_size: int,
+    config: PipelineConfig,
+    partition: Sequence[int],
+    vocab: LayerStrategy,
+    *,
+    options: SearchOptions | None = None,
+    optimizer: str | float = "adamw",
+    precision: str | Precision = "bf16-mixed",
+) -> Estimate | None:
+    """The DP's best per-block strategies for one fixed pipeline shape, partition (blocks per chunk)
+    and embedding/head strategy, priced by :func:`evaluate`; None if nothing fits. A building block
+    of :func:`search`, exposed for tests and what-ifs."""
+    profile = load_profile(profile)
+    budget = parse_bytes(memory_budget_bytes)
+    cm = CostModel(profile, precision, optimizer)
+    searcher = _FixedBatchSearch(cm, world_size, budget, global_batch_size, options or SearchOptions())
+    pp, v = config.pp, config.virtual_stages
+    per_rank = [sum(partition[c] for c in range(r, pp * v, pp)) for r in range(pp)]
+    shape = searcher._shape(config, max_blocks=max(per_rank))
+    if shape is None:
+        return None
+    if vocab not in shape.vocab.strategies:
+        raise ValueError(f"{vocab} is not an executable embedding/head strategy for this configuration")
+    try:
+        layers = solve_blocks(searcher, shape, partition, shape.vocab.strategies.index(vocab))
+    except _NoAssignment:
+        return None
+    plan = ParallelPlan(
+        world_size=world_size, layers=tuple(layers), vocab=vocab, pp=pp, partition=tuple(partition) if pp > 1 else None,
+        schedule=config.schedule, micro_batches=config.micro_batches, virtual_stages=v, global_batch_size=global_batch_size,
+    )
+    return evaluate(profile, plan, cost_model=cm, memory_budget_bytes=budget)
+
+
+class _NoAssignment(Exception):
+    """A stage whose blocks fit no assignment of strategies."""
+
+
 def solve_blocks(search: _FixedBatchSearch, shape: _Shape, partition: Sequence[int], vocab_index: int) -> list[LayerStrategy]:
     """Per-block strategies for a fixed pipeline shape, partition and embedding/head strategy (DP + backtracking)."""
     pp, v = shape.config.pp, shape.config.virtual_stages
@@ -605,7 +649,7 @@ def solve_blocks(search: _FixedBatchSearch, shape: _Shape, partition: Sequence[i
         seq = [steps[search.types[i]] for i in blocks]
         _, choices = LayerDP(seq, resets, cell, M).solve(cap)
         if not choices:
-            raise AssertionError("internal error: the chosen pipeline stage has no feasible assignment")
+            raise _NoAssignment(f"stage {r}")
         for i, step, choice in zip(blocks, seq, choices):
             t = search.types[i]
             layers[i] = shape.strategies[t].strategies[int(step.candidates[choice])]

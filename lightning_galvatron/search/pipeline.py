@@ -53,7 +53,10 @@ def pipeline_step_time(stage_times: np.ndarray, micro_batches: int, virtual_stag
     """Step time from per-stage times per micro-batch (last axis = stages); see the module docstring."""
     t = np.asarray(stage_times, dtype=float)
     v = virtual_stages
-    return t.sum(axis=-1) / v + (micro_batches - 1.0 / v) * t.max(axis=-1)
+    slowest = t.max(axis=-1)
+    with np.errstate(invalid="ignore"):  # inf (a stage that does not fit) times 0 when m = v = 1
+        step = t.sum(axis=-1) / v + (micro_batches - 1.0 / v) * slowest
+    return np.where(np.isinf(slowest), np.inf, step)
 
 
 # ---------------------------------------------------------------------------------------------- partitions

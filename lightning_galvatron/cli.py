@@ -1,0 +1,309 @@
+"""``lightning-galvatron``: offline tools around the plan search.
+
+Subcommands:
+
+* ``search PROFILE --world-size N --memory-per-device 36GB`` -- the best plan for any cluster;
+* ``evaluate PROFILE --plan PLAN`` -- predicted time and memory of a plan (ours or the reference
+  system's format): a what-if tool;
+* ``import-galvatron DIR --hidden-size H --seq-length S -o profile.json`` -- convert the reference
+  system's profile files.
+
+Adding a subcommand: write ``_cmd_<name>(args) -> int`` and a ``_register_<name>(subparsers)``
+decorated with :func:`subcommand` that adds its parser and sets ``func=_cmd_<name>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_galvatron.units import format_bytes, parse_bytes
+
+_REGISTRARS: list[Callable[[Any], None]] = []
+
+
+def subcommand(register: Callable[[Any], None]) -> Callable[[Any], None]:
+    """Mark a function ``register(subparsers)`` that adds one subcommand."""
+    _REGISTRARS.append(register)
+    return register
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-galvatron",
+        description="Automatic hybrid parallelism for PyTorch Lightning: offline plan search and what-if tools.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for register in _REGISTRARS:
+        register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, OSError) as err:  # our errors are ValueError subclasses with actionable messages
+        print(f"lightning-galvatron {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+# ---------------------------------------------------------------------------------------------- shared options
+def _byte_size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _optimizer(text: str) -> str | float:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _add_cost_options(parser: argparse.ArgumentParser) -> None:
+    from lightning_galvatron.search.cost import OPTIMIZER_STATES, PRECISIONS
+
+    parser.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS), help="training precision (default: bf16-mixed)")
+    parser.add_argument(
+        "--optimizer",
+        type=_optimizer,
+        default="adamw",
+        help=f"optimizer kind ({', '.join(sorted(OPTIMIZER_STATES))}) or its state bytes per parameter (default: adamw)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+# ---------------------------------------------------------------------------------------------- search
+@subcommand
+def _register_search(subparsers: Any) -> None:
+    from lightning_galvatron.plan import SCHEDULES
+    from lightning_galvatron.search.space import DISABLE_CHOICES
+
+    p = subparsers.add_parser("search", help="search the best hybrid plan for a cluster (offline)")
+    p.add_argument("profile", help="profile JSON (our format; see import-galvatron)")
+    p.add_argument("--world-size", type=int, required=True, help="number of devices")
+    p.add_argument("--memory-per-device", type=_byte_size, help="memory budget per device, e.g. 36GB or 40GiB (default: the profile's device memory)")
+    p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the world size)")
+    p.add_argument("--search-batch-size", action="store_true", help="also search the global batch size for throughput")
+    p.add_argument("--max-global-batch-size", type=int, help="largest batch tried by --search-batch-size (default: 8 x world size)")
+    p.add_argument("--max-tp", type=int, help="largest tensor/sequence-parallel degree")
+    p.add_argument("--max-pp", type=int, help="largest pipeline degree")
+    p.add_argument("--disable", nargs="+", default=[], choices=sorted(DISABLE_CHOICES), metavar="WHAT", help=f"leave out: {', '.join(sorted(DISABLE_CHOICES))}")
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, help="pipeline schedules allowed (default: all)")
+    p.add_argument("--memory-tolerance", type=float, default=0.01, help="DP memory resolution as a fraction of the budget (default: 0.01)")
+    p.add_argument("--no-baselines", action="store_true", help="skip the uniform baselines")
+    p.add_argument("-o", "--output", help="write the plan JSON here")
+    _add_cost_options(p)
+    p.set_defaults(func=_cmd_search)
+
+
+def _cmd_search(args: argparse.Namespace) -> int:
+    from lightning_galvatron.profiles import Profile
+    from lightning_galvatron.search.engine import search
+
+    profile = Profile.load(args.profile)
+    budget = args.memory_per_device or profile.hardware.device_memory_bytes
+    if budget is None:
+        raise ValueError("the profile does not say the device memory: pass --memory-per-device, e.g. 36GB")
+    result = search(
+        profile,
+        args.world_size,
+        budget,
+        global_batch_size=args.global_batch_size,
+        max_tp=args.max_tp,
+        max_pp=args.max_pp,
+        disable=args.disable,
+        schedules=args.schedules,
+        optimizer=args.optimizer,
+        precision=args.precision,
+        search_batch_size=args.search_batch_size,
+        max_global_batch_size=args.max_global_batch_size,
+        memory_tolerance=args.memory_tolerance,
+        baselines=not args.no_baselines,
+    )
+    if args.output:
+        result.plan.save(args.output)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    print(f"Best plan for {profile.model.name} ({profile.model.num_blocks} blocks) on {args.world_size} devices, "
+          f"{format_bytes(budget)} per device, global batch {result.global_batch_size}")
+    print(_describe_estimate(result.estimate))
+    if result.baselines:
+        print("\nUniform baselines (same cost model):")
+        rows = [("baseline", "samples/s", "step", "peak memory", "plan")]
+        for b in result.baselines:
+            e = b.estimate
+            if e is None:
+                rows.append((b.name, "-", "-", "-", "not executable here"))
+                continue
+            speed = f"{e.throughput_samples_per_s:.2f}" if b.fits else "does not fit"
+            rows.append((b.name, speed, f"{e.step_time_s:.3f} s", format_bytes(e.peak_memory_bytes), _plan_summary(e.plan)))
+        print(_table(rows))
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"\nSearch took {result.search_time_s:.2f} s ({result.shapes_considered} pipeline shapes, "
+          f"{result.shapes_solved} solved by DP; memory tolerance {result.memory_tolerance:g})")
+    if args.output:
+        print(f"Plan written to {args.output}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- evaluate
+@subcommand
+def _register_evaluate(subparsers: Any) -> None:
+    p = subparsers.add_parser("evaluate", help="predict step time and memory of a plan (ours or the reference system's format)")
+    p.add_argument("profile", help="profile JSON (our format)")
+    p.add_argument("--plan", required=True, help="plan JSON, ours or Hetu-Galvatron's")
+    p.add_argument("--world-size", type=int, help="devices (needed for a reference-format plan unless its file name says, e.g. 1nodes_8gpus_per_node)")
+    p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the plan's)")
+    p.add_argument("--memory-per-device", type=_byte_size, help="budget to check the plan against")
+    _add_cost_options(p)
+    p.set_defaults(func=_cmd_evaluate)
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from lightning_galvatron.plan import ParallelPlan, is_galvatron_format
+    from lightning_galvatron.profiles import Profile
+    from lightning_galvatron.search.estimate import evaluate
+
+    profile = Profile.load(args.profile)
+    world_size = args.world_size
+    try:
+        data = json.loads(Path(args.plan).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"plan file {args.plan!r} does not exist") from None
+    if world_size is None and isinstance(data, dict) and is_galvatron_format(data):
+        found = re.search(r"(\d+)nodes_(\d+)gpus_per_node", Path(args.plan).name)
+        if not found:
+            raise ValueError("a reference-format plan does not say its world size: pass --world-size")
+        world_size = int(found.group(1)) * int(found.group(2))
+    plan = ParallelPlan.from_dict(data, world_size=world_size)
+    estimate = evaluate(
+        profile,
+        plan,
+        global_batch_size=args.global_batch_size,
+        optimizer=args.optimizer,
+        precision=args.precision,
+        memory_budget_bytes=args.memory_per_device,
+    )
+    if args.json:
+        print(json.dumps(estimate.to_dict(), indent=2))
+        return 0
+    print(f"Plan {args.plan} for {profile.model.name} on {plan.world_size} devices, global batch {estimate.global_batch_size}")
+    print(_describe_estimate(estimate))
+    for warning in estimate.warnings:
+        print(f"warning: {warning}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- import-galvatron
+def _counts(text: str) -> list[int] | int:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    return values[0] if len(values) == 1 else values
+
+
+@subcommand
+def _register_import_galvatron(subparsers: Any) -> None:
+    p = subparsers.add_parser("import-galvatron", help="convert Hetu-Galvatron profile files into our profile format")
+    p.add_argument("directory", help="directory with the reference system's computation/memory/bandwidth JSON files")
+    p.add_argument("--hidden-size", type=int, required=True)
+    p.add_argument("--seq-length", type=int, required=True)
+    p.add_argument("--num-layers", type=_counts, help="blocks (per layer type, comma-separated, for several types)")
+    p.add_argument("--num-heads", type=int)
+    p.add_argument("--ffn-hidden-size", type=int)
+    p.add_argument("--vocab-size", type=int)
+    p.add_argument("--tied-embeddings", action="store_true", help="the head shares the embedding's weights")
+    p.add_argument("--model-name", help="name of the model (default: from the file names)")
+    p.add_argument("--memory-overhead", type=_byte_size, default=0, help="fixed memory per device the model does not account for")
+    p.add_argument("--device-memory", type=_byte_size, help="memory of one device")
+    p.add_argument("-o", "--output", required=True, help="where to write the profile JSON")
+    p.set_defaults(func=_cmd_import_galvatron)
+
+
+def _cmd_import_galvatron(args: argparse.Namespace) -> int:
+    from lightning_galvatron.search.galvatron_import import import_galvatron
+
+    profile = import_galvatron(
+        args.directory,
+        hidden_size=args.hidden_size,
+        seq_length=args.seq_length,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=args.vocab_size,
+        tied_embeddings=args.tied_embeddings,
+        model_name=args.model_name,
+        memory_overhead_bytes=args.memory_overhead,
+        device_memory_bytes=args.device_memory,
+    )
+    profile.save(args.output)
+    model = profile.model
+    print(f"Wrote {args.output}: {model.name}, {model.num_blocks} blocks of {len(model.layer_types)} type(s), "
+          f"{len(profile.hardware.collectives)} collective fits, {profile.hardware.devices_per_node} devices per node")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- formatting
+def _plan_summary(plan: Any) -> str:
+    kinds = sorted({s.short() for s in plan.layers})
+    head = f"pp{plan.pp}"
+    if plan.pp > 1:
+        head += f" {plan.schedule}" + (f"x{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+    return f"{head} m{plan.micro_batches} [{', '.join(kinds)}] vocab {plan.vocab.short()}"
+
+
+def _describe_estimate(estimate: Any) -> str:
+    plan = estimate.plan
+    lines = [
+        f"pp={plan.pp}  schedule={plan.schedule}  micro-batches={plan.micro_batches}"
+        + (f"  virtual stages={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+        + (f"  partition={list(plan.chunk_sizes)}" if plan.pp > 1 else "")
+        + f"  embedding/head: {plan.vocab.short()}",
+        "",
+    ]
+    rows = [("blocks", "stage", "strategy", "memory/device", "time/micro-batch")]
+    blocks = list(estimate.blocks)
+    i = 0
+    while i < len(blocks):
+        j = i
+        while j + 1 < len(blocks) and blocks[j + 1].strategy == blocks[i].strategy and blocks[j + 1].stage == blocks[i].stage and blocks[j + 1].index == blocks[j].index + 1:
+            j += 1
+        group = blocks[i : j + 1]
+        label = str(group[0].index) if i == j else f"{group[0].index}-{group[-1].index}"
+        per = f" each" if i != j else ""
+        rows.append((label, str(group[0].stage), group[0].strategy.short(), format_bytes(group[0].memory_bytes) + per, f"{group[0].time_per_micro_batch_s * 1e3:.2f} ms" + per))
+        i = j + 1
+    lines.append(_table(rows))
+    lines.append("")
+    rows = [("stage", "peak memory", "block states", "activations", "embedding/head", "working", "overhead", "time/micro-batch")]
+    for s in estimate.stages:
+        rows.append((
+            str(s.stage), format_bytes(s.peak_memory_bytes), format_bytes(s.block_state_bytes), format_bytes(s.block_activation_bytes),
+            format_bytes(s.vocab_bytes), format_bytes(s.working_bytes), format_bytes(s.overhead_bytes), f"{s.time_per_micro_batch_s * 1e3:.1f} ms",
+        ))
+    lines.append(_table(rows))
+    fits = "" if estimate.fits is None else ("  (fits the budget)" if estimate.fits else f"  (DOES NOT FIT {format_bytes(estimate.memory_budget_bytes)})")
+    lines.append("")
+    lines.append(
+        f"Predicted: step {estimate.step_time_s:.3f} s, {estimate.throughput_samples_per_s:.2f} samples/s, "
+        f"peak {format_bytes(estimate.peak_memory_bytes)} per device{fits}"
+    )
+    return "\n".join(lines)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
