@@ -279,7 +279,7 @@ def _describe_estimate(estimate: Any) -> str:
             j += 1
         group = blocks[i : j + 1]
         label = str(group[0].index) if i == j else f"{group[0].index}-{group[-1].index}"
-        per = f" each" if i != j else ""
+        per = " each" if i != j else ""
         rows.append((label, str(group[0].stage), group[0].strategy.short(), format_bytes(group[0].memory_bytes) + per, f"{group[0].time_per_micro_batch_s * 1e3:.2f} ms" + per))
         i = j + 1
     lines.append(_table(rows))

@@ -50,6 +50,7 @@ class Oracle:
     def __init__(self, profile, W, B, config, partition, vocab, options):
         cm = CostModel(profile)
         model = profile.model
+        self.types = model.blocks
         pp, m, v = config.pp, config.micro_batches, config.virtual_stages
         n = W // pp
         spans = n > profile.hardware.devices_per_node
@@ -110,17 +111,13 @@ class Oracle:
     def step_time_of(self, layers) -> float:
         stage_times = []
         for r, blocks in enumerate(self.rank_blocks):
-            row = [self.candidates[0 if len(self.candidates) == 1 else _type_of(self, i)].index(layers[i]) for i in blocks]
+            row = [self.candidates[self.types[i]].index(layers[i]) for i in blocks]
             hit = np.nonzero((self.rank_choices[r] == np.array(row)).all(axis=1))[0]
             stage_times.append(self.rank_time[r][hit[0]])
         return float(pipeline_step_time(np.array(stage_times), self.m, self.v))
 
     def size(self) -> int:
         return math.prod(len(t) for t in self.rank_time)
-
-
-def _type_of(oracle: Oracle, i: int) -> int:
-    return oracle.types[i]
 
 
 def _random_case(rng: np.random.Generator):
@@ -160,7 +157,6 @@ def _cases(count: int, seed: int):
             continue
         profile, W, B, options, config, partition, vocab = case
         oracle = Oracle(profile, W, B, config, partition, vocab, options)
-        oracle.types = profile.model.blocks
         if oracle.size() == 0 or oracle.size() > ENUMERATION_LIMIT:
             continue
         lowest = max(float(m.min()) for m in oracle.rank_memory)
@@ -215,8 +211,6 @@ def test_search_without_pipeline_matches_enumeration_over_micro_batches_and_embe
                 best[(config, v)] = Oracle(profile, W, B, config, (L,), v, options)
         if any(o.size() > ENUMERATION_LIMIT for o in best.values()):
             continue
-        for o in best.values():
-            o.types = profile.model.blocks
         lowest = min(max(float(m.min()) for m in o.rank_memory) for o in best.values())
         budget = int(lowest * rng.uniform(1.0, 1.6))
         capacity = budget - profile.hardware.memory_overhead_bytes
@@ -247,7 +241,10 @@ def test_prefix_tables_answer_every_length_and_cap():
         for j in range(1, L + 1):
             for cap in rng.integers(0, M, size=4):
                 expected, _ = LayerDP([step] * j, [], cell, M).solve(int(cap))
-                assert tables[j - 1, cap] == pytest.approx(expected) if math.isfinite(expected) else tables[j - 1, cap] == math.inf
+                if math.isfinite(expected):
+                    assert tables[j - 1, cap] == pytest.approx(expected)
+                else:
+                    assert tables[j - 1, cap] == math.inf
 
 
 def test_dp_backtracking_reproduces_its_value_with_chunk_resets():

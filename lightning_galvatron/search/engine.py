@@ -451,7 +451,6 @@ class _FixedBatchSearch:
     def _solve_shape(self, shape: _Shape) -> tuple[float, tuple[int, ...], int] | None:
         if shape.config.virtual_stages > 1:
             return self._solve_interleaved(shape)
-        cm = self.cm
         pp, m = shape.config.pp, shape.config.micro_batches
         cell, M = self._cell(shape)
         J = shape.max_blocks
@@ -511,9 +510,9 @@ class _FixedBatchSearch:
             if not np.isfinite(values[p_idx, v_idx]):
                 continue
             if pp > 1:
-                part, value = refine_partition(candidates[p_idx], lambda P: objective(P, int(v_idx))[:, 0], J)
+                part, _ = refine_partition(candidates[p_idx], lambda P: objective(P, int(v_idx))[:, 0], J)
             else:
-                part, value = candidates[p_idx], float(values[p_idx, v_idx])
+                part = candidates[p_idx]
             # The refined partition may prefer another embedding/head strategy.
             row = objective(np.array([part]))[0]
             v_best = int(np.argmin(row))

@@ -8,9 +8,9 @@ at the pace of the slowest. Interleaving ``v`` chunks per rank shrinks the fill 
 times: ``sum_s T_s / v + (m - 1/v) * max_s T_s``. The formula is monotone in every ``T_s``, so
 minimising each stage on its own minimises the step: the per-stage DP is exact for it.
 
-Partitions. ``even``; ``time-balanced`` and ``memory-balanced`` (min-max contiguous partitions of
-per-block weights that may differ per stage, e.g. more micro-batches in flight on early 1F1B
-stages); and, as in Galvatron-BMW, partitions between those two, refined by moving single blocks
+Partitions. ``even``; ``time-balanced`` and ``memory-balanced`` (exact min-max contiguous
+partitions of per-block weights that may differ per stage, e.g. more micro-batches in flight on
+early 1F1B stages); and, as in Galvatron-BMW, partitions between those two, refined by moving single blocks
 across stage boundaries while the exact objective improves.
 """
 
@@ -70,51 +70,38 @@ def balanced_partition(
 
     ``weights`` is ``(pp, L)``: the cost of each block if it sits on each stage (or ``(L,)`` for all
     stages alike); ``constants`` adds a fixed cost per stage (the embedding on the first, the head on
-    the last). Stages hold between 1 and ``max_blocks`` blocks. Binary search on the largest stage
-    cost with a greedy fill (each stage takes as many blocks as fit), which is exact for monotone
-    stage costs. ``None`` if no partition respects ``max_blocks``.
+    the last). Stages hold between 1 and ``max_blocks`` blocks. Exact: a DP over (stage, last block)
+    with the min-max recurrence, ``O(pp * L^2)`` in numpy. ``None`` if no partition respects
+    ``max_blocks``.
     """
     w = np.atleast_2d(np.asarray(weights, dtype=float))
     if w.shape[0] == 1:
         w = np.repeat(w, pp, axis=0)
-    num_blocks = w.shape[1]
-    limit = min(max_blocks or num_blocks, num_blocks - pp + 1)
-    if limit * pp < num_blocks:
+    L = w.shape[1]
+    limit = min(max_blocks or L, L - pp + 1)
+    if limit * pp < L:
         return None
     consts = np.zeros(pp) if len(constants) == 0 else np.asarray(constants, dtype=float)
-    prefix = np.concatenate([np.zeros((pp, 1)), np.cumsum(w, axis=1)], axis=1)
-
-    def fill(threshold: float) -> tuple[int, ...] | None:
-        sizes, start = [], 0
-        for s in range(pp):
-            remaining_stages = pp - s - 1
-            most = min(limit, num_blocks - start - remaining_stages)
-            least = max(1, num_blocks - start - remaining_stages * limit)
-            if s == pp - 1:
-                least = most = num_blocks - start
-            costs = consts[s] + prefix[s, start + least : start + most + 1] - prefix[s, start]
-            fits = np.nonzero(costs <= threshold)[0]
-            if least > most or not len(fits):
-                return None
-            take = least + int(fits[-1])
-            sizes.append(take)
-            start += take
-        return tuple(sizes)
-
-    low, high = 0.0, float(consts.max() + prefix[:, -1].max()) + 1.0
-    best = fill(high)
-    if best is None:
+    prefix = np.concatenate([np.zeros((pp, 1)), np.cumsum(w, axis=1)], axis=1)  # (pp, L+1)
+    a = np.arange(L + 1)[:, None]
+    e = np.arange(L + 1)[None, :]
+    allowed = (e - a >= 1) & (e - a <= limit)
+    best = np.full(L + 1, np.inf)
+    best[0] = 0.0
+    choice = np.zeros((pp, L + 1), dtype=np.int64)
+    for s in range(pp):
+        cost = np.where(allowed, consts[s] + prefix[s][None, :] - prefix[s][:, None], np.inf)  # (start, end)
+        candidates = np.maximum(best[:, None], cost)
+        choice[s] = np.argmin(candidates, axis=0)
+        best = candidates[choice[s], np.arange(L + 1)]
+    if not np.isfinite(best[L]):
         return None
-    for _ in range(60):
-        mid = (low + high) / 2
-        found = fill(mid)
-        if found is None:
-            low = mid
-        else:
-            high, best = mid, found
-        if high - low <= 1e-9 * max(high, 1e-30):
-            break
-    return best
+    sizes, end = [], L
+    for s in range(pp - 1, -1, -1):
+        start = int(choice[s, end])
+        sizes.append(end - start)
+        end = start
+    return tuple(reversed(sizes))
 
 
 def interpolate_partitions(a: Sequence[int], b: Sequence[int], steps: int = 4) -> list[tuple[int, ...]]:
