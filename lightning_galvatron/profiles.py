@@ -25,6 +25,27 @@ The layout of a group is described by ``ranks_per_node``: how many of its ranks 
 (``== group_size`` for a group inside one node). This is what decides its bandwidth, and unlike a
 "consecutive" flag it means the same thing whatever the size of the cluster it was measured on.
 
+Shape of the JSON (version 1; every key is a field of the dataclass of the same name)::
+
+    {"format": "lightning_galvatron.profile", "version": 1, "source": "...",
+     "model": {"name": "llama2-7b", "hidden_size": 4096, "seq_length": 2048, "activation_dtype_bytes": 2,
+               "layer_types": [{"name": "decoder", "parameters": 202383360, "hidden_size": 4096,
+                                "num_heads": 32, "ffn_hidden_size": 11008, "seq_length": 2048,
+                                "forward_time": {"intercept_s": 0.0008, "per_sample_s": 0.0039},
+                                "activation_bytes_per_sample": {"1": 5.4e8, "2": 2.9e8, "4": 1.4e8, "8": 7.2e7},
+                                "recompute_activation_bytes_per_sample": 3.4e7, ...}],
+               "blocks": [0, 0, ...],
+               "vocab": {"vocab_size": 32000, "embedding_parameters": ..., "head_parameters": ..., ...}},
+     "hardware": {"name": "...", "devices_per_node": 8, "overlap_coefficient": 1.13,
+                  "device_memory_bytes": null, "memory_overhead_bytes": 0,
+                  "collectives": [{"kind": "all_reduce", "group_size": 8, "ranks_per_node": 8,
+                                   "latency_s": 8.6e-05, "bandwidth_bytes_per_s": 1.6e11}, ...]}}
+
+A reader refuses unknown keys, missing required keys and newer versions, naming the path of the
+offending entry. Profilers fill it naturally: time a block at two or more batch sizes and
+:meth:`LinearFit.fit`; count activation bytes per degree; sweep message sizes per group and
+:meth:`CollectiveFit.fit`.
+
 The module is torch-free: the offline search and the torch profilers both use it.
 """
 

@@ -25,11 +25,24 @@ def llama_8_gpus(profile):
 
 
 def test_search_modules_import_neither_torch_nor_lightning():
+    """The search runs on a laptop for a cluster the user does not have: numpy only."""
+    import ast
+    import pathlib
     import subprocess
 
+    import lightning_galvatron
+
+    root = pathlib.Path(lightning_galvatron.__file__).parent
+    files = [*sorted((root / "search").glob("*.py")), root / "profiles.py", root / "units.py", root / "plan.py"]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not [n for n in names if n.split(".")[0] in ("torch", "lightning", "pytorch_lightning")], (path, names)
+    # And at run time: importing the search adds no torch/Lightning module to what the package itself loads.
     code = (
-        "import sys, lightning_galvatron.search, lightning_galvatron.cli, lightning_galvatron.profiles;"
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'pytorch_lightning')];"
+        "import sys, lightning_galvatron; before = set(sys.modules);"
+        "import lightning_galvatron.search, lightning_galvatron.profiles;"
+        "bad = [m for m in set(sys.modules) - before if m.split('.')[0] in ('torch', 'lightning', 'pytorch_lightning')];"
         "print(bad); sys.exit(bool(bad))"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
@@ -72,6 +85,7 @@ def test_infeasible_budget_names_the_smallest_budget_that_fits(profile):
         search(profile, 8, "4GB", global_batch_size=8, baselines=False)
     smallest = err.value.smallest_budget_bytes
     assert isinstance(err.value, ValueError) and 4e9 < smallest < 36e9
+    assert "at global batch size 1 it is" in str(err.value)
     found = search(profile, 8, smallest, global_batch_size=8, baselines=False)
     assert found.peak_memory_bytes_per_device <= smallest
     with pytest.raises(InfeasibleBudgetError):

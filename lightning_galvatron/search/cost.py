@@ -364,6 +364,12 @@ def _costs(
     tp_calls_backward: float,
     ulysses_calls: float,
 ) -> LayerCosts:
+    """Assemble the terms above for blocks and for the embedding/head (which differ only in their data).
+
+    Per micro-batch: forward overlapped with its parameter gathers, backward (and recompute)
+    overlapped with its gathers and per-micro-batch gradient reductions, plus TP/SP communication;
+    the last micro-batch also overlaps the once-per-step gradient reduction with its backward.
+    """
     n = ctx.devices_per_stage
     d = n // sa.tp
     b = local_micro_batch(ctx, d)

@@ -233,13 +233,16 @@ def search(
         if not executable:
             raise NoValidPlanError(_no_plan_message(profile, world_size, batches, options))
         need, B = smallest
-        raise InfeasibleBudgetError(
+        message = (
             f"no plan fits {format_bytes(budget)} per device for global batch size {B} on {world_size} devices; "
             f"the smallest budget that fits is {format_bytes(need)} ({math.ceil(need)} bytes)"
-            + ("" if search_batch_size or B == 1 else "; a smaller global batch may need less"),
-            smallest_budget_bytes=math.ceil(need),
-            global_batch_size=B,
         )
+        if B != 1:
+            one = _FixedBatchSearch(cm, world_size, budget, 1, options)
+            one.price()
+            if one.smallest_budget is not None:
+                message += f"; at global batch size 1 it is {format_bytes(one.smallest_budget)}"
+        raise InfeasibleBudgetError(message, smallest_budget_bytes=math.ceil(need), global_batch_size=B)
     estimate = evaluate(profile, best.plan, cost_model=cm, memory_budget_bytes=budget)
     if estimate.peak_memory_bytes > budget:
         raise AssertionError(f"internal error: the searched plan needs {estimate.peak_memory_bytes} > budget {budget}")
@@ -356,12 +359,9 @@ class _FixedBatchSearch:
         else:
             max_blocks = max(sum(even_partition(self.L, pp * v)[c] for c in range(r, pp * v, pp)) for r in range(pp))
         max_blocks = max(max_blocks, max_blocks_override or 0)
-        working = np.zeros((self.L + 1, max_blocks + 1))
-        for a in range(self.L):
-            running = 0.0
-            for j in range(1, min(max_blocks, self.L - a) + 1):
-                running = max(running, per_type[self.types[a + j - 1]])
-                working[a, j] = running
+        last = np.arange(self.L + 1)[:, None] + np.arange(max_blocks + 1)[None, :] - 1  # last block of [a, a+j)
+        valid = (last >= np.arange(self.L + 1)[:, None]) & (last < self.L)
+        working = np.maximum.accumulate(np.where(valid, per_type[self.types[np.clip(last, 0, self.L - 1)]], 0.0), axis=1)
         # Lower bound on the step: every block at its fastest, perfectly balanced stages (max >= mean).
         fastest = np.array([c.step_share(m).min() for c in costs])
         total = fastest[self.types].sum() + vocab_time.sum(axis=0).min() + p2p.sum()
@@ -410,7 +410,8 @@ class _FixedBatchSearch:
         return best
 
     # ------------------------------------------------------------------ search
-    def run(self, best_throughput: float | None) -> _Choice | None:
+    def price(self) -> list[_Shape]:
+        """Price every executable pipeline shape; note the least budget any of them needs; return those that may fit."""
         shapes = []
         for pp in pipeline_degrees(self.W, self.L, self.options):
             for config in pipeline_configs(pp, self.B, self.L, self.options):
@@ -427,6 +428,11 @@ class _FixedBatchSearch:
                     self.smallest_budget = fits_from if self.smallest_budget is None else min(self.smallest_budget, fits_from)
                 if need <= self.budget:
                     shapes.append(shape)
+        return shapes
+
+    def run(self, best_throughput: float | None) -> _Choice | None:
+        """The fastest plan at this batch size, or None; shapes that cannot beat ``best_throughput`` are skipped."""
+        shapes = self.price()
         shapes.sort(key=lambda s: s.lower_bound)
         best_time = math.inf if best_throughput is None else self.B / best_throughput
         best: tuple[float, _Shape, tuple[int, ...], int] | None = None
