@@ -655,10 +655,33 @@ def solve_blocks(search: _FixedBatchSearch, shape: _Shape, partition: Sequence[i
         _, choices = LayerDP(seq, resets, cell, M).solve(cap)
         if not choices:
             raise _NoAssignment(f"stage {r}")
-        for i, step, choice in zip(blocks, seq, choices):
-            t = search.types[i]
-            layers[i] = shape.strategies[t].strategies[int(step.candidates[choice])]
+        chosen = [shape.strategies[search.types[i]].strategies[int(step.candidates[c])] for i, step, c in zip(blocks, seq, choices)]
+        for i, strategy in zip(blocks, _canonical_order(chosen, [search.types[i] for i in blocks], resets, search.W // shape.config.pp)):
+            layers[i] = strategy
     return layers  # type: ignore[return-value]
+
+
+def _canonical_order(strategies: list[LayerStrategy], types: Sequence[int], resets: Sequence[bool], devices_per_stage: int) -> list[LayerStrategy]:
+    """Group equal strategies inside each run of same-type, same-layout blocks of a chunk.
+
+    Swapping such blocks changes neither time (relocations depend only on layouts) nor memory, so
+    the DP's arbitrary order among equals is replaced by a readable one: plain blocks first, then
+    ZeRO-2, ZeRO-3, recomputed blocks last.
+    """
+    out = list(strategies)
+    key = lambda s: (s.recompute, ("ddp", "zero2", "zero3").index(s.dp_type), s.sp, s.tp)  # noqa: E731
+    start = 0
+    for i in range(1, len(out) + 1):
+        boundary = (
+            i == len(out)
+            or resets[i]
+            or types[i] != types[start]
+            or layout_of(out[i], devices_per_stage) != layout_of(out[start], devices_per_stage)
+        )
+        if boundary:
+            out[start:i] = sorted(out[start:i], key=key)
+            start = i
+    return out
 
 
 def _undominated(time: np.ndarray, memory: np.ndarray, layout: np.ndarray, relocation: Sequence[np.ndarray] = ()) -> np.ndarray:
