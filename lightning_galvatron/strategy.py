@@ -18,6 +18,7 @@ No parallelism maths lives here: plans in :mod:`lightning_galvatron.plan`, execu
 from __future__ import annotations
 
 import atexit
+from contextlib import AbstractContextManager, nullcontext
 import os
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -43,6 +44,7 @@ from lightning_galvatron.precision import mixed_precision_policy, precision_flag
 from lightning_galvatron.runtime.apply import apply_plan, check_runtime_support, input_shard
 from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.runtime.sync import broadcast_module_states
+from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
@@ -58,6 +60,9 @@ class GalvatronStrategy(ModelParallelStrategy):
         global_batch_size: samples per optimizer step. Default: the plan's, else what DDP would train
             (the DataLoader's ``batch_size`` x number of devices).
         broadcast_initial_weights: start every rank from rank 0's weights, as DDP does.
+        vocab_parallel_loss: with vocabulary parallelism (vocab ``tp`` > 1), keep the logits split by vocabulary
+            and compute ``F.cross_entropy`` on the shards (less memory and communication). Only for steps that
+            pass the logits straight to ``F.cross_entropy``; by default the logits are gathered.
         save_distributed_checkpoint: save sharded (DCP) checkpoints; ``False`` gathers one full file on rank 0.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; by default chosen from the device.
         timeout: timeout of collective operations.
@@ -71,6 +76,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         layers: str | Sequence[str] | None = None,
         global_batch_size: int | None = None,
         broadcast_initial_weights: bool = True,
+        vocab_parallel_loss: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -84,6 +90,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         self._layers = layers
         self._global_batch_size = global_batch_size
         self._broadcast_initial_weights = broadcast_initial_weights
+        self._vocab_parallel_loss = vocab_parallel_loss
         self.plan: ParallelPlan | None = None
         self.structure: ModelStructure | None = None
         self._meshes: MeshCache | None = None
@@ -135,6 +142,7 @@ class GalvatronStrategy(ModelParallelStrategy):
             self._meshes,
             mixed_precision_policy(precision_flag(self.precision_plugin)),
             entry_methods=[name for name in _STEP_METHODS if is_overridden(name, module)],
+            parallel_loss=self._uses_parallel_loss,
         )
         _materialize_distributed_module(self.model, self.root_device)
         self._parallelised = self.model
@@ -174,12 +182,32 @@ class GalvatronStrategy(ModelParallelStrategy):
                 )
         return rebatch(dataloader, shard_batch_size(global_batch, num_shards))
 
-    # ------------------------------------------------------------------ training
+    # ------------------------------------------------------------------ steps
+    @property
+    def _uses_parallel_loss(self) -> bool:
+        return self._vocab_parallel_loss and self.plan is not None and self.plan.vocab.tp > 1
+
+    def _step_context(self) -> AbstractContextManager:
+        return parallel_cross_entropy() if self._uses_parallel_loss else nullcontext()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().test_step(*args, **kwargs)
+
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         # Each data shard returns the mean over its own samples; gradients are summed over dp groups,
         # so the shard loss is scaled to its share of the global-batch mean.
         num_shards, _ = input_shard(self._require_plan(), self.global_rank)
-        return super().backward(closure_loss / num_shards, optimizer, *args, **kwargs)
+        with self._step_context():  # loss_parallel's backward rules apply in backward too
+            return super().backward(closure_loss / num_shards, optimizer, *args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

@@ -3,8 +3,9 @@
 Each distributed run is compared with a single-process run on the same global batches: the loss
 at every step, the first step's gradients and every parameter after 3 AdamW steps (lr 1e-2).
 
-Tolerances: fp32 runs differ only in the order of floating-point sums: losses 1e-5, parameters
-5e-5, gradients 1e-3 of their RMS. bf16-mixed is compared with the single-process bf16-mixed run
+Tolerances: fp32 runs differ only in the order of floating-point sums: losses 1e-5, gradients 1e-3
+of their RMS, parameters 1e-4 (1% of one Adam step at lr 1e-2: Adam divides by the gradient's RMS,
+which amplifies rounding in the few gradients that are nearly zero). bf16-mixed is compared with the single-process bf16-mixed run
 (autocast); both round to 8 mantissa bits, in different places (per-rank partial gradients are
 rounded before the fp32 reduction), so: losses 1e-2, gradients 0.15 of their RMS, parameters 3e-3
 on average per tensor and 5e-2 at most (Adam moves a weight by up to lr per step whatever its
@@ -34,7 +35,7 @@ MIXED_DP_PLAN = ParallelPlan(
 pytestmark = pytest.mark.timeout(600)
 
 
-FP32_TOL = dict(loss_tol=1e-5, param_tol=5e-5, grad_rtol=1e-3)
+FP32_TOL = dict(loss_tol=1e-5, param_tol=1e-4, grad_rtol=1e-3)
 BF16_TOL = dict(loss_tol=1e-2, param_tol=5e-2, grad_rtol=0.15, param_mean_tol=3e-3)
 
 

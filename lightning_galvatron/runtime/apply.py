@@ -1,22 +1,33 @@
 """Execute a plan on a model: the recipe, one ``apply_*`` call per concern and block.
 
-Reading order: check that the runtime can execute the plan exactly, then per block recompute and
-data parallelism on the block's own mesh, then the vocabulary layers (everything outside the
-blocks) as the FSDP root on the vocabulary layout. Parameter names never change.
+Reading order: check that the runtime can execute the plan exactly; then for every block, the
+relocation of its input from the previous block's layout, tensor or sequence parallelism on the
+block's group, recomputation and data parallelism on the block's dp group; then the relocation of
+the last block's output back to the vocabulary layout, vocabulary parallelism, and the layers
+outside the blocks as the FSDP root. Parameter names never change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, register_fsdp_forward_method
 
 from lightning_galvatron.model.discovery import ModelStructure
-from lightning_galvatron.plan import ParallelPlan, PlanError
+from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
+from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 from lightning_galvatron.runtime.mesh import Layout, MeshCache
-from lightning_galvatron.runtime.recompute import apply_recompute
+from lightning_galvatron.runtime.recompute import apply_recompute, is_recomputing
+from lightning_galvatron.runtime.relocate import ActivationLayout, relocate
 from lightning_galvatron.runtime.sharding import apply_data_parallel
+from lightning_galvatron.runtime.tensor_parallel import apply_tensor_parallel
+from lightning_galvatron.runtime.ulysses import apply_ulysses
+from lightning_galvatron.runtime.vocab_parallel import apply_vocab_parallel, find_vocabulary_layers
 
 
 class NotSupportedYet(PlanError):
@@ -35,12 +46,39 @@ def check_runtime_support(plan: ParallelPlan, structure: ModelStructure) -> None
         raise NotSupportedYet(f"pipeline parallelism (pp={plan.pp}) is not supported yet; use pp=1")
     if plan.micro_batches > 1:
         raise NotSupportedYet(f"micro_batches={plan.micro_batches} without a pipeline is not supported yet; use 1")
-    for where, strategy in [*((f"layers[{i}]", s) for i, s in enumerate(plan.layers)), ("vocab", plan.vocab)]:
-        if strategy.tp > 1:
-            raise NotSupportedYet(
-                f"{where}: tensor/sequence parallelism (tp={strategy.tp}, sp={strategy.sp!r}) is not supported yet; "
-                "use tp=1"
+    if plan.vocab.sp != "none":
+        raise PlanError(
+            f"vocab sp={plan.vocab.sp!r}: the embedding and head run on whole sequences (your training_step computes "
+            "the loss on them); use vocab sp='none' (vocabulary tensor parallelism is fine)"
+        )
+    for index, (block, strategy) in enumerate(zip(structure.blocks, plan.layers)):
+        if strategy.tp == 1:
+            continue
+        tp_plan = tensor_parallel_plan(block)
+        if tp_plan is None and strategy.sp != "ulysses":
+            raise PlanError(
+                f"layers[{index}]: {type(block).__name__} has no tensor-parallel plan, so tp={strategy.tp} cannot run; "
+                "use tp=1 for it or register a plan with lightning_galvatron.register_tensor_parallel_plan"
             )
+        reason = tp_plan.unsupported(strategy.tp, strategy.sp) if tp_plan is not None else None
+        if reason is not None:
+            raise PlanError(f"layers[{index}] ({structure.block_names[index]}): tp={strategy.tp}, sp={strategy.sp!r}: {reason}")
+
+
+@dataclass
+class _MicroBatch:
+    """The stage's micro-batch size of the forward in flight (learned from the first block's input)."""
+
+    size: int = 0
+
+
+@dataclass
+class AppliedPlan:
+    """What the strategy needs after the plan is applied."""
+
+    plan: ParallelPlan
+    input_shards: int  # data shards of the input layout: the loss of each is scaled by 1 / input_shards
+    hooks: list[Any] = field(default_factory=list)
 
 
 def apply_plan(
@@ -50,7 +88,8 @@ def apply_plan(
     meshes: MeshCache,
     mp_policy: MixedPrecisionPolicy,
     entry_methods: Sequence[str] = (),
-) -> None:
+    parallel_loss: bool = False,
+) -> AppliedPlan:
     """Parallelise ``model`` in place as ``plan`` says.
 
     Args:
@@ -58,15 +97,119 @@ def apply_plan(
         structure: the blocks of ``model`` (see :func:`~lightning_galvatron.model.discovery.find_blocks`).
         entry_methods: methods other than ``forward`` through which the root is run (e.g.
             ``training_step``); FSDP gathers the root's parameters around them.
+        parallel_loss: with vocabulary parallelism, keep logits sharded (see ``vocab_parallel``).
     """
     check_runtime_support(plan, structure)
-    for block, strategy in zip(structure.blocks, plan.layers):
+    rank = dist.get_rank()
+    stage = Layout(plan.world_size, plan.pp, 1)
+    stage_group = meshes.dp_mesh(stage).get_group()
+    position = rank % plan.devices_per_stage
+    micro_batch = _MicroBatch()
+    vocab_layout = ActivationLayout.of(plan, plan.vocab)
+    layouts = [ActivationLayout.of(plan, s) for s in plan.layers]
+    applied = AppliedPlan(plan, input_shards=vocab_layout.layout.dp)
+
+    for index, (block, strategy) in enumerate(zip(structure.blocks, plan.layers)):
+        source = layouts[index - 1] if index else vocab_layout
+        applied.hooks.append(
+            _relocate_inputs(block, source, layouts[index], micro_batch, position, stage_group, first=index == 0)
+        )
+        layout = Layout.of(plan, strategy)
+        if strategy.sp == "ulysses":
+            apply_ulysses(block, meshes.tp_mesh(layout).get_group())
+        elif strategy.tp > 1:
+            tp_plan = tensor_parallel_plan(block)
+            assert tp_plan is not None  # checked above
+            apply_tensor_parallel(block, tp_plan.styles(strategy.sp == "megatron"), meshes.tp_mesh(layout))
+            tp_plan.localize(block, strategy.tp)
         if strategy.recompute:
             apply_recompute(block)
-        apply_data_parallel(block, strategy, meshes.dp_mesh(Layout.of(plan, strategy)), mp_policy)
+        apply_data_parallel(block, strategy, _gradient_mesh(meshes, plan, strategy), mp_policy)
+    applied.hooks.append(_relocate_output(structure.blocks[-1], layouts[-1], vocab_layout, micro_batch, position, stage_group))
+
+    if plan.vocab.tp > 1:
+        vocab_tp_mesh = meshes.tp_mesh(Layout.of(plan, plan.vocab))
+        apply_vocab_parallel(find_vocabulary_layers(structure), vocab_tp_mesh, parallel_loss)
     apply_data_parallel(model, plan.vocab, meshes.dp_mesh(Layout.of(plan, plan.vocab)), mp_policy)
     for name in entry_methods:
         register_fsdp_forward_method(model, name)
+    return applied
+
+
+def _gradient_mesh(meshes: MeshCache, plan: ParallelPlan, strategy: LayerStrategy):  # noqa: ANN202
+    """The ranks over which a block's parameters are replicated (and its gradients summed).
+
+    Ulysses keeps whole weights on every rank of the group, each seeing other sequence positions,
+    so the group joins the data-parallel ranks: the whole stage.
+    """
+    if strategy.sp == "ulysses":
+        return meshes.dp_mesh(Layout(plan.world_size, plan.pp, 1))
+    return meshes.dp_mesh(Layout.of(plan, strategy))
+
+
+def _relocate_inputs(
+    block: nn.Module,
+    source: ActivationLayout,
+    target: ActivationLayout,
+    micro_batch: _MicroBatch,
+    position: int,
+    group: dist.ProcessGroup,
+    first: bool,
+):  # noqa: ANN202
+    """Forward pre-hook: bring the block's inputs from ``source`` to ``target`` layout.
+
+    The hidden states (first tensor argument) move along batch and sequence; other tensors whose
+    first dimension is the local batch (masks, position tables) move along the batch only. Registered
+    before recomputation so that recompute replays from already relocated inputs.
+    """
+    batch_only_source = ActivationLayout(source.layout)
+    batch_only_target = ActivationLayout(target.layout)
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if is_recomputing(module):
+            return None
+        hidden_index, hidden = next(((i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)), (None, None))
+        if hidden is None:
+            hidden = kwargs.get("hidden_states")
+        if hidden is None:
+            raise RuntimeError(f"{type(module).__name__} was called without a hidden-states tensor to relocate")
+        if first:
+            micro_batch.size = hidden.shape[0] * source.layout.dp  # the input layout's shards are even
+        local_batch = hidden.shape[0]
+
+        def move(value: Any, is_hidden: bool) -> Any:
+            if is_hidden:
+                return relocate(value, source, target, micro_batch.size, position, group)
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == local_batch:
+                return relocate(value, batch_only_source, batch_only_target, micro_batch.size, position, group)
+            return value
+
+        new_args = tuple(move(a, i == hidden_index) for i, a in enumerate(args))
+        new_kwargs = {k: move(v, hidden_index is None and k == "hidden_states") for k, v in kwargs.items()}
+        return new_args, new_kwargs
+
+    return block.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _relocate_output(
+    block: nn.Module,
+    source: ActivationLayout,
+    target: ActivationLayout,
+    micro_batch: _MicroBatch,
+    position: int,
+    group: dist.ProcessGroup,
+):  # noqa: ANN202
+    """Forward hook on the last block: its hidden states back to the vocabulary layout."""
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return relocate(output, source, target, micro_batch.size, position, group)
+        if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            moved = relocate(output[0], source, target, micro_batch.size, position, group)
+            return type(output)((moved, *output[1:]))
+        raise RuntimeError(f"{type(module).__name__} returned {type(output).__name__}; expected the hidden states")
+
+    return block.register_forward_hook(hook)
 
 
 def input_shard(plan: ParallelPlan, rank: int) -> tuple[int, int]:

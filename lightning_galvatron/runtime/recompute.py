@@ -14,3 +14,9 @@ from torch.distributed._composable import checkpoint
 def apply_recompute(block: nn.Module) -> None:
     """Keep only the block's inputs in forward; recompute its activations during backward."""
     checkpoint(block)
+
+
+def is_recomputing(block: nn.Module) -> bool:
+    """Whether ``block`` is being re-run during backward (its checkpoint hooks are switched off then)."""
+    state = checkpoint.state(block)
+    return state is not None and not state.enable_hook

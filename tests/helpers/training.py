@@ -8,6 +8,7 @@ reference uses that sampler with one replica).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,7 @@ def _trainer(strategy: Any, devices: int, precision: str, **trainer_kwargs: Any)
 
 
 def run_single(
+    model: Callable[[], L.LightningModule] | None = None,
     global_batch: int = 8,
     num_samples: int = 64,
     precision: str = "32-true",
@@ -89,7 +91,7 @@ def run_single(
     validate: bool = False,
     **trainer_kwargs: Any,
 ) -> RunResult:
-    module = tiny_gpt(**(model_kwargs or {}))
+    module = model() if model is not None else tiny_gpt(**(model_kwargs or {}))
     data = dataset(num_samples)
     loader = DataLoader(data, batch_size=global_batch, sampler=DistributedSampler(data, 1, 0, shuffle=True, seed=0))
     trainer, recorder = _trainer("auto", 1, precision, **trainer_kwargs)
@@ -113,11 +115,12 @@ def run_distributed(
     ckpt_path: str | None = None,
     save_path: str | None = None,
     strategy_kwargs: dict | None = None,
+    model: Callable[[], L.LightningModule] | None = None,
     **trainer_kwargs: Any,
 ) -> RunResult:
     """Train on all ranks of the pool; the DataLoader has DDP's per-device batch size."""
     world = dist.get_world_size()
-    module = tiny_gpt(**(model_kwargs or {}))
+    module = model() if model is not None else tiny_gpt(**(model_kwargs or {}))
     loader = DataLoader(dataset(num_samples), batch_size=global_batch // world, shuffle=True)
     if strategy is None:
         strategy = GalvatronStrategy(plan=plan, **(strategy_kwargs or {}))

@@ -1,0 +1,88 @@
+"""Vocabulary parallelism: split the token embedding and the LM head by vocabulary rows.
+
+The embedding table is sharded by rows (each rank looks up the ids it owns, the partial results
+are summed) and the head by output rows. By default the head's logits are gathered, so the user's
+own loss code sees ordinary full logits. With ``parallel_loss=True`` the logits stay sharded by
+vocabulary and the cross-entropy is computed without gathering them (``loss_parallel``); the step
+must then only feed the logits to ``F.cross_entropy``. Vocabulary sizes that the degree does not
+divide are fine: DTensor shards unevenly (earlier ranks get one more row) and masks accordingly.
+
+Tied embedding and head weights stay tied: both modules are split with the same row placement and
+the head's parameter is pointed back at the embedding's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.overrides import TorchFunctionMode
+
+from lightning_galvatron.model.discovery import ModelStructure
+from lightning_galvatron.plan import PlanError
+
+
+@dataclass(frozen=True)
+class VocabularyLayers:
+    embedding: nn.Embedding
+    head: nn.Linear | None
+    embedding_name: str
+    head_name: str | None
+
+    @property
+    def tied(self) -> bool:
+        return self.head is not None and self.head.weight is self.embedding.weight
+
+
+def find_vocabulary_layers(structure: ModelStructure) -> VocabularyLayers:
+    """The token embedding and the LM head among the modules outside the blocks."""
+    in_blocks = {id(m) for block in structure.blocks for m in block.modules()}
+    outside = [(n, m) for n, m in structure.root.named_modules() if id(m) not in in_blocks]
+    embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding)]
+    linears = [(n, m) for n, m in outside if isinstance(m, nn.Linear)]
+    for head_name, head in sorted(linears, key=lambda item: -item[1].out_features):
+        for emb_name, emb in embeddings:
+            if emb.num_embeddings == head.out_features and emb.embedding_dim == head.in_features:
+                return VocabularyLayers(emb, head, emb_name, head_name)
+    if embeddings:
+        name, emb = max(embeddings, key=lambda item: item[1].num_embeddings)
+        return VocabularyLayers(emb, None, name, None)
+    raise PlanError(
+        "vocabulary parallelism (vocab tp > 1) needs an nn.Embedding token table outside the blocks; none was found, "
+        "use vocab tp=1"
+    )
+
+
+def apply_vocab_parallel(layers: VocabularyLayers, tp_mesh: DeviceMesh, parallel_loss: bool = False) -> None:
+    """Split embedding and head rows over ``tp_mesh``."""
+    tied = layers.tied
+    parallelize_module(layers.embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    if layers.head is None:
+        return
+    output = Shard(-1) if parallel_loss else Replicate()
+    parallelize_module(layers.head, tp_mesh, ColwiseParallel(output_layouts=output, use_local_output=not parallel_loss))
+    if tied:
+        layers.head.weight = layers.embedding.weight  # both are Shard(0) over the same mesh
+
+
+class _LossAsLocalTensor(TorchFunctionMode):
+    """Hand the (replicated) loss of a vocabulary-parallel cross-entropy back as a plain tensor."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if func in (F.cross_entropy, F.nll_loss) and isinstance(out, DTensor):
+            return out.to_local()  # replicated: the local value is the loss; backward re-wraps the gradient
+        return out
+
+
+@contextmanager
+def parallel_cross_entropy() -> Iterator[None]:
+    """Run a step whose ``F.cross_entropy`` gets vocabulary-sharded logits, without gathering them."""
+    with loss_parallel(), _LossAsLocalTensor():
+        yield
