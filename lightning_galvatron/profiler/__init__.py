@@ -1,0 +1,134 @@
+"""Profilers: measure a model and a cluster into a :class:`~lightning_galvatron.profiles.Profile`.
+
+:func:`profile` is the entry point the strategy calls on every rank (it is collective): it looks
+the profile up in the on-disk cache on rank 0, otherwise measures the hardware
+(:mod:`.hardware`) and the model (:mod:`.model`) on all ranks, stores rank 0's result and
+broadcasts it, so every rank returns the very same profile and the search that follows picks the
+same plan everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_galvatron.model.discovery import ModelStructure
+from lightning_galvatron.profiler.cache import ProfileCache, cache_key, default_cache_dir, model_signature
+from lightning_galvatron.profiler.hardware import profile_hardware
+from lightning_galvatron.profiler.model import Step, profile_model
+from lightning_galvatron.profiles import Profile
+
+log = logging.getLogger(__name__)
+
+
+def profile(
+    module: nn.Module,
+    structure: ModelStructure,
+    example_batch: Any,
+    *,
+    world_size: int | None = None,
+    devices_per_node: int | None = None,
+    precision: str = "32-true",
+    cache: ProfileCache | str | os.PathLike | bool | None = True,
+    step: Step | None = None,
+    batch_sizes: Sequence[int] = (1, 4),
+    degrees: Sequence[int] | None = None,
+    device: torch.device | str | None = None,
+    hardware_budget_s: float = 3.0,
+) -> Profile:
+    """Profile ``module`` on the live process group; call on every rank, get the same profile on each.
+
+    Args:
+        module, structure, example_batch, step, precision, batch_sizes, degrees: see
+            :func:`~lightning_galvatron.profiler.model.profile_model`.
+        world_size: ranks of the default process group (default: its size; checked against it).
+        devices_per_node: ranks per node (default: ``$LOCAL_WORLD_SIZE``, else the world size).
+        cache: ``True`` for the default :class:`ProfileCache`, a directory or a cache to use,
+            ``False``/``None`` to always measure.
+        device: where to run the model (default: the current CUDA device under NCCL, else the
+            module's device).
+        hardware_budget_s: time bound of the collective measurements (:func:`profile_hardware`).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "profile() measures the cluster and must run on every rank of an initialised process group "
+            "(e.g. under torchrun); for the model alone on one process use profile_model()"
+        )
+    world_size = world_size or dist.get_world_size()
+    devices_per_node = devices_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    backend = str(dist.get_backend())
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else _module_device(module)
+    device = torch.device(device)
+    device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    store = _cache(cache)
+    rank = dist.get_rank()
+
+    key = None
+    found: list[Any] = [None]
+    if store is not None and rank == 0:
+        key = cache_key(
+            model_signature(module, structure),
+            precision=precision,
+            sample_shapes=_sample_shapes(example_batch),
+            device_kind=device_kind,
+            world_size=world_size,
+            devices_per_node=devices_per_node,
+            backend=backend,
+            extra={"batch_sizes": sorted(batch_sizes), "degrees": sorted(degrees) if degrees else None},
+        )
+        cached = store.load(key)
+        found = [cached.to_dict() if cached is not None else None]
+        if cached is not None:
+            log.info("using the cached profile %s", store.path(key))
+    _broadcast(found, device)
+    if found[0] is not None:
+        return Profile.from_dict(found[0])
+
+    started = time.perf_counter()
+    hardware = profile_hardware(world_size, devices_per_node, device_type=device.type, budget_s=hardware_budget_s)
+    model = profile_model(
+        module, structure, example_batch, step=step, precision=precision, batch_sizes=batch_sizes, degrees=degrees, device=device
+    )
+    result = Profile(model, hardware, source=f"lightning_galvatron.profiler: {precision} on {world_size} x {device_kind} ({backend})")
+    log.info("profiled %s in %.1f s", model.name, time.perf_counter() - started)
+    chosen = [result.to_dict() if rank == 0 else None]
+    if store is not None and rank == 0 and key is not None:
+        store.save(key, result)
+    _broadcast(chosen, device)
+    return Profile.from_dict(chosen[0])
+
+
+def _cache(cache: ProfileCache | str | os.PathLike | bool | None) -> ProfileCache | None:
+    if cache is True:
+        return ProfileCache()
+    if cache is False or cache is None:
+        return None
+    if isinstance(cache, ProfileCache):
+        return cache
+    return ProfileCache(cache)
+
+
+def _broadcast(objects: list[Any], device: torch.device) -> None:
+    dist.broadcast_object_list(objects, src=0, device=device if device.type == "cuda" else None)
+
+
+def _sample_shapes(batch: Any) -> list[Any]:
+    """Shapes (without the batch dimension) and dtypes of the batch's tensors: carries the sequence length."""
+    return [[list(t.shape[1:]), str(t.dtype)] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    param = next(module.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+__all__ = ["ProfileCache", "cache_key", "default_cache_dir", "model_signature", "profile", "profile_hardware", "profile_model"]

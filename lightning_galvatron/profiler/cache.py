@@ -1,0 +1,141 @@
+"""On-disk cache of profiles, keyed by what the measurements depend on.
+
+Profiling costs seconds to minutes; the same model on the same kind of cluster gives the same
+profile, so it is stored under a key of:
+
+* the model's structure (:func:`model_signature`: block classes and every parameter's name, shape
+  and dtype -- not the values, which training changes);
+* the precision, the shapes of one sample of the batch (the sequence length);
+* the device kind (``cpu``, or the CUDA device name), the backend, the world size and devices per node;
+* the profile format version and the torch version (new kernels, new numbers);
+* any profiler settings that change the result (batch sizes, degrees).
+
+Files are ``<directory>/<key>.json`` in the profile format, so a cached profile is also a file
+``lightning-galvatron search`` accepts. The directory is ``$LIGHTNING_GALVATRON_CACHE`` if set, else
+``~/.cache/lightning_galvatron/profiles``. Writes are atomic (a temporary file renamed into place),
+so a reader never sees half a file; a file that cannot be read anyway (corrupt, from another
+version) is reported with a warning naming it and treated as missing, and the caller profiles again
+and overwrites it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning_galvatron.profiles import PROFILE_VERSION, Profile, ProfileError
+
+ENV_VAR = "LIGHTNING_GALVATRON_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """``$LIGHTNING_GALVATRON_CACHE``, else ``~/.cache/lightning_galvatron/profiles``."""
+    override = os.environ.get(ENV_VAR)
+    if override:
+        return Path(override).expanduser()
+    return Path("~/.cache/lightning_galvatron/profiles").expanduser()
+
+
+def model_signature(module: Any, structure: Any = None) -> str:
+    """A stable description of a model's structure: block classes and parameter names, shapes and dtypes.
+
+    ``structure`` (a :class:`~lightning_galvatron.model.discovery.ModelStructure`) adds which
+    containers hold the blocks, so naming other layers as blocks changes the key.
+    """
+    from lightning_galvatron.profiler.model import block_signature
+
+    description: dict[str, Any] = {
+        "class": f"{type(module).__module__}.{type(module).__qualname__}",
+        "parameters": [[name, list(p.shape), str(p.dtype)] for name, p in module.named_parameters()],
+    }
+    if structure is not None:
+        description["block_lists"] = [bl.path for bl in structure.block_lists]
+        description["blocks"] = [block_signature(block)[0] for block in structure.blocks]
+    return json.dumps(description, sort_keys=True)
+
+
+def cache_key(
+    model_signature: str,
+    *,
+    precision: str,
+    sample_shapes: Any,
+    device_kind: str,
+    world_size: int,
+    devices_per_node: int | None = None,
+    backend: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> str:
+    """The hex digest (32 characters) of everything a profile depends on (see the module docstring).
+
+    ``sample_shapes`` is any JSON-able description of one sample (e.g. the shapes and dtypes of the
+    batch's tensors without the batch dimension): it carries the sequence length.
+    """
+    import torch
+
+    content = {
+        "model": model_signature,
+        "precision": precision,
+        "sample": sample_shapes,
+        "device": device_kind,
+        "world_size": world_size,
+        "devices_per_node": devices_per_node,
+        "backend": backend,
+        "format_version": PROFILE_VERSION,
+        "torch": torch.__version__,
+        "extra": dict(extra or {}),
+    }
+    text = json.dumps(content, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class ProfileCache:
+    """Profiles on disk, one JSON file per key. ``directory=None``: :func:`default_cache_dir`."""
+
+    def __init__(self, directory: str | os.PathLike | None = None) -> None:
+        self.directory = Path(directory).expanduser() if directory is not None else default_cache_dir()
+
+    def path(self, key: str) -> Path:
+        if not key or not all(c.isalnum() or c in "-_" for c in key):
+            raise ValueError(f"a cache key is letters, digits, '-' and '_', got {key!r}")
+        return self.directory / f"{key}.json"
+
+    def load(self, key: str) -> Profile | None:
+        """The cached profile, or ``None`` if there is none or it cannot be read (with a warning)."""
+        path = self.path(key)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            warnings.warn(f"cannot read the cached profile {path}: {err}; profiling again", stacklevel=2)
+            return None
+        try:
+            return Profile.from_json(text)
+        except (ProfileError, TypeError, ValueError) as err:
+            warnings.warn(
+                f"ignoring the corrupt cached profile {path} ({err}); profiling again and overwriting it", stacklevel=2
+            )
+            return None
+
+    def save(self, key: str, profile: Profile) -> Path:
+        """Write atomically: a temporary file in the same directory, renamed over the target."""
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(profile.to_json() + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+
+__all__ = ["ENV_VAR", "ProfileCache", "cache_key", "default_cache_dir", "model_signature"]
