@@ -2,6 +2,8 @@
 
 Subcommands:
 
+* ``profile --model MODULE:CLASS --datamodule MODULE:CLASS -o profile.json`` -- measure a model and
+  the cluster it runs on (under ``torchrun``, or ``--devices N`` with Lightning's launcher);
 * ``search PROFILE --world-size N --memory-per-device 36GB`` -- the best plan for any cluster;
 * ``evaluate PROFILE --plan PLAN`` -- predicted time and memory of a plan (ours or the reference
   system's format): a what-if tool;
@@ -79,6 +81,55 @@ def _add_cost_options(parser: argparse.ArgumentParser) -> None:
         help=f"optimizer kind ({', '.join(sorted(OPTIMIZER_STATES))}) or its state bytes per parameter (default: adamw)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+# ---------------------------------------------------------------------------------------------- profile
+@subcommand
+def _register_profile(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "profile",
+        help="measure a model and this cluster into a profile for `search` (run under torchrun, or with --devices)",
+        description="Profile the hardware (collectives of the live process group) and the model (per block type time "
+        "and activation memory), and write a profile JSON that `lightning-galvatron search` reads. Run it on every "
+        "rank: `torchrun --nproc-per-node 4 --no-python lightning-galvatron profile ...`, or let Lightning launch the "
+        "processes with --devices 4.",
+    )
+    p.add_argument("--model", help="the LightningModule class, MODULE:CLASS or path/to/file.py:CLASS")
+    p.add_argument("--model-args", type=_json_object, default={}, help="its init arguments as a JSON object")
+    p.add_argument("--datamodule", help="the LightningDataModule class giving the example batch, MODULE:CLASS")
+    p.add_argument("--datamodule-args", type=_json_object, default={}, help="its init arguments as a JSON object")
+    p.add_argument(
+        "--config",
+        help="a LightningCLI YAML: its model/data sections (class_path/init_args, or init arguments of --model/--datamodule) "
+        "and trainer.precision are used; command-line arguments win",
+    )
+    p.add_argument("--layers", nargs="+", help="dotted path(s) of the block container(s) (default: detected)")
+    p.add_argument("--precision", help="32-true, bf16-mixed or bf16-true (default: the config's, else 32-true)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="local batch sizes to time (default: 1 4)")
+    p.add_argument("--budget", type=float, default=3.0, help="rough seconds for the collective measurements (default: 3)")
+    p.add_argument("--devices", type=int, help="without torchrun: processes to launch on this machine (Lightning's launcher)")
+    p.add_argument("--accelerator", default="auto", help="with --devices: cpu, cuda or auto (default: auto)")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--cache-dir", help="profile cache directory (default: $LIGHTNING_GALVATRON_CACHE or ~/.cache/lightning_galvatron/profiles)")
+    cache.add_argument("--no-cache", action="store_true", help="always measure, never read or write the cache")
+    p.add_argument("-o", "--output", required=True, help="where rank 0 writes the profile JSON")
+    p.set_defaults(func=_cmd_profile)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"n_layer\": 4}'")
+    return value
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from lightning_galvatron.profiler.command import run_profile
+
+    return run_profile(args)
 
 
 # ---------------------------------------------------------------------------------------------- search
