@@ -487,7 +487,9 @@ def _profile_vocab(
     block_params = structure.block_parameter_ids()
     outside = {pid for pid in params if pid not in block_params}
     tied = bool(in_embedding & in_head & outside)
-    head_only = (in_head - in_embedding) & outside
+    # With tied weights the format has no room for the head's own parameters (a final norm, say):
+    # they go with the embedding, so the model's total is exact.
+    head_only = set() if tied else (in_head - in_embedding) & outside
     embedding_parameters = sum(params[pid].numel() for pid in outside - head_only)
     head_parameters = sum(params[pid].numel() for pid in head_only)
     fw = sum(times["embedding_forward"]) + sum(times["head_forward"])
@@ -498,7 +500,7 @@ def _profile_vocab(
     return VocabProfile(
         vocab_size=vocab_size,
         embedding_parameters=embedding_parameters,
-        head_parameters=0 if tied else head_parameters,
+        head_parameters=head_parameters,
         embedding_forward_time=LinearFit.fit(sizes, times["embedding_forward"]),
         head_forward_time=LinearFit.fit(sizes, times["head_forward"]),
         embedding_activation_bytes_per_sample=constant(_per_sample(counts["embedding"])),
@@ -709,22 +711,23 @@ class _BlockProfiler:
         return counter
 
     def attribution_names(self) -> dict[str, str]:
-        """Submodule name -> role for the derived per-degree model: ``column`` (input gathered under SP)
-        and ``norm`` (replicated without SP)."""
+        """Submodule name -> role for the derived per-degree model: ``column`` (the column-parallel
+        projections, whose input stays whole: gathered under SP, replicated without) and ``norm``
+        (the block's own norms, which only SP splits; named like the TP plans name them)."""
         if self.tp_plan is None:
             return {}
-        from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+        from torch.distributed.tensor.parallel import ColwiseParallel
 
         from lightning_galvatron.runtime.tensor_parallel import ColwiseConv1D
 
-        roles = {}
-        for name, style in self.tp_plan.styles(False).items():
-            if isinstance(style, (ColwiseParallel, ColwiseConv1D)):
-                roles[name] = "column"
-        if self.tp_plan.megatron_sp:
-            for name, style in self.tp_plan.styles(True).items():
-                if isinstance(style, SequenceParallel):
-                    roles[name] = "norm"
+        roles = {
+            name: "column"
+            for name, style in self.tp_plan.styles(False).items()
+            if isinstance(style, (ColwiseParallel, ColwiseConv1D))
+        }
+        for name, child in self.block.named_children():
+            if "norm" in type(child).__name__.lower() or name.startswith("ln"):
+                roles[name] = "norm"
         return roles
 
     def attention_calls(self) -> int:
@@ -820,7 +823,7 @@ class _BlockProfiler:
         if len(table) == 1:  # no group to measure on: derive from the degree-1 count (module docstring)
             for g in (g for g in degrees if g > 1):
                 candidates = []
-                if supports_sp:
+                if supports_tp:  # plain TP adds the replicated norms below to this
                     candidates.append(roles["column"] + (per_sample - roles["column"]) / g)
                 if supports_ulysses:
                     candidates.append(per_sample / g)
