@@ -730,42 +730,42 @@ class _BlockProfiler:
                 roles[name] = "norm"
         return roles
 
-    def attention_calls(self) -> int:
+    def attention_calls(self, block: nn.Module) -> int:
         """How many times the block calls ``F.scaled_dot_product_attention`` (Ulysses wraps each)."""
         counter = _AttentionCounter()
         args, kwargs = self.inputs(1)
         with torch.no_grad(), counter, self.prec.autocast(self.device):
-            self.block_copy(*args, **kwargs)
+            block(*args, **kwargs)
         return counter.calls
 
     # ------------------------------------------------------------------ the profile
     def profile(self, sizes: Sequence[int], degrees: Sequence[int], world: int) -> LayerTypeProfile:
-        self.block_copy = self.copy()
-        recompute = self.copy()
         from torch.distributed._composable import checkpoint
 
+        block, recompute = self.copy(), self.copy()
         checkpoint(recompute)
         forward, backward, recompute_backward = [], [], []
         for b in sizes:
-            f, bw = self.time_forward_backward(self.block_copy, b)
+            f, bw = self.time_forward_backward(block, b)
             _, rbw = self.time_forward_backward(recompute, b)
             forward.append(f)
             backward.append(bw)
             recompute_backward.append(rbw)
         count_sizes = sizes[:2] if len(sizes) > 1 else sizes
-        plain = [(b, self.saved_bytes(self.block_copy, b, attribute=True)) for b in count_sizes]
+        plain = [(b, self.saved_bytes(block, b, attribute=True)) for b in count_sizes]
         per_sample = _per_sample([(b, float(c.total)) for b, c in plain])
         roles = {role: _per_sample([(b, float(c.bytes[role])) for b, c in plain]) for role in ("column", "norm")}
         kept = [(b, float(self.saved_bytes(recompute, b, keep_input=True).total)) for b in count_sizes]
         self._cross_check(plain)
 
-        attention_calls = self.attention_calls()
-        supports_tp = self.tp_plan is not None
-        supports_sp = supports_tp and self.tp_plan.megatron_sp
-        supports_ulysses = supports_tp and self.tp_plan.ulysses and attention_calls > 0
-        split, replicated = self.per_degree(
-            per_sample, roles, degrees, world, count_sizes, supports_tp, supports_sp, supports_ulysses
+        attention_calls = self.attention_calls(block)
+        plan = self.tp_plan
+        styles = _Styles(
+            tensor_parallel=plan is not None,
+            megatron_sp=plan is not None and plan.megatron_sp,
+            ulysses=plan is not None and plan.ulysses and attention_calls > 0,
         )
+        split, replicated = self.per_degree(per_sample, roles, degrees, world, count_sizes, styles)
         log.info(
             "%s: forward %s s at batch %s; backward/forward %.2f; recompute adds %.2f forwards; %.0f activation bytes/sample",
             self.name, [f"{t:.2e}" for t in forward], list(sizes), sum(backward) / sum(forward),
@@ -784,9 +784,9 @@ class _BlockProfiler:
             recompute_activation_bytes_per_sample=_per_sample(kept),
             replicated_activation_bytes_per_sample=replicated,
             backward_to_forward=sum(backward) / sum(forward) if sum(forward) > 0 else 2.0,
-            supports_tensor_parallel=supports_tp,
-            supports_megatron_sp=supports_sp,
-            supports_ulysses=supports_ulysses,
+            supports_tensor_parallel=styles.tensor_parallel,
+            supports_megatron_sp=styles.megatron_sp,
+            supports_ulysses=styles.ulysses,
             tp_collectives_per_forward=self.row_parallel_layers() or 2,
             ulysses_all_to_alls_per_forward=4 * attention_calls if attention_calls else 4,
         )
@@ -798,9 +798,7 @@ class _BlockProfiler:
         degrees: Sequence[int],
         world: int,
         count_sizes: Sequence[int],
-        supports_tp: bool,
-        supports_sp: bool,
-        supports_ulysses: bool,
+        styles: _Styles,
     ) -> tuple[DegreeTable, float]:
         """(bytes per sample per degree of a group that splits the activations, the part plain TP keeps whole).
 
@@ -811,9 +809,9 @@ class _BlockProfiler:
         """
         table = {1: per_sample}
         replicated: list[float] = []
-        measured = [g for g in degrees if 1 < g <= world and world % g == 0 and (supports_tp or supports_ulysses)]
+        measured = [g for g in degrees if 1 < g <= world and world % g == 0 and (styles.tensor_parallel or styles.ulysses)]
         for g in measured:
-            results = self.measure_degree(g, world, count_sizes, supports_tp, supports_sp, supports_ulysses)
+            results = self.measure_degree(g, world, count_sizes, styles)
             if not results:
                 continue  # no style runs at this degree (it splits a head): the search will not offer it
             splitting = [results[s] for s in ("megatron", "ulysses") if s in results]
@@ -823,18 +821,16 @@ class _BlockProfiler:
         if len(table) == 1:  # no group to measure on: derive from the degree-1 count (module docstring)
             for g in (g for g in degrees if g > 1):
                 candidates = []
-                if supports_tp:  # plain TP adds the replicated norms below to this
+                if styles.tensor_parallel:  # plain TP adds the replicated norms below to this
                     candidates.append(roles["column"] + (per_sample - roles["column"]) / g)
-                if supports_ulysses:
+                if styles.ulysses:
                     candidates.append(per_sample / g)
                 if candidates:
                     table[g] = max(candidates)
-            replicated = [roles["norm"]] if supports_tp else []
+            replicated = [roles["norm"]] if styles.tensor_parallel else []
         return DegreeTable(tuple(table.items())), (statistics.fmean(replicated) if replicated else 0.0)
 
-    def measure_degree(
-        self, g: int, world: int, count_sizes: Sequence[int], supports_tp: bool, supports_sp: bool, supports_ulysses: bool
-    ) -> dict[str, float]:
+    def measure_degree(self, g: int, world: int, count_sizes: Sequence[int], styles: _Styles) -> dict[str, float]:
         """Bytes per sample on one rank of a group of ``g`` ranks, per style the runtime can run at ``g``.
 
         Every rank takes part (each in its consecutive group of ``g``); the decision of which styles
@@ -848,14 +844,14 @@ class _BlockProfiler:
         seq = int(self.hidden.shape[1]) if self.hidden.dim() >= 3 else 1
         results = {}
         plan = self.tp_plan
-        styles = []
-        if supports_tp and plan is not None and plan.unsupported(g, "none") is None:
-            styles.append("none")
-        if supports_sp and plan is not None and plan.unsupported(g, "megatron") is None and seq % g == 0:
-            styles.append("megatron")
-        if supports_ulysses and seq % g == 0 and self.num_heads() % g == 0:
-            styles.append("ulysses")
-        for style in styles:
+        runnable = []
+        if styles.tensor_parallel and plan is not None and plan.unsupported(g, "none") is None:
+            runnable.append("none")
+        if styles.megatron_sp and plan is not None and plan.unsupported(g, "megatron") is None and seq % g == 0:
+            runnable.append("megatron")
+        if styles.ulysses and seq % g == 0 and self.num_heads() % g == 0:
+            runnable.append("ulysses")
+        for style in runnable:
             block = self.copy()
             if style == "ulysses":
                 apply_ulysses(block, tp_mesh.get_group())
@@ -906,6 +902,15 @@ class _BlockProfiler:
                 self.name, b, counter.total, allocated, counter.allocator_peak_bytes,
                 "" if agree else ": they differ by more than 10% (allocator rounding, workspaces, tensors kept outside autograd)",
             )
+
+
+@dataclass(frozen=True)
+class _Styles:
+    """The model-parallel styles the runtime can run on a block type."""
+
+    tensor_parallel: bool
+    megatron_sp: bool
+    ulysses: bool
 
 
 class _AttentionCounter(TorchFunctionMode):
