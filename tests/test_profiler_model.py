@@ -9,7 +9,6 @@ from torch import nn
 
 from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.profiler.model import SavedTensorCounter, profile_model
-from lightning_galvatron.profiles import Profile
 from tests.helpers.training import SEQ, dataset, tiny_gpt
 
 FP32 = 4
@@ -156,7 +155,3 @@ def test_manual_optimisation_and_odd_steps_get_clear_errors():
     toy = ToyLM()
     with pytest.raises(ValueError, match="batch_sizes"):
         profile_model(toy, find_blocks(toy), toy_batch(), step=lm_step, batch_sizes=(0,))
-
-
-def test_profile_type_is_importable():
-    assert Profile.__name__ == "Profile"
