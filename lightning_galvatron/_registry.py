@@ -60,7 +60,10 @@ class _CallAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def register_lightning() -> type:
+def register_lightning() -> type | None:
+    importing = sys.modules.get("lightning_galvatron.strategy")
+    if importing is not None and not hasattr(importing, "GalvatronStrategy"):
+        return None  # the strategy module is importing Lightning right now; it registers itself when done
     from lightning.pytorch.strategies import StrategyRegistry
 
     from lightning_galvatron.strategy import GalvatronStrategy

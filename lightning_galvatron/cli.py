@@ -356,5 +356,34 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
+
+
+# ---------------------------------------------------------------------------------------------- consolidate
+@subcommand
+def _register_consolidate(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "consolidate",
+        help="assemble a sharded checkpoint into one file for the plain model",
+        description="Assemble a sharded (DCP) checkpoint saved by GalvatronStrategy into one file: the model's "
+        "state dict, which loads into the unparallelised model with load_state_dict(strict=True).",
+    )
+    parser.add_argument("checkpoint", help="checkpoint directory (e.g. epoch=0-step=100.ckpt/)")
+    parser.add_argument("-o", "--output", required=True, help="file to write (e.g. model.pt)")
+    parser.add_argument(
+        "--lightning",
+        action="store_true",
+        help="write a Lightning checkpoint (state_dict + epoch/step/hyper-parameters) for load_from_checkpoint",
+    )
+    parser.set_defaults(func=_cmd_consolidate)
+
+
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    from lightning_galvatron.checkpoint import consolidate
+
+    path = consolidate(args.checkpoint, args.output, lightning=args.lightning)
+    print(f"wrote {path}")
+    return 0
+
+
 if __name__ == "__main__":
     sys.exit(main())

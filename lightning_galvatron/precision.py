@@ -26,10 +26,13 @@ class _GlobalNormClipping:
     """Mixin: clip by the norm over every mesh and pipeline stage."""
 
     pipeline_group: dist.ProcessGroup | None = None
+    norm_excluded: frozenset[int] | set[int] = frozenset()  # ids of weights another stage already counts
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_(params, clip_val, pipeline_group=self.pipeline_group)
+        clip_grad_norm_(
+            params, clip_val, pipeline_group=self.pipeline_group, norm_excluded=self.norm_excluded
+        )
 
 
 class GalvatronFullPrecision(_GlobalNormClipping, Precision):
@@ -68,6 +71,11 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     if precision == "bf16-mixed":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()  # 32-true: fp32 throughout; bf16-true: the module itself is bf16
+
+
+def boundary_dtype(precision: str) -> torch.dtype:
+    """Dtype of activations sent between pipeline stages: bf16 only when everything is bf16."""
+    return torch.bfloat16 if precision == "bf16-true" else torch.float32
 
 
 def precision_flag(plugin: Any) -> str:

@@ -7,6 +7,12 @@
   weights, apply the plan (the runtime does the work), create the optimizers.
 - ``distributed_sampler_kwargs`` / ``process_dataloader``: give each data shard of the plan's input
   layout the samples DDP would have trained on (batch semantics, see :mod:`lightning_galvatron.data`).
+- ``training_step`` / ``validation_step`` / ...: with one micro-batch and no pipeline, Lightning's own
+  path; otherwise the runtime's runner drives the micro-batches (and the pipeline schedule) through
+  the user's step, backward included -- Lightning's ``zero_grad``/``backward`` are switched off for
+  this (``fit_loop._skip_backward``, as Lightning's SWA callback does), because Lightning would zero
+  the gradients between the step and its backward. Logs are recorded per micro-batch, handed from
+  the last stage to all ranks and replayed (:mod:`lightning_galvatron.step_logs`).
 - ``backward``: scale the loss to the global-batch mean (gradients are summed over dp groups).
 - ``save_checkpoint`` / ``load_checkpoint``: sharded DCP checkpoints (from ``ModelParallelStrategy``),
   with the plan recorded in the metadata.
@@ -20,7 +26,7 @@ from __future__ import annotations
 import atexit
 from contextlib import AbstractContextManager, nullcontext
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -30,20 +36,24 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_galvatron import _registry
 from lightning_galvatron.data import rebatch, shard_batch_size
 from lightning_galvatron.display import plan_table, render
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
 from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
-from lightning_galvatron.precision import mixed_precision_policy, precision_flag, precision_plugin_for
-from lightning_galvatron.runtime.apply import apply_plan, check_runtime_support, input_shard
+from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_flag, precision_plugin_for
+from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan, check_runtime_support, input_shard
 from lightning_galvatron.runtime.mesh import MeshCache
+from lightning_galvatron.runtime.pipeline import PipelineRunner, _loss_of
 from lightning_galvatron.runtime.sync import broadcast_module_states
+from lightning_galvatron.step_logs import recording_logs, replay_logs
 from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -95,6 +105,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         self.structure: ModelStructure | None = None
         self._meshes: MeshCache | None = None
         self._parallelised: torch.nn.Module | None = None  # the model the plan was applied to
+        self._applied: AppliedPlan | None = None
 
     # ------------------------------------------------------------------ launch and environment
     def _configure_launcher(self) -> None:
@@ -120,6 +131,13 @@ class GalvatronStrategy(ModelParallelStrategy):
 
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self._runner is not None:
+                if not self.lightning_module.automatic_optimization:
+                    raise PlanError(
+                        "pipelines and micro-batches run the backward pass inside the strategy, which needs "
+                        "automatic optimization; use a plan with pp=1 and micro_batches=1 for manual optimization"
+                    )
+                trainer.fit_loop._skip_backward = True  # the runner does zero_grad and backward itself
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -135,7 +153,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         if self._broadcast_initial_weights and self.world_size > 1:
             broadcast_module_states(self.model)
-        apply_plan(
+        self._applied = apply_plan(
             self.model,
             self.structure,
             self.plan,
@@ -143,9 +161,14 @@ class GalvatronStrategy(ModelParallelStrategy):
             mixed_precision_policy(precision_flag(self.precision_plugin)),
             entry_methods=[name for name in _STEP_METHODS if is_overridden(name, module)],
             parallel_loss=self._uses_parallel_loss,
+            boundary_dtype=boundary_dtype(precision_flag(self.precision_plugin)),
         )
         _materialize_distributed_module(self.model, self.root_device)
         self._parallelised = self.model
+        partition = self._applied.partition
+        self.precision_plugin.pipeline_group = self._applied.pipeline_group
+        if partition is not None and partition.is_last and not partition.is_first:
+            self.precision_plugin.norm_excluded = {id(p) for p in partition.tied}  # counted on the first stage
 
     def _resolve_plan(self) -> ParallelPlan:
         if self._plan_source is None or self._plan_source == "auto":
@@ -190,17 +213,65 @@ class GalvatronStrategy(ModelParallelStrategy):
     def _step_context(self) -> AbstractContextManager:
         return parallel_cross_entropy() if self._uses_parallel_loss else nullcontext()
 
+    @property
+    def _runner(self) -> PipelineRunner | None:
+        return self._applied.runner if self._applied is not None else None
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context():
-            return super().training_step(*args, **kwargs)
+        if self._runner is None:
+            with self._step_context():
+                return super().training_step(*args, **kwargs)
+        return self._run_micro_batches("training_step", self.precision_plugin.train_step_context, args, kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context():
-            return super().validation_step(*args, **kwargs)
+        if self._runner is None:
+            with self._step_context():
+                return super().validation_step(*args, **kwargs)
+        return self._run_micro_batches("validation_step", self.precision_plugin.val_step_context, args, kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context():
-            return super().test_step(*args, **kwargs)
+        if self._runner is None:
+            with self._step_context():
+                return super().test_step(*args, **kwargs)
+        return self._run_micro_batches("test_step", self.precision_plugin.test_step_context, args, kwargs)
+
+    def _run_micro_batches(
+        self, hook: str, precision_context: Callable[[], AbstractContextManager], args: tuple, kwargs: dict
+    ) -> Tensor | None:
+        """One Lightning step as micro-batches through the runner (and the pipeline schedule)."""
+        assert self._runner is not None and self._applied is not None and self.plan is not None
+        module = self.lightning_module
+        trainer = module.trainer
+        batch, rest = args[0], args[1:]
+        user_step = getattr(module, hook)
+        train = hook == "training_step"
+        if train:
+            self._zero_grad_at_window_start(trainer, rest[0] if rest else 0)
+
+        def step(micro_batch: Any) -> Any:
+            with precision_context():
+                return user_step(micro_batch, *rest, **kwargs)
+
+        scale = 1.0 / (self._applied.input_shards * self.plan.micro_batches * trainer.accumulate_grad_batches)
+        with recording_logs(module) as logs, self._step_context():  # loss_parallel covers backward too
+            outputs = self._runner.run(batch, step, loss_scale=scale, train=train)
+        losses = [float(loss.detach()) for loss in map(_loss_of, outputs) if loss is not None]
+        summary = (sum(losses) / len(losses) if losses else None, logs.averaged())
+        loss, records = self._runner.broadcast_from_last_stage(summary)
+        replay_logs(module, records, self.root_device)
+        if train:
+            call._call_callback_hooks(trainer, "on_after_backward")
+            call._call_lightning_module_hook(trainer, "on_after_backward")
+        return None if loss is None else torch.tensor(loss, device=self.root_device)
+
+    def _zero_grad_at_window_start(self, trainer: Any, batch_idx: int) -> None:
+        """What Lightning does before backward, at the first batch of each accumulation window."""
+        if batch_idx % trainer.accumulate_grad_batches:
+            return
+        for optimizer in self.optimizers:
+            call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
+            call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
+            call._call_lightning_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         # Each data shard returns the mean over its own samples; gradients are summed over dp groups,
@@ -226,3 +297,6 @@ def _destroy_process_group() -> None:
     # Without this, gloo processes sometimes abort (SIGABRT) while tearing down at exit.
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+_registry.register_lightning()  # when this module was imported before Lightning itself

@@ -1,10 +1,11 @@
 """Execute a plan on a model: the recipe, one ``apply_*`` call per concern and block.
 
-Reading order: check that the runtime can execute the plan exactly; then for every block, the
-relocation of its input from the previous block's layout, tensor or sequence parallelism on the
-block's group, recomputation and data parallelism on the block's dp group; then the relocation of
-the last block's output back to the vocabulary layout, vocabulary parallelism, and the layers
-outside the blocks as the FSDP root. Parameter names never change.
+Reading order: check that the runtime can execute the plan exactly; keep this rank's pipeline
+stage only; then for every local block, the relocation of its input from the previous block's
+layout, tensor or sequence parallelism on the block's group, recomputation and data parallelism on
+the block's dp group; then the relocation of the last block's output back to the vocabulary
+layout, vocabulary parallelism, the layers outside the blocks as the FSDP root, and the runner
+that drives micro-batches and the pipeline schedule. Parameter names never change.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 from lightning_galvatron.runtime.mesh import Layout, MeshCache
+from lightning_galvatron.runtime.pipeline import PipelineRunner, StagePartition
 from lightning_galvatron.runtime.recompute import apply_recompute, is_recomputing
 from lightning_galvatron.runtime.relocate import ActivationLayout, relocate
 from lightning_galvatron.runtime.sharding import apply_data_parallel
 from lightning_galvatron.runtime.tensor_parallel import apply_tensor_parallel
 from lightning_galvatron.runtime.ulysses import apply_ulysses
-from lightning_galvatron.runtime.vocab_parallel import apply_vocab_parallel, find_vocabulary_layers
+from lightning_galvatron.runtime.vocab_parallel import VocabularyLayers, apply_vocab_parallel, find_vocabulary_layers
 
 
 class NotSupportedYet(PlanError):
@@ -42,10 +44,7 @@ def check_runtime_support(plan: ParallelPlan, structure: ModelStructure) -> None
             f"the plan has {plan.num_layers} layer strategies but the model has {structure.num_blocks} blocks "
             f"({lists}); give one strategy per block"
         )
-    if plan.pp > 1:
-        raise NotSupportedYet(f"pipeline parallelism (pp={plan.pp}) is not supported yet; use pp=1")
-    if plan.micro_batches > 1:
-        raise NotSupportedYet(f"micro_batches={plan.micro_batches} without a pipeline is not supported yet; use 1")
+    _check_schedule(plan)
     if plan.vocab.sp != "none":
         raise PlanError(
             f"vocab sp={plan.vocab.sp!r}: the embedding and head run on whole sequences (your training_step computes "
@@ -65,6 +64,20 @@ def check_runtime_support(plan: ParallelPlan, structure: ModelStructure) -> None
             raise PlanError(f"layers[{index}] ({structure.block_names[index]}): tp={strategy.tp}, sp={strategy.sp!r}: {reason}")
 
 
+def _check_schedule(plan: ParallelPlan) -> None:
+    """The micro-batch counts ``torch.distributed.pipelining`` accepts for each schedule."""
+    if plan.pp == 1:
+        return
+    m, pp = plan.micro_batches, plan.pp
+    if plan.schedule == "1f1b" and m < pp:
+        raise PlanError(f"schedule '1f1b' with pp={pp} needs at least {pp} micro-batches, got micro_batches={m}")
+    if plan.schedule == "interleaved_1f1b" and m % max(1, m // pp):
+        raise PlanError(
+            f"schedule 'interleaved_1f1b' with pp={pp} runs rounds of {max(1, m // pp)} micro-batches; "
+            f"micro_batches={m} is not a multiple of that, use a multiple of {pp}"
+        )
+
+
 @dataclass
 class _MicroBatch:
     """The stage's micro-batch size of the forward in flight (learned from the first block's input)."""
@@ -79,6 +92,9 @@ class AppliedPlan:
     plan: ParallelPlan
     input_shards: int  # data shards of the input layout: the loss of each is scaled by 1 / input_shards
     hooks: list[Any] = field(default_factory=list)
+    runner: PipelineRunner | None = None  # drives micro-batches / the pipeline; None for one micro-batch, pp=1
+    pipeline_group: dist.ProcessGroup | None = None
+    partition: StagePartition | None = None
 
 
 def apply_plan(
@@ -89,6 +105,7 @@ def apply_plan(
     mp_policy: MixedPrecisionPolicy,
     entry_methods: Sequence[str] = (),
     parallel_loss: bool = False,
+    boundary_dtype: torch.dtype = torch.float32,
 ) -> AppliedPlan:
     """Parallelise ``model`` in place as ``plan`` says.
 
@@ -98,18 +115,32 @@ def apply_plan(
         entry_methods: methods other than ``forward`` through which the root is run (e.g.
             ``training_step``); FSDP gathers the root's parameters around them.
         parallel_loss: with vocabulary parallelism, keep logits sharded (see ``vocab_parallel``).
+        boundary_dtype: dtype of the activations sent between pipeline stages.
     """
     check_runtime_support(plan, structure)
     rank = dist.get_rank()
     stage = Layout(plan.world_size, plan.pp, 1)
+    # Creating a mesh is collective over all ranks; a pipeline stage only uses its own blocks' layouts,
+    # so every rank creates every layout of the plan first, in the same order.
+    for layout in dict.fromkeys([stage, *(Layout.of(plan, s) for s in (plan.vocab, *plan.layers))]):
+        meshes.mesh(layout)
     stage_group = meshes.dp_mesh(stage).get_group()
     position = rank % plan.devices_per_stage
     micro_batch = _MicroBatch()
     vocab_layout = ActivationLayout.of(plan, plan.vocab)
     layouts = [ActivationLayout.of(plan, s) for s in plan.layers]
     applied = AppliedPlan(plan, input_shards=vocab_layout.layout.dp)
+    all_blocks = structure.blocks
+    vocabulary = find_vocabulary_layers(structure) if plan.vocab.tp > 1 or plan.pp > 1 else None
 
-    for index, (block, strategy) in enumerate(zip(structure.blocks, plan.layers)):
+    local_blocks = range(plan.num_layers)
+    if plan.pp > 1:
+        applied.partition = StagePartition(structure, plan, rank, boundary_dtype)
+        local_blocks = applied.partition.local_blocks
+        applied.pipeline_group = meshes.mesh(stage)["pp"].get_group()
+
+    for index in local_blocks:
+        block, strategy = all_blocks[index], plan.layers[index]
         source = layouts[index - 1] if index else vocab_layout
         applied.hooks.append(
             _relocate_inputs(block, source, layouts[index], micro_batch, position, stage_group, first=index == 0)
@@ -125,15 +156,59 @@ def apply_plan(
         if strategy.recompute:
             apply_recompute(block)
         apply_data_parallel(block, strategy, _gradient_mesh(meshes, plan, strategy), mp_policy)
-    applied.hooks.append(_relocate_output(structure.blocks[-1], layouts[-1], vocab_layout, micro_batch, position, stage_group))
+    if plan.num_layers - 1 in local_blocks:
+        applied.hooks.append(_relocate_output(all_blocks[-1], layouts[-1], vocab_layout, micro_batch, position, stage_group))
 
-    if plan.vocab.tp > 1:
+    if vocabulary is not None and plan.vocab.tp > 1:
         vocab_tp_mesh = meshes.tp_mesh(Layout.of(plan, plan.vocab))
-        apply_vocab_parallel(find_vocabulary_layers(structure), vocab_tp_mesh, parallel_loss)
-    apply_data_parallel(model, plan.vocab, meshes.dp_mesh(Layout.of(plan, plan.vocab)), mp_policy)
-    for name in entry_methods:
-        register_fsdp_forward_method(model, name)
+        apply_vocab_parallel(vocabulary.present_in(model), vocab_tp_mesh, parallel_loss)
+    vocab_dp_mesh = meshes.dp_mesh(Layout.of(plan, plan.vocab))
+    if applied.partition is None:
+        apply_data_parallel(model, plan.vocab, vocab_dp_mesh, mp_policy)
+        for name in entry_methods:
+            register_fsdp_forward_method(model, name)
+    else:
+        # Pipelined: the step stops early on most stages, so no FSDP root wraps the whole step; each layer
+        # outside the blocks is data-parallel on its own (hooked on its own forward calls).
+        for module in applied.partition.vocabulary_modules:
+            apply_data_parallel(module, plan.vocab, vocab_dp_mesh, mp_policy)
+
+    if plan.pp > 1 or plan.micro_batches > 1:
+        applied.runner = PipelineRunner(
+            plan,
+            applied.partition,
+            applied.pipeline_group,
+            _tied_weights_group(plan, applied.partition, position),
+            _device_of(model),
+            set_micro_batch_size=lambda size: setattr(micro_batch, "size", size),
+            input_shards=applied.input_shards,
+            boundary_shape=lambda block, batch, seq: layouts[block].local_shape(position, batch, seq),
+            hidden_size=_hidden_size(vocabulary),
+        )
     return applied
+
+
+def _hidden_size(vocabulary: VocabularyLayers | None) -> int | None:
+    """Width of the residual stream (what pipeline stages exchange): the token embedding's width."""
+    if vocabulary is None:
+        return None
+    if vocabulary.embedding is None:
+        raise PlanError("pipeline parallelism needs the token embedding (an nn.Embedding before the blocks)")
+    return vocabulary.embedding.embedding_dim
+
+
+def _tied_weights_group(plan: ParallelPlan, partition: StagePartition | None, position: int) -> dist.ProcessGroup | None:
+    """First and last stage ranks at this position, when they share weights (created on every rank)."""
+    if partition is None or not partition.has_tied_weights:
+        return None
+    n, last = plan.devices_per_stage, plan.pp - 1
+    groups = [dist.new_group([p, last * n + p]) for p in range(n)]  # collective: all ranks, same order
+    return groups[position] if partition.is_first or partition.is_last else None
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
 def _gradient_mesh(meshes: MeshCache, plan: ParallelPlan, strategy: LayerStrategy):  # noqa: ANN202

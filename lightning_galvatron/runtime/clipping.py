@@ -22,9 +22,12 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     *,
     pipeline_group: dist.ProcessGroup | None = None,
+    norm_excluded: frozenset[int] | set[int] = frozenset(),
 ) -> torch.Tensor:
     """Scale gradients in place so that their global ``norm_type``-norm is at most ``max_norm``.
 
+    ``norm_excluded`` holds ids of parameters whose gradient another pipeline stage already counts
+    (a weight shared by the first and last stage); they are clipped but not counted twice.
     Returns the global norm before clipping (a plain tensor, equal on every rank).
     """
     groups: dict[object, list[torch.nn.Parameter]] = defaultdict(list)
@@ -34,7 +37,10 @@ def clip_grad_norm_(
     norm_type = float(norm_type)
     norms = []
     for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        counted = [p.grad for p in params if id(p) not in norm_excluded]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     # Every rank must join the pipeline reduction, even one without gradients.
     stacked = torch.stack([n.float() for n in norms]) if norms else torch.zeros(1)

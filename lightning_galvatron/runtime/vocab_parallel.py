@@ -30,14 +30,18 @@ from lightning_galvatron.plan import PlanError
 
 @dataclass(frozen=True)
 class VocabularyLayers:
-    embedding: nn.Embedding
+    embedding: nn.Embedding | None
     head: nn.Linear | None
-    embedding_name: str
-    head_name: str | None
+    tied: bool = False
 
-    @property
-    def tied(self) -> bool:
-        return self.head is not None and self.head.weight is self.embedding.weight
+    def present_in(self, root: nn.Module) -> VocabularyLayers:
+        """The layers this rank still holds (a pipeline keeps the embedding first, the head last)."""
+        held = {id(m) for m in root.modules()}
+        return VocabularyLayers(
+            self.embedding if id(self.embedding) in held else None,
+            self.head if id(self.head) in held else None,
+            self.tied,
+        )
 
 
 def find_vocabulary_layers(structure: ModelStructure) -> VocabularyLayers:
@@ -46,13 +50,13 @@ def find_vocabulary_layers(structure: ModelStructure) -> VocabularyLayers:
     outside = [(n, m) for n, m in structure.root.named_modules() if id(m) not in in_blocks]
     embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding)]
     linears = [(n, m) for n, m in outside if isinstance(m, nn.Linear)]
-    for head_name, head in sorted(linears, key=lambda item: -item[1].out_features):
-        for emb_name, emb in embeddings:
+    for _, head in sorted(linears, key=lambda item: -item[1].out_features):
+        for _, emb in embeddings:
             if emb.num_embeddings == head.out_features and emb.embedding_dim == head.in_features:
-                return VocabularyLayers(emb, head, emb_name, head_name)
+                return VocabularyLayers(emb, head, tied=head.weight is emb.weight)
     if embeddings:
-        name, emb = max(embeddings, key=lambda item: item[1].num_embeddings)
-        return VocabularyLayers(emb, None, name, None)
+        _, emb = max(embeddings, key=lambda item: item[1].num_embeddings)
+        return VocabularyLayers(emb, None)
     raise PlanError(
         "vocabulary parallelism (vocab tp > 1) needs an nn.Embedding token table outside the blocks; none was found, "
         "use vocab tp=1"
@@ -60,14 +64,15 @@ def find_vocabulary_layers(structure: ModelStructure) -> VocabularyLayers:
 
 
 def apply_vocab_parallel(layers: VocabularyLayers, tp_mesh: DeviceMesh, parallel_loss: bool = False) -> None:
-    """Split embedding and head rows over ``tp_mesh``."""
-    tied = layers.tied
-    parallelize_module(layers.embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
-    if layers.head is None:
-        return
-    output = Shard(-1) if parallel_loss else Replicate()
-    parallelize_module(layers.head, tp_mesh, ColwiseParallel(output_layouts=output, use_local_output=not parallel_loss))
-    if tied:
+    """Split embedding and head rows over ``tp_mesh`` (either may be absent on a pipeline stage)."""
+    if layers.embedding is not None:
+        parallelize_module(
+            layers.embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        )
+    if layers.head is not None:
+        output = Shard(-1) if parallel_loss else Replicate()
+        parallelize_module(layers.head, tp_mesh, ColwiseParallel(output_layouts=output, use_local_output=not parallel_loss))
+    if layers.tied and layers.embedding is not None and layers.head is not None:
         layers.head.weight = layers.embedding.weight  # both are Shard(0) over the same mesh
 
 

@@ -1,0 +1,514 @@
+"""Pipeline stages and micro-batches around the user's own step function.
+
+The plan cuts the blocks into ``pp * virtual_stages`` chunks; chunk ``c`` runs on pipeline stage
+``c % pp``. Each rank keeps only its chunks' blocks (the others are removed from their container
+*by key*, so the remaining parameter names do not change), the layers before the blocks only on
+the first stage and those after only on the last.
+
+The user's model code and ``training_step`` are not split by hand. For every micro-batch, each
+stage runs the user's step function; while it runs, iterating over a block container yields only
+the blocks of the chunk being executed:
+
+- the first of them receives the activation sent by the previous stage instead of its input (what
+  the layers before it computed is discarded; on later stages those layers are parameter-free
+  stand-ins that return zeros of the right shape);
+- after the last of them the step is cut short and the activation is handed to
+  ``torch.distributed.pipelining``, which sends it on -- in the sending block's layout; the
+  receiving block relocates it on arrival like any other input;
+- on the last stage the step runs to its end and returns the micro-batch loss.
+
+``torch.distributed.pipelining`` (``PipelineStage``, GPipe, 1F1B, interleaved 1F1B) orders the
+forward and backward passes. Without a pipeline (``pp = 1``) but with several micro-batches, the
+micro-batches simply run one after another. Either way the micro-batch losses are scaled by the
+caller (``loss_scale``) before backward, never the gradients afterwards, so gradient accumulation
+across optimizer steps stays exact.
+
+Layers outside the blocks are recognised by registration order: modules with parameters registered
+before the first block container belong to the first stage, those after it to the last one (the
+order of ``__init__`` in nanoGPT, GPT-2, Llama and most models). Weights shared between them (a
+tied embedding and head) live on both end stages; their gradients are summed across the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_galvatron.model.discovery import ModelStructure
+from lightning_galvatron.plan import ParallelPlan, PlanError
+
+_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+class _Boundary(Exception):
+    """Raised after the last block of a non-final chunk to stop the step and hand over the activation."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+
+class PipelineUsageError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Chunk:
+    index: int
+    blocks: range  # global block indices
+    final: bool
+    received: torch.Tensor | None = None
+
+
+# ----------------------------------------------------------------------------------------- partitioning
+def _vocabulary_modules(structure: ModelStructure) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """Modules with parameters outside the blocks, split into (before the blocks, after the blocks)."""
+    containers = {id(bl.container) for bl in structure.block_lists}
+    in_blocks = {id(m) for block in structure.blocks for m in block.modules()}
+    before, after, seen_blocks = [], [], False
+    for name, module in structure.root.named_modules():
+        if id(module) in containers:
+            seen_blocks = True
+            continue
+        if id(module) in in_blocks or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        (after if seen_blocks else before).append((name, module))
+    return before, after
+
+
+class _FirstStageOnly(nn.Module):
+    """Parameter-free stand-in for a layer before the blocks, on stages that discard its output."""
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        self.kind = type(original).__name__
+        if isinstance(original, nn.Embedding):
+            self.features: int | None = original.embedding_dim
+        elif isinstance(original, nn.Linear):
+            self.features = original.out_features
+        else:
+            self.features = None  # shape-preserving (norms, scalings)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.features is None:
+            return x
+        shape = (*x.shape, self.features) if self.kind == "Embedding" else (*x.shape[:-1], self.features)
+        return torch.zeros(shape, device=x.device, dtype=torch.get_default_dtype())
+
+
+class _LastStageOnly(nn.Module):
+    """Stand-in for a layer after the blocks on stages that never reach it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineUsageError(
+            f"{self.name} runs after the Transformer blocks, so with pipeline parallelism it lives on the last stage "
+            "only; it was called on another stage (is it also used before the blocks?)"
+        )
+
+
+def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, attr, module)
+
+
+# ----------------------------------------------------------------------------------------- the gate
+class _BlockCall:
+    """What the user's loop calls instead of a block while a chunk runs."""
+
+    def __init__(self, block: nn.Module, receive: torch.Tensor | None, hand_over: torch.dtype | None) -> None:
+        self.block, self.receive, self.hand_over = block, receive, hand_over
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.receive is not None:
+            args, kwargs = _replace_hidden(args, kwargs, self.receive)
+        out = self.block(*args, **kwargs)
+        if self.hand_over is not None:
+            hidden = out if isinstance(out, torch.Tensor) else out[0]
+            raise _Boundary(hidden.to(self.hand_over))
+        return out
+
+
+def _replace_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return (*args[:i], hidden, *args[i + 1 :]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": hidden}
+    raise PipelineUsageError("a block was called without a hidden-states tensor")
+
+
+class _Gate:
+    """While a chunk runs, block containers yield that chunk's blocks (as :class:`_BlockCall`)."""
+
+    def __init__(self, index_of: dict[int, int], boundary_dtype: torch.dtype) -> None:
+        self.index_of = index_of  # id(block) -> global block index
+        self.boundary_dtype = boundary_dtype
+        self.chunk: _Chunk | None = None
+
+    def calls(self, blocks: Sequence[nn.Module]) -> list[_BlockCall]:
+        chunk = self.chunk
+        if chunk is None:
+            raise PipelineUsageError(
+                "with pipeline parallelism the model runs only inside the Lightning steps (training, validation, "
+                "test, predict), where the strategy drives the pipeline schedule"
+            )
+        chosen = [b for b in blocks if self.index_of.get(id(b), -1) in chunk.blocks]
+        first, last = chunk.blocks[0], chunk.blocks[-1]
+        return [
+            _BlockCall(
+                b,
+                receive=chunk.received if self.index_of[id(b)] == first else None,
+                hand_over=self.boundary_dtype if self.index_of[id(b)] == last and not chunk.final else None,
+            )
+            for b in chosen
+        ]
+
+
+def _gated_class(cls: type, gate: _Gate) -> type:
+    def __iter__(self):  # noqa: ANN001, ANN202, N807
+        return iter(gate.calls(list(self._modules.values())))
+
+    def __getitem__(self, index):  # noqa: ANN001, ANN202, N807
+        if isinstance(index, slice):
+            return gate.calls(list(self._modules.values())[index])
+        return cls.__getitem__(self, index)
+
+    return type(f"Pipelined{cls.__name__}", (cls,), {"__iter__": __iter__, "__getitem__": __getitem__})
+
+
+# ----------------------------------------------------------------------------------------- the stage
+class StagePartition:
+    """This rank's share of the model: its chunks, and what was removed or stood in for.
+
+    Activations cross stages in ``boundary_dtype`` (fixed, so that every stage knows the shapes and
+    dtypes it will receive before the first micro-batch runs).
+    """
+
+    def __init__(self, structure: ModelStructure, plan: ParallelPlan, rank: int, boundary_dtype: torch.dtype) -> None:
+        if structure.num_blocks != plan.num_layers:
+            raise PlanError(f"the plan has {plan.num_layers} layer strategies but the model has {structure.num_blocks} blocks")
+        self.plan = plan
+        self.stage = rank // plan.devices_per_stage
+        num_chunks = plan.pp * plan.virtual_stages
+        self.chunks = [
+            _Chunk(c, plan.chunk_layers(c), final=c == num_chunks - 1) for c in range(self.stage, num_chunks, plan.pp)
+        ]
+        self.is_first = self.stage == 0
+        self.is_last = self.stage == plan.pp - 1
+        self.local_blocks = [i for chunk in self.chunks for i in chunk.blocks]
+
+        before, after = _vocabulary_modules(structure)
+        if any(name == "" for name, _ in before):
+            loose = [n for n, _ in structure.root.named_parameters(recurse=False)]
+            raise PlanError(
+                f"{type(structure.root).__name__} holds parameters itself ({', '.join(loose)}); with pipeline "
+                "parallelism every parameter outside the blocks must belong to a submodule (e.g. an nn.Embedding)"
+            )
+        before_params = {id(p) for _, m in before for p in m.parameters()}
+        # Where this stage holds each weight shared by the first and last stage: (module, attribute).
+        after_params = {id(p) for _, m in after for p in m.parameters()}
+        self._has_tied = bool(before_params & after_params)  # known on every stage: the group is collective
+        holders = before if self.is_first else after if self.is_last else []
+        self._tied_slots = [
+            (m, name)
+            for _, m in holders
+            for name, p in m.named_parameters(recurse=False)
+            if id(p) in before_params and id(p) in after_params
+        ]
+        # The layers outside the blocks that this stage runs, grouped for data parallelism by the caller.
+        self.vocabulary_modules = [m for _, m in (before if self.is_first else []) + (after if self.is_last else [])]
+
+        # Remove the blocks of other stages, by key so that the remaining names do not change.
+        local = set(self.local_blocks)
+        index_of: dict[int, int] = {}
+        index = 0
+        for block_list in structure.block_lists:
+            for key, block in list(block_list.container._modules.items()):
+                if index in local:
+                    index_of[id(block)] = index
+                else:
+                    del block_list.container._modules[key]
+                index += 1
+        self.gate = _Gate(index_of, boundary_dtype)
+        self.boundary_dtype = boundary_dtype
+        for block_list in structure.block_lists:
+            container = block_list.container
+            container.__class__ = _gated_class(type(container), self.gate)
+        if not self.is_first:
+            for name, module in before:
+                _replace(structure.root, name, _FirstStageOnly(module))
+        if not self.is_last:
+            for name, _ in after:
+                _replace(structure.root, name, _LastStageOnly(name))
+
+    @property
+    def has_tied_weights(self) -> bool:
+        return self._has_tied
+
+    @property
+    def tied(self) -> list[nn.Parameter]:
+        """This stage's copies of weights shared by the first and last stage (as they are now: sharding
+        replaces parameter objects)."""
+        return [getattr(module, name) for module, name in self._tied_slots]
+
+    @contextmanager
+    def running(self, chunk: _Chunk, received: torch.Tensor | None) -> Iterator[None]:
+        chunk.received = received
+        self.gate.chunk = chunk
+        try:
+            yield
+        finally:
+            self.gate.chunk = None
+            chunk.received = None
+
+
+class _ChunkModule(nn.Module):
+    """The ``nn.Module`` a ``PipelineStage`` drives: one chunk of the user's step on one micro-batch."""
+
+    def __init__(self, runner: PipelineRunner, chunk: _Chunk) -> None:
+        super().__init__()
+        self._runner = [runner]  # a list: not registered as a submodule
+        self.chunk = chunk
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self._runner[0]._run_chunk(self.chunk, inputs)
+
+
+# ----------------------------------------------------------------------------------------- the runner
+StepFn = Callable[[Any], Any]
+
+
+class PipelineRunner:
+    """Runs a step function over micro-batches, through the pipeline schedule when ``pp > 1``.
+
+    Args:
+        plan: the plan.
+        partition: this rank's stage (see :class:`StagePartition`); ``None`` when ``pp == 1``.
+        pipeline_group: the ranks at this rank's position on every stage (``None`` when ``pp == 1``).
+        tied_group: the first and last stage ranks at this position, when they share weights.
+        boundary_shape: local ``(batch, seq)`` of the activation leaving block ``i`` on this rank, for a
+            stage-wide micro-batch of ``batch`` samples of length ``seq``: ``boundary_shape(i, batch, seq)``.
+        hidden_size: width of the activations between blocks.
+        set_micro_batch_size: told the stage-wide micro-batch size before each micro-batch runs
+            (the relocation between layouts needs it).
+        input_shards: data shards of the input layout (the stage-wide micro-batch is
+            ``input_shards`` times the local one).
+    """
+
+    def __init__(
+        self,
+        plan: ParallelPlan,
+        partition: StagePartition | None,
+        pipeline_group: dist.ProcessGroup | None,
+        tied_group: dist.ProcessGroup | None,
+        device: torch.device,
+        set_micro_batch_size: Callable[[int], None],
+        input_shards: int,
+        boundary_shape: Callable[[int, int, int], tuple[int, int]] | None = None,
+        hidden_size: int | None = None,
+    ) -> None:
+        self.plan = plan
+        self._boundary_shape = boundary_shape
+        self._hidden_size = hidden_size
+        self.partition = partition
+        self.group = pipeline_group
+        self._tied_group = tied_group
+        self.device = device
+        self._set_micro_batch_size = set_micro_batch_size
+        self._input_shards = input_shards
+        self._schedules: dict[tuple[int, bool, int, int], Any] = {}
+        self._step: StepFn | None = None
+        self._micro_batches: list[Any] = []
+        self._next: dict[int, int] = {}
+        self._outputs: list[Any] = []
+        self._last_rank = dist.get_process_group_ranks(pipeline_group)[-1] if pipeline_group is not None else None
+
+    # ------------------------------------------------------------------ public
+    def run(self, batch: Any, step: StepFn, loss_scale: float, train: bool) -> list[Any]:
+        """Run ``step`` on the micro-batches of ``batch``; backward too when ``train``.
+
+        Returns the step's outputs per micro-batch on the last stage (an empty list elsewhere). The
+        loss returned by each micro-batch is multiplied by ``loss_scale`` before backward.
+        """
+        micro_batches = split_micro_batches(batch, self.plan.micro_batches)
+        if self.partition is None:
+            return self._run_sequentially(micro_batches, step, loss_scale, train)
+        self._step, self._micro_batches, self._outputs = step, micro_batches, []
+        self._next = {chunk.index: 0 for chunk in self.partition.chunks}
+        try:
+            self._run_schedule(loss_scale, train)
+        finally:
+            self._step, self._micro_batches = None, []
+        if train and self._tied_group is not None:
+            self._sum_tied_gradients()
+        return self._outputs
+
+    def broadcast_from_last_stage(self, obj: Any) -> Any:
+        """Give every stage (at this position) the last stage's ``obj``."""
+        if self.group is None:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=self._last_rank, group=self.group)
+        return holder[0]
+
+    # ------------------------------------------------------------------ execution
+    def _run_sequentially(self, micro_batches: list[Any], step: StepFn, loss_scale: float, train: bool) -> list[Any]:
+        """No pipeline: the micro-batches one after another, each with its backward (gradients accumulate)."""
+        outputs = []
+        for micro_batch in micro_batches:
+            self._set_micro_batch_size(_leading_size(micro_batch) * self._input_shards)
+            out = step(micro_batch)
+            outputs.append(out)
+            loss = _loss_of(out)
+            if train and loss is not None:
+                (loss * loss_scale).backward()
+        return outputs
+
+    def _run_schedule(self, loss_scale: float, train: bool) -> None:
+        m = len(self._micro_batches)
+        schedule = self._schedule(m, train, loss_scale, _leading_size(self._micro_batches[0]), _sequence_length(self._micro_batches[0]))
+        kwargs: dict[str, Any] = {}
+        if self.partition.is_last:
+            kwargs["target"] = torch.zeros(m, device=self.device)
+        args = (torch.arange(m, device=self.device),) if self.partition.is_first else ()
+        if train:
+            schedule.step(*args, return_outputs=False, **kwargs)
+        else:
+            schedule.eval(*args, return_outputs=False, **kwargs)
+
+    def _schedule(self, m: int, train: bool, loss_scale: float, local_batch: int, seq: int) -> Any:
+        """One schedule per (micro-batches, mode, shape), with the stages' tensor shapes given up front.
+
+        Given shapes, ``PipelineStage`` needs no trial forward pass to discover them (which would run the
+        user's step, collectives included, on placeholder data).
+        """
+        key = (m, train, local_batch, seq)
+        if key not in self._schedules:
+            assert self.partition is not None and self._boundary_shape is not None and self._hidden_size is not None
+            num_chunks = self.plan.pp * self.plan.virtual_stages
+            batch = local_batch * self._input_shards
+            dtype = self.partition.boundary_dtype
+
+            def activation(block: int) -> torch.Tensor:
+                shape = (*self._boundary_shape(block, batch, seq), self._hidden_size)
+                return torch.empty(shape, dtype=dtype, device="meta", requires_grad=train)  # received -> grad sent back
+
+            stages = []
+            for chunk in self.partition.chunks:
+                received = activation(chunk.blocks[0] - 1) if chunk.index else None
+                sent = None if chunk.final else activation(chunk.blocks[-1])
+                stages.append(
+                    PipelineStage(
+                        _ChunkModule(self, chunk),
+                        chunk.index,
+                        num_chunks,
+                        self.device,
+                        input_args=received if received is not None else torch.empty(1, dtype=torch.long, device="meta"),
+                        output_args=sent if sent is not None else torch.empty((), device="meta"),
+                        input_grads=received,  # gradients have their activation's shape and dtype
+                        output_grads=sent,
+                        group=self.group,
+                    )
+                )
+            schedule_cls = _SCHEDULES[self.plan.schedule]
+            loss_fn = _ScaledLoss(loss_scale)
+            if self.plan.schedule == "interleaved_1f1b":
+                schedule = schedule_cls(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+            else:
+                (stage,) = stages
+                schedule = schedule_cls(stage, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+            self._schedules[key] = (schedule, loss_fn)
+        schedule, loss_fn = self._schedules[key]
+        loss_fn.scale = loss_scale
+        return schedule
+
+    def _run_chunk(self, chunk: _Chunk, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        assert self._step is not None
+        index = self._next[chunk.index]
+        self._next[chunk.index] = index + 1
+        micro_batch = self._micro_batches[index]
+        self._set_micro_batch_size(_leading_size(micro_batch) * self._input_shards)
+        received = inputs[0] if chunk.index > 0 else None
+        with self.partition.running(chunk, received):
+            try:
+                out = self._step(micro_batch)
+            except _Boundary as boundary:
+                return boundary.hidden
+        if not chunk.final:
+            raise PipelineUsageError(
+                "the step finished before reaching the last block of this pipeline stage; with pipeline parallelism "
+                "every step must run all Transformer blocks in order"
+            )
+        self._outputs.append(out)
+        loss = _loss_of(out)
+        return torch.zeros((), device=self.device) if loss is None else loss.float()  # None: a step that only logs
+
+    def _sum_tied_gradients(self) -> None:
+        assert self.partition is not None
+        for param in self.partition.tied:
+            if param.grad is not None:
+                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                dist.all_reduce(grad, group=self._tied_group)
+
+
+class _ScaledLoss:
+    """The pipeline's loss function: the stage output already is the micro-batch loss."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return output * self.scale
+
+
+def _loss_of(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+        return out["loss"]
+    return None
+
+
+def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
+    """Split every tensor of a (nested) batch into ``micro_batches`` equal parts along dim 0."""
+    if micro_batches == 1:
+        return [batch]
+    leaves, spec = tree_flatten(batch)
+    size = _leading_size(batch)
+    if size % micro_batches:
+        raise PlanError(
+            f"a local batch of {size} samples cannot be split into {micro_batches} micro-batches; make the "
+            f"DataLoader's batch a multiple of {micro_batches} per data shard"
+        )
+    parts = [leaf.chunk(micro_batches) if isinstance(leaf, torch.Tensor) else [leaf] * micro_batches for leaf in leaves]
+    return [tree_unflatten([p[i] for p in parts], spec) for i in range(micro_batches)]
+
+
+def _sequence_length(batch: Any) -> int:
+    """Length of the sequences in a batch: the second dimension of its first tensor with one."""
+    leaves, _ = tree_flatten(batch)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 1:
+            return leaf.shape[1]
+    raise PlanError("pipeline parallelism needs batches of sequences ([batch, seq, ...] tensors)")
+
+
+def _leading_size(batch: Any) -> int:
+    leaves, _ = tree_flatten(batch)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return leaf.shape[0]
+    raise PlanError("a batch without tensors cannot be split into micro-batches")
