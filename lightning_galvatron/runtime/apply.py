@@ -45,6 +45,12 @@ def check_runtime_support(plan: ParallelPlan, structure: ModelStructure) -> None
             f"({lists}); give one strategy per block"
         )
     _check_schedule(plan)
+    if plan.pp > 1 and len(structure.block_lists) > 1:
+        lists = ", ".join(bl.path for bl in structure.block_lists)
+        raise PlanError(
+            f"pipeline parallelism over several block lists ({lists}) is not supported: the decoder's stages would "
+            "need the encoder's output; use pp=1 (every other kind of parallelism works per block)"
+        )
     if plan.vocab.sp != "none":
         raise PlanError(
             f"vocab sp={plan.vocab.sp!r}: the embedding and head run on whole sequences (your training_step computes "
@@ -131,6 +137,7 @@ def apply_plan(
     layouts = [ActivationLayout.of(plan, s) for s in plan.layers]
     applied = AppliedPlan(plan, input_shards=vocab_layout.layout.dp)
     all_blocks = structure.blocks
+    starts, ends = _block_list_bounds(structure)  # before a pipeline stage removes other stages' blocks
     vocabulary = find_vocabulary_layers(structure) if plan.vocab.tp > 1 or plan.pp > 1 else None
 
     local_blocks = range(plan.num_layers)
@@ -139,9 +146,12 @@ def apply_plan(
         local_blocks = applied.partition.local_blocks
         applied.pipeline_group = meshes.mesh(stage)["pp"].get_group()
 
+    # Each block list (an encoder, a decoder) starts from and returns to the vocabulary layout: its first
+    # block reads embeddings, its last block's output is used by layers outside the blocks (or as the
+    # decoder's memory, which then reaches each decoder block along the batch).
     for index in local_blocks:
         block, strategy = all_blocks[index], plan.layers[index]
-        source = layouts[index - 1] if index else vocab_layout
+        source = vocab_layout if index in starts else layouts[index - 1]
         applied.hooks.append(
             _relocate_inputs(block, source, layouts[index], micro_batch, position, stage_group, first=index == 0)
         )
@@ -156,8 +166,9 @@ def apply_plan(
         if strategy.recompute:
             apply_recompute(block)
         apply_data_parallel(block, strategy, _gradient_mesh(meshes, plan, strategy), mp_policy)
-    if plan.num_layers - 1 in local_blocks:
-        applied.hooks.append(_relocate_output(all_blocks[-1], layouts[-1], vocab_layout, micro_batch, position, stage_group))
+    for end in ends:
+        if end in local_blocks:
+            applied.hooks.append(_relocate_output(all_blocks[end], layouts[end], vocab_layout, micro_batch, position, stage_group))
 
     if vocabulary is not None and plan.vocab.tp > 1:
         vocab_tp_mesh = meshes.tp_mesh(Layout.of(plan, plan.vocab))
@@ -195,6 +206,17 @@ def _hidden_size(vocabulary: VocabularyLayers | None) -> int | None:
     if vocabulary.embedding is None:
         raise PlanError("pipeline parallelism needs the token embedding (an nn.Embedding before the blocks)")
     return vocabulary.embedding.embedding_dim
+
+
+def _block_list_bounds(structure: ModelStructure) -> tuple[set[int], set[int]]:
+    """Global indices of the first and of the last block of every block list."""
+    starts, ends, offset = set(), set(), 0
+    for block_list in structure.block_lists:
+        count = len(block_list.blocks)
+        starts.add(offset)
+        ends.add(offset + count - 1)
+        offset += count
+    return starts, ends
 
 
 def _tied_weights_group(plan: ParallelPlan, partition: StagePartition | None, position: int) -> dist.ProcessGroup | None:
