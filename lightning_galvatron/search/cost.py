@@ -119,12 +119,12 @@ class StageContext:
 def accumulates_unsharded_gradients(pp: int, micro_batches: int) -> bool:
     """Whether ZeRO blocks keep unsharded gradients across the micro-batches of a step.
 
-    Assumption, to be calibrated against the runtime: under a pipeline with several
-    micro-batches FSDP2 accumulates unsharded gradients (in the reduce dtype) and reduce-scatters
-    once at the end of the step; without a pipeline it reduce-scatters after every micro-batch,
-    so gradients stay sharded and the reduction is paid ``m`` times.
+    The runtime lets FSDP2 reduce(-scatter) the gradients after every micro-batch's backward, with
+    or without a pipeline (``PipelineStage`` does not wrap our FSDP modules, so it never switches
+    gradient synchronisation off): gradients stay sharded and the reduction is paid ``m`` times.
+    Kept as a function so that a runtime that accumulates unsharded gradients can say so here.
     """
-    return pp > 1 and micro_batches > 1
+    return False
 
 
 def ranks_per_node(group_size: int, stride: int, devices_per_node: int, world_size: int) -> int:
@@ -275,8 +275,8 @@ def data_parallel_comm_times(cm: CostModel, sa: StrategyArrays, ctx: StageContex
     backward_gather = np.where(sa.dp_code == 2, gather, 0.0)
     if accumulates_unsharded_gradients(ctx.pp, ctx.micro_batches):
         per_micro_batch, per_step = 0.0, np.where(zero, scatter, allreduce)
-    else:
-        per_micro_batch, per_step = np.where(zero, scatter, 0.0), np.where(zero, 0.0, allreduce)
+    else:  # every micro-batch's backward reduces its gradients (FSDP2's replicate all-reduces as well)
+        per_micro_batch, per_step = np.where(zero, scatter, allreduce), np.zeros_like(scatter)
     return forward_gather, backward_gather + per_micro_batch, per_step
 
 
