@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_galvatron.search.report import describe_estimate, describe_search
 from lightning_galvatron.units import format_bytes, parse_bytes
 
 _REGISTRARS: list[Callable[[Any], None]] = []
@@ -185,24 +186,11 @@ def _cmd_search(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
-    print(f"Best plan for {profile.model.name} ({profile.model.num_blocks} blocks) on {args.world_size} devices, "
-          f"{format_bytes(budget)} per device, global batch {result.global_batch_size}")
-    print(_describe_estimate(result.estimate))
-    if result.baselines:
-        print("\nUniform baselines (same cost model):")
-        rows = [("baseline", "samples/s", "step", "peak memory", "plan")]
-        for b in result.baselines:
-            e = b.estimate
-            if e is None:
-                rows.append((b.name, "-", "-", "-", "not executable here"))
-                continue
-            speed = f"{e.throughput_samples_per_s:.2f}" if b.fits else "does not fit"
-            rows.append((b.name, speed, f"{e.step_time_s:.3f} s", format_bytes(e.peak_memory_bytes), _plan_summary(e.plan)))
-        print(_table(rows))
-    for note in result.notes:
-        print(f"note: {note}")
-    print(f"\nSearch took {result.search_time_s:.2f} s ({result.shapes_considered} pipeline shapes, "
-          f"{result.shapes_solved} solved by DP; memory tolerance {result.memory_tolerance:g})")
+    title = (
+        f"Best plan for {profile.model.name} ({profile.model.num_blocks} blocks) on {args.world_size} devices, "
+        f"{format_bytes(budget)} per device, global batch {result.global_batch_size}"
+    )
+    print(describe_search(result, title))
     if args.output:
         print(f"Plan written to {args.output}")
     return 0
@@ -250,7 +238,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         print(json.dumps(estimate.to_dict(), indent=2))
         return 0
     print(f"Plan {args.plan} for {profile.model.name} on {plan.world_size} devices, global batch {estimate.global_batch_size}")
-    print(_describe_estimate(estimate))
+    print(describe_estimate(estimate))
     for warning in estimate.warnings:
         print(f"warning: {warning}")
     return 0
@@ -304,60 +292,6 @@ def _cmd_import_galvatron(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- formatting
-def _plan_summary(plan: Any) -> str:
-    kinds = sorted({s.short() for s in plan.layers})
-    head = f"pp{plan.pp}"
-    if plan.pp > 1:
-        head += f" {plan.schedule}" + (f"x{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
-    return f"{head} m{plan.micro_batches} [{', '.join(kinds)}] vocab {plan.vocab.short()}"
-
-
-def _describe_estimate(estimate: Any) -> str:
-    plan = estimate.plan
-    lines = [
-        f"pp={plan.pp}  schedule={plan.schedule}  micro-batches={plan.micro_batches}"
-        + (f"  virtual stages={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
-        + (f"  partition={list(plan.chunk_sizes)}" if plan.pp > 1 else "")
-        + f"  embedding/head: {plan.vocab.short()}",
-        "",
-    ]
-    rows = [("blocks", "stage", "strategy", "memory/device", "time/micro-batch")]
-    blocks = list(estimate.blocks)
-    i = 0
-    while i < len(blocks):
-        j = i
-        while j + 1 < len(blocks) and blocks[j + 1].strategy == blocks[i].strategy and blocks[j + 1].stage == blocks[i].stage and blocks[j + 1].index == blocks[j].index + 1:
-            j += 1
-        group = blocks[i : j + 1]
-        label = str(group[0].index) if i == j else f"{group[0].index}-{group[-1].index}"
-        per = " each" if i != j else ""
-        rows.append((label, str(group[0].stage), group[0].strategy.short(), format_bytes(group[0].memory_bytes) + per, f"{group[0].time_per_micro_batch_s * 1e3:.2f} ms" + per))
-        i = j + 1
-    lines.append(_table(rows))
-    lines.append("")
-    rows = [("stage", "peak memory", "block states", "activations", "embedding/head", "working", "overhead", "time/micro-batch")]
-    for s in estimate.stages:
-        rows.append((
-            str(s.stage), format_bytes(s.peak_memory_bytes), format_bytes(s.block_state_bytes), format_bytes(s.block_activation_bytes),
-            format_bytes(s.vocab_bytes), format_bytes(s.working_bytes), format_bytes(s.overhead_bytes), f"{s.time_per_micro_batch_s * 1e3:.1f} ms",
-        ))
-    lines.append(_table(rows))
-    fits = "" if estimate.fits is None else ("  (fits the budget)" if estimate.fits else f"  (DOES NOT FIT {format_bytes(estimate.memory_budget_bytes)})")
-    lines.append("")
-    lines.append(
-        f"Predicted: step {estimate.step_time_s:.3f} s, {estimate.throughput_samples_per_s:.2f} samples/s, "
-        f"peak {format_bytes(estimate.peak_memory_bytes)} per device{fits}"
-    )
-    return "\n".join(lines)
-
-
-def _table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
-
-
-
-
 # ---------------------------------------------------------------------------------------------- consolidate
 @subcommand
 def _register_consolidate(subparsers: Any) -> None:

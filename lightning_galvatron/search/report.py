@@ -1,0 +1,82 @@
+"""Plain-text reports of a search and of a plan's predicted costs (shared by the CLI and the strategy)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_galvatron.units import format_bytes
+
+
+def describe_search(result: Any, title: str) -> str:
+    """The best plan's per-block table and stage breakdown, the uniform baselines and the search's cost."""
+    lines = [title, describe_estimate(result.estimate)]
+    if result.baselines:
+        lines.append("\nUniform baselines (same cost model):")
+        rows = [("baseline", "samples/s", "step", "peak memory", "plan")]
+        for b in result.baselines:
+            e = b.estimate
+            if e is None:
+                rows.append((b.name, "-", "-", "-", "not executable here"))
+                continue
+            speed = f"{e.throughput_samples_per_s:.2f}" if b.fits else "does not fit"
+            rows.append((b.name, speed, f"{e.step_time_s:.3f} s", format_bytes(e.peak_memory_bytes), plan_summary(e.plan)))
+        lines.append(text_table(rows))
+    lines.extend(f"note: {note}" for note in result.notes)
+    lines.append(
+        f"\nSearch took {result.search_time_s:.2f} s ({result.shapes_considered} pipeline shapes, "
+        f"{result.shapes_solved} solved by DP; memory tolerance {result.memory_tolerance:g})"
+    )
+    return "\n".join(lines)
+
+
+def plan_summary(plan: Any) -> str:
+    kinds = sorted({s.short() for s in plan.layers})
+    head = f"pp{plan.pp}"
+    if plan.pp > 1:
+        head += f" {plan.schedule}" + (f"x{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+    return f"{head} m{plan.micro_batches} [{', '.join(kinds)}] vocab {plan.vocab.short()}"
+
+
+def describe_estimate(estimate: Any) -> str:
+    plan = estimate.plan
+    lines = [
+        f"pp={plan.pp}  schedule={plan.schedule}  micro-batches={plan.micro_batches}"
+        + (f"  virtual stages={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+        + (f"  partition={list(plan.chunk_sizes)}" if plan.pp > 1 else "")
+        + f"  embedding/head: {plan.vocab.short()}",
+        "",
+    ]
+    rows = [("blocks", "stage", "strategy", "memory/device", "time/micro-batch")]
+    blocks = list(estimate.blocks)
+    i = 0
+    while i < len(blocks):
+        j = i
+        while j + 1 < len(blocks) and blocks[j + 1].strategy == blocks[i].strategy and blocks[j + 1].stage == blocks[i].stage and blocks[j + 1].index == blocks[j].index + 1:
+            j += 1
+        group = blocks[i : j + 1]
+        label = str(group[0].index) if i == j else f"{group[0].index}-{group[-1].index}"
+        per = " each" if i != j else ""
+        rows.append((label, str(group[0].stage), group[0].strategy.short(), format_bytes(group[0].memory_bytes) + per, f"{group[0].time_per_micro_batch_s * 1e3:.2f} ms" + per))
+        i = j + 1
+    lines.append(text_table(rows))
+    lines.append("")
+    rows = [("stage", "peak memory", "block states", "activations", "embedding/head", "working", "overhead", "time/micro-batch")]
+    for s in estimate.stages:
+        rows.append((
+            str(s.stage), format_bytes(s.peak_memory_bytes), format_bytes(s.block_state_bytes), format_bytes(s.block_activation_bytes),
+            format_bytes(s.vocab_bytes), format_bytes(s.working_bytes), format_bytes(s.overhead_bytes), f"{s.time_per_micro_batch_s * 1e3:.1f} ms",
+        ))
+    lines.append(text_table(rows))
+    fits = "" if estimate.fits is None else ("  (fits the budget)" if estimate.fits else f"  (DOES NOT FIT {format_bytes(estimate.memory_budget_bytes)})")
+    lines.append("")
+    lines.append(
+        f"Predicted: step {estimate.step_time_s:.3f} s, {estimate.throughput_samples_per_s:.2f} samples/s, "
+        f"peak {format_bytes(estimate.peak_memory_bytes)} per device{fits}"
+    )
+    return "\n".join(lines)
+
+
+def text_table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
