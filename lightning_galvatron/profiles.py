@@ -289,6 +289,9 @@ class ModelProfile:
         activation_dtype_bytes: bytes per element of the profiled activations (2 for bf16); the
             cost model rescales activation bytes when asked about another compute dtype.
         hidden_size, seq_length: of the residual stream between blocks and of the embedding.
+        block_lists: how many separate block containers hold the blocks (an encoder and a decoder: 2).
+            A pipeline cuts one sequence of blocks; with several lists the decoder's stages would need
+            the encoder's output, which the runtime does not pass on, so the search keeps ``pp = 1``.
     """
 
     name: str
@@ -298,6 +301,7 @@ class ModelProfile:
     hidden_size: int
     seq_length: int
     activation_dtype_bytes: int = 2
+    block_lists: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -314,6 +318,9 @@ class ModelProfile:
         _positive_int("model.hidden_size", self.hidden_size)
         _positive_int("model.seq_length", self.seq_length)
         _positive_int("model.activation_dtype_bytes", self.activation_dtype_bytes)
+        _positive_int("model.block_lists", self.block_lists)
+        if self.block_lists > len(self.blocks):
+            raise ProfileError(f"model.block_lists = {self.block_lists} but the model has only {len(self.blocks)} blocks")
 
     @property
     def num_blocks(self) -> int:
@@ -337,6 +344,7 @@ class ModelProfile:
             "activation_dtype_bytes": self.activation_dtype_bytes,
             "layer_types": [t.to_dict() for t in self.layer_types],
             "blocks": list(self.blocks),
+            "block_lists": self.block_lists,
             "vocab": self.vocab.to_dict(),
         }
 

@@ -97,3 +97,31 @@ def test_pipeline_shapes_follow_what_torch_pipelining_accepts():
     only_gpipe = pipeline_configs(4, 16, 32, SearchOptions(schedules=("gpipe",)))
     assert {c.micro_batches for c in only_gpipe} == {1, 2, 4, 8, 16}
     assert not [c for c in pipeline_configs(4, 16, 6, options) if c.schedule == "interleaved_1f1b"]  # 4 x 2 chunks > 6 blocks
+
+
+def test_embedding_and_head_run_on_whole_sequences():
+    """The runtime refuses vocab sp != 'none' (the user's step computes the loss on whole sequences)."""
+    vocab = llama_profile().model.vocab
+    for n in (1, 2, 4, 8):
+        assert {s.sp for s in vocab_candidates(vocab, 2048, n, n, SearchOptions())} == {"none"}
+    from lightning_galvatron.search import search
+
+    result = search(llama_profile(), 8, "36GB", global_batch_size=16)
+    assert result.plan.vocab.sp == "none"
+    assert all(b.estimate is None or b.estimate.plan.vocab.sp == "none" for b in result.baselines)
+
+
+def test_several_block_lists_get_no_pipeline():
+    """An encoder-decoder (two block lists) runs with pp=1: the runtime refuses pipelines over several lists."""
+    from lightning_galvatron.search import evaluate, search
+
+    profile = llama_profile()
+    two_lists = dataclasses.replace(profile, model=dataclasses.replace(profile.model, block_lists=2))
+    assert pipeline_degrees(8, 32, SearchOptions(), block_lists=2) == [1]
+    one = search(profile, 8, "24GB", global_batch_size=16)
+    result = search(two_lists, 8, "24GB", global_batch_size=16)
+    assert result.plan.pp == 1
+    assert result.shapes_considered == len(pipeline_configs(1, 16, 32, SearchOptions())) < one.shapes_considered
+    assert all(b.estimate is None or b.estimate.plan.pp == 1 for b in result.baselines)
+    piped = one.plan.replace(pp=2, partition=None, micro_batches=2, schedule="1f1b")
+    assert any("pp=2 is not executable" in w for w in evaluate(two_lists, piped).warnings)

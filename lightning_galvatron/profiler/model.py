@@ -140,6 +140,7 @@ def profile_model(
         hidden_size=first.hidden_size,
         seq_length=first.seq_length,
         activation_dtype_bytes=precision_cfg.compute_bytes,
+        block_lists=len(structure.block_lists),
     )
 
 

@@ -413,7 +413,7 @@ class _FixedBatchSearch:
     def price(self) -> list[_Shape]:
         """Price every executable pipeline shape; note the least budget any of them needs; return those that may fit."""
         shapes = []
-        for pp in pipeline_degrees(self.W, self.L, self.options):
+        for pp in pipeline_degrees(self.W, self.L, self.options, self.model.block_lists):
             for config in pipeline_configs(pp, self.B, self.L, self.options):
                 self.considered += 1
                 shape = self._shape(config)
@@ -752,7 +752,7 @@ def _baselines(cm: CostModel, world_size: int, budget: int, global_batch: int, o
         if all(lt.supports_tensor_parallel and lt.num_heads % g == 0 and lt.hidden_size % g == 0 and lt.ffn_hidden_size % g == 0 for lt in model.layer_types):
             vg = g if model.vocab.vocab_size % g == 0 else 1
             for sp in ("megatron", "none"):
-                tp_plans += list(uniform(LayerStrategy(tp=g, sp=sp if g > 1 else "none"), LayerStrategy(tp=vg, sp=sp if vg > 1 else "none")))
+                tp_plans += list(uniform(LayerStrategy(tp=g, sp=sp if g > 1 else "none"), LayerStrategy(tp=vg)))
             break
     out.append(Baseline("tp", "pure tensor parallelism (largest Megatron degree), no pipeline", best_of(tp_plans) if tp_plans else None))
     out.append(Baseline("uniform_3d", "best plan with one strategy for every block (any pp, tp, dp type, recompute)", _best_uniform(cm, W, budget, global_batch, options)))
@@ -763,7 +763,7 @@ def _best_uniform(cm: CostModel, W: int, budget: int, B: int, options: SearchOpt
     """Every shape x every single block strategy x every embedding/head strategy, even partitions, priced in numpy."""
     search = _FixedBatchSearch(cm, W, budget, B, options)
     best: tuple[float, ParallelPlan] | None = None
-    for pp in pipeline_degrees(W, search.L, options):
+    for pp in pipeline_degrees(W, search.L, options, cm.profile.model.block_lists):
         for config in pipeline_configs(pp, B, search.L, options):
             shape = search._shape(config)
             if shape is None or not search.single_type:

@@ -227,10 +227,12 @@ def _executability_warnings(profile: Profile, plan: ParallelPlan) -> list[str]:
         elif s.sp == "megatron" and not lt.supports_megatron_sp:
             out.append(f"layers[{i}]: {lt.name} has no Megatron sequence parallelism")
     vocab, v = model.vocab, plan.vocab
-    if v.tp > 1 and v.sp == "ulysses" and (not vocab.supports_sequence_split or model.seq_length % v.tp):
-        out.append(f"vocab: sequence split {v.tp} is not executable (sequence {model.seq_length})")
-    if v.tp > 1 and v.sp != "ulysses" and (not vocab.supports_tensor_parallel or vocab.vocab_size % v.tp):
+    if v.sp != "none":
+        out.append(f"vocab: sp={v.sp!r} is not executable: the embedding and head run on whole sequences (use sp='none')")
+    elif v.tp > 1 and (not vocab.supports_tensor_parallel or vocab.vocab_size % v.tp):
         out.append(f"vocab: vocabulary-parallel degree {v.tp} does not divide the vocabulary of {vocab.vocab_size}")
+    if plan.pp > 1 and model.block_lists > 1:
+        out.append(f"pp={plan.pp} is not executable: the blocks sit in {model.block_lists} lists (encoder and decoder); use pp=1")
     if plan.schedule in ("1f1b", "interleaved_1f1b") and plan.pp > 1 and plan.micro_batches < plan.pp:
         out.append(f"schedule {plan.schedule} needs micro_batches >= pp ({plan.micro_batches} < {plan.pp}) in torch.distributed.pipelining")
     if plan.schedule == "interleaved_1f1b" and plan.micro_batches % plan.pp:

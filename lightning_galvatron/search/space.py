@@ -101,9 +101,13 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def pipeline_degrees(world_size: int, num_blocks: int, options: SearchOptions) -> list[int]:
-    """Pipeline degrees: divisors of the world size, at most one stage per block and ``max_pp``."""
-    if "pipeline" in options.disable:
+def pipeline_degrees(world_size: int, num_blocks: int, options: SearchOptions, block_lists: int = 1) -> list[int]:
+    """Pipeline degrees: divisors of the world size, at most one stage per block and ``max_pp``.
+
+    A model whose blocks sit in several lists (encoder and decoder) gets no pipeline: the runtime
+    cuts one list only (see :attr:`~lightning_galvatron.profiles.ModelProfile.block_lists`).
+    """
+    if "pipeline" in options.disable or block_lists > 1:
         return [1]
     limit = min(num_blocks, options.max_pp or world_size)
     return [p for p in divisors(world_size) if p <= limit]
@@ -197,7 +201,13 @@ def vocab_candidates(
     batch_per_micro_batch: int,
     options: SearchOptions,
 ) -> list[LayerStrategy]:
-    """Strategies for the embedding and head: vocabulary-parallel (Megatron) or sequence-split degrees."""
+    """Strategies for the embedding and head: data parallelism, or vocabulary parallelism of a degree that
+    divides the vocabulary.
+
+    The embedding and head always run on whole sequences (``sp="none"``): the user's ``training_step``
+    computes the loss from them, so the runtime cannot split their sequence. ``seq_length`` is kept for
+    callers; it no longer restricts anything.
+    """
     n = devices_per_stage
     out = []
     for g in divisors(n):
@@ -206,17 +216,14 @@ def vocab_candidates(
         d = n // g
         if batch_per_micro_batch % d:
             continue
-        kinds = ["none"] if g == 1 else []
-        if g > 1 and vocab.supports_tensor_parallel and vocab.vocab_size % g == 0 and not {"vocab_parallel", "tensor_parallel"} & options.disable:
-            if "megatron_sp" not in options.disable:
-                kinds.append("megatron")
-            if "tp_without_sp" not in options.disable:
-                kinds.append("none")
-        if g > 1 and vocab.supports_sequence_split and seq_length % g == 0 and "ulysses" not in options.disable:
-            kinds.append("ulysses")
-        for sp in kinds:
-            for dp_type in _dp_types(d, options):
-                out.append(LayerStrategy(tp=g, sp=sp, dp_type=dp_type))
+        if g > 1 and not (
+            vocab.supports_tensor_parallel
+            and vocab.vocab_size % g == 0
+            and not {"vocab_parallel", "tensor_parallel"} & options.disable
+        ):
+            continue
+        for dp_type in _dp_types(d, options):
+            out.append(LayerStrategy(tp=g, sp="none", dp_type=dp_type))
     return out
 
 
