@@ -24,6 +24,8 @@ No parallelism maths lives here: plans in :mod:`lightning_galvatron.plan`, execu
 from __future__ import annotations
 
 import atexit
+import time
+from pathlib import Path
 from contextlib import AbstractContextManager, nullcontext
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +37,8 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -44,9 +48,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_galvatron import _registry
+from lightning_galvatron.autoplan import SearchSettings, optimizer_kind, plan_automatically
 from lightning_galvatron.data import rebatch, shard_batch_size
 from lightning_galvatron.display import plan_table, render
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
+from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
 from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
 from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_flag, precision_plugin_for
 from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan, check_runtime_support, input_shard
@@ -63,8 +69,17 @@ class GalvatronStrategy(ModelParallelStrategy):
     """Train a LightningModule with a per-layer hybrid-parallel plan.
 
     Args:
-        plan: the plan to execute: a :class:`~lightning_galvatron.plan.ParallelPlan`, a dict, or a path to a
-            JSON file, in this package's format or the reference system's (Hetu-Galvatron).
+        plan: ``"auto"`` (default) profiles the model and the cluster in ``setup`` and searches the fastest plan
+            that fits ``memory_budget``; or the plan to execute: a :class:`~lightning_galvatron.plan.ParallelPlan`,
+            a dict, or a path to a JSON file, in this package's format or the reference system's (Hetu-Galvatron).
+        memory_budget: bytes (or ``"24GB"``) per device the automatic plan may use. Default: the GPU's memory
+            less 5%; on CPU, 80% of the machine's memory divided by the processes per node.
+        max_tp, max_pp, disable, schedules: limits of the automatic search (largest tensor-/pipeline-parallel
+            degree; strategies to leave out, e.g. ``["zero3", "ulysses"]``; pipeline schedules to consider).
+        search_batch_size: let the automatic search change the global batch size for throughput (up to
+            ``max_global_batch_size``); off by default, so training matches DDP's.
+        profile_cache: ``True`` for the default profile cache, a directory, or ``False`` to always profile.
+        save_plan: write the plan (and, when searched, the profile) next to the logger's files.
         layers: dotted path(s) of the container(s) holding the Transformer blocks, relative to the
             LightningModule (e.g. ``"model.blocks"``); detected when omitted.
         global_batch_size: samples per optimizer step. Default: the plan's, else what DDP would train
@@ -82,9 +97,18 @@ class GalvatronStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        plan: ParallelPlan | Mapping[str, Any] | str | os.PathLike | None = None,
+        plan: ParallelPlan | Mapping[str, Any] | str | os.PathLike = "auto",
         layers: str | Sequence[str] | None = None,
         global_batch_size: int | None = None,
+        memory_budget: int | str | None = None,
+        max_tp: int | None = None,
+        max_pp: int | None = None,
+        disable: Sequence[str] = (),
+        schedules: Sequence[str] | None = None,
+        search_batch_size: bool = False,
+        max_global_batch_size: int | None = None,
+        profile_cache: bool | str | os.PathLike = True,
+        save_plan: bool = True,
         broadcast_initial_weights: bool = True,
         vocab_parallel_loss: bool = False,
         save_distributed_checkpoint: bool = True,
@@ -97,6 +121,10 @@ class GalvatronStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self._plan_source = plan
+        self._search = SearchSettings(
+            memory_budget, max_tp, max_pp, tuple(disable), schedules, search_batch_size, max_global_batch_size, profile_cache
+        )
+        self._save_plan = save_plan
         self._layers = layers
         self._global_batch_size = global_batch_size
         self._broadcast_initial_weights = broadcast_initial_weights
@@ -125,7 +153,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if self._parallelised is not self.model:  # validate/test after fit reuse the parallel model
-            self._parallelise()
+            self._parallelise(trainer)
         self.model_to_device()
         self.barrier()
 
@@ -142,13 +170,21 @@ class GalvatronStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelise(self) -> None:
+    def _parallelise(self, trainer: Any) -> None:
         assert self.model is not None and self._meshes is not None
         module = self.lightning_module
-        self.plan = self._resolve_plan()
+        started = time.perf_counter()
         self.structure = find_blocks(module, self._layers)
+        if self._plan_source == "auto":
+            self.plan = self._search_plan(trainer, self.structure)
+        else:
+            self.plan = self._load_plan()
+            rank_zero_info(render(plan_table(self.plan, self.structure.block_names)))
         check_runtime_support(self.plan, self.structure)
-        rank_zero_info(render(plan_table(self.plan, self.structure.block_names)))
+        if self._save_plan:
+            directory = _output_dir(trainer)  # collective (Lightning broadcasts the log directory)
+            if self.global_rank == 0:
+                self.plan.save(directory / "galvatron_plan.json")
 
         self.model = self.precision_plugin.convert_module(self.model)
         if self._broadcast_initial_weights and self.world_size > 1:
@@ -165,21 +201,57 @@ class GalvatronStrategy(ModelParallelStrategy):
         )
         _materialize_distributed_module(self.model, self.root_device)
         self._parallelised = self.model
+        rank_zero_info(f"Galvatron: setup took {time.perf_counter() - started:.2f} s")
         partition = self._applied.partition
         self.precision_plugin.pipeline_group = self._applied.pipeline_group
         if partition is not None and partition.is_last and not partition.is_first:
             self.precision_plugin.norm_excluded = {id(p) for p in partition.tied}  # counted on the first stage
 
-    def _resolve_plan(self) -> ParallelPlan:
-        if self._plan_source is None or self._plan_source == "auto":
-            raise PlanError(
-                "GalvatronStrategy needs a plan: pass plan= a ParallelPlan, a dict or a JSON file "
-                "(automatic search inside the strategy is not available yet; `lightning-galvatron search` makes one)"
-            )
+    def _load_plan(self) -> ParallelPlan:
+        if self._plan_source is None:
+            raise PlanError('GalvatronStrategy needs a plan: plan="auto" (the default), a ParallelPlan, a dict or a JSON file')
         plan = load_plan(self._plan_source, world_size=self.world_size)
         if self._global_batch_size is not None:
             plan = plan.replace(global_batch_size=self._global_batch_size)
         return plan
+
+    def _search_plan(self, trainer: Any, structure: ModelStructure) -> ParallelPlan:
+        """``plan="auto"``: profile on every rank, search on rank 0, the same plan everywhere."""
+        module = self.lightning_module
+        loader = _first_dataloader(trainer)
+        example = move_data_to_device(next(iter(loader)), self.root_device)
+        global_batch = self._global_batch_size or loader.batch_size * self.world_size
+        for block_type, example_block in {type(b).__name__: b for b in structure.blocks}.items():
+            if tensor_parallel_plan(example_block) is None:
+                rank_zero_info(
+                    f"Galvatron: {block_type} has no tensor-parallel plan, so its blocks are planned with tp=1 "
+                    "(declare one with lightning_galvatron.register_tensor_parallel_plan)"
+                )
+        auto = plan_automatically(
+            module,
+            structure,
+            example,
+            world_size=self.world_size,
+            devices_per_node=self.num_processes,
+            precision=precision_flag(self.precision_plugin),
+            global_batch_size=global_batch,
+            device=self.root_device,
+            settings=self._search,
+            optimizer=optimizer_kind(_configured_optimizer(module)),
+        )
+        rank_zero_info(auto.report)
+        source = "cached profile" if auto.profile_cached else "profiling"
+        rank_zero_info(f"Galvatron: {source} took {auto.seconds['profile']:.2f} s, search {auto.seconds['search']:.2f} s")
+        if auto.plan.global_batch_size != global_batch:
+            rank_zero_info(
+                f"Galvatron: the search changed the global batch size from {global_batch} to "
+                f"{auto.plan.global_batch_size} (search_batch_size=True)"
+            )
+        if self._save_plan:
+            directory = _output_dir(trainer)  # collective (Lightning broadcasts the log directory)
+            if self.global_rank == 0:
+                auto.profile.save(directory / "galvatron_profile.json")
+        return auto.plan
 
     # ------------------------------------------------------------------ data: batch semantics
     @property
@@ -291,6 +363,42 @@ class GalvatronStrategy(ModelParallelStrategy):
         if self.plan is None:
             raise RuntimeError("the Galvatron plan is resolved in setup(); it is not available yet")
         return self.plan
+
+
+def _first_dataloader(trainer: Any) -> Any:
+    """The DataLoader of the stage being set up (its first one), to take an example batch from."""
+    loop = {
+        TrainerFn.FITTING: trainer.fit_loop,
+        TrainerFn.VALIDATING: trainer.validate_loop,
+        TrainerFn.TESTING: trainer.test_loop,
+        TrainerFn.PREDICTING: trainer.predict_loop,
+    }[trainer.state.fn]
+    loaders = loop._data_source.dataloader()
+    while isinstance(loaders, (list, tuple, dict)):
+        loaders = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders[0]
+    if getattr(loaders, "batch_size", None) is None:
+        raise PlanError(
+            'plan="auto" needs a DataLoader with a batch_size to profile with and to size the global batch; '
+            "pass a plan, or global_batch_size= with a DataLoader that has batch_size"
+        )
+    return loaders
+
+
+def _configured_optimizer(module: Any) -> Optimizer | None:
+    """The optimizer the module's configure_optimizers returns (the search sizes its states)."""
+    try:
+        optimizers, _, _ = _init_optimizers_and_lr_schedulers(module)
+    except Exception:  # noqa: BLE001 - sized as Adam, the common worst case
+        return None
+    return optimizers[0] if optimizers else None
+
+
+def _output_dir(trainer: Any) -> Path:
+    """Where the plan and profile are saved: the logger's directory. Call on every rank (it broadcasts)."""
+    path = Path(trainer.log_dir or trainer.default_root_dir)
+    if trainer.global_rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _destroy_process_group() -> None:

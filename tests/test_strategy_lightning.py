@@ -96,9 +96,13 @@ def test_plans_the_runtime_cannot_execute_yet_are_refused(pools):
         pools(2).run(run_distributed, wrong_depth)
 
 
+def _run_without_a_plan() -> None:
+    run_distributed(strategy=GalvatronStrategy(plan=None))
+
+
 def test_missing_plan_says_how_to_get_one(pools):
-    with pytest.raises(AssertionError, match="GalvatronStrategy needs a plan"):
-        pools(2).run(run_distributed, None)
+    with pytest.raises(AssertionError, match='GalvatronStrategy needs a plan: plan="auto" \\(the default\\)'):
+        pools(2).run(_run_without_a_plan)
 
 
 def test_registered_with_lightning_and_pytorch_lightning():

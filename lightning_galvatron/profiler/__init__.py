@@ -43,6 +43,7 @@ def profile(
     degrees: Sequence[int] | None = None,
     device: torch.device | str | None = None,
     hardware_budget_s: float = 3.0,
+    info: dict[str, Any] | None = None,
 ) -> Profile:
     """Profile ``module`` on the live process group; call on every rank, get the same profile on each.
 
@@ -56,6 +57,7 @@ def profile(
         device: where to run the model (default: the current CUDA device under NCCL, else the
             module's device).
         hardware_budget_s: time bound of the collective measurements (:func:`profile_hardware`).
+        info: filled with ``cached`` (whether the profile came from the cache) and ``cache_file``.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -90,6 +92,8 @@ def profile(
         if cached is not None:
             log.info("using the cached profile %s", store.path(key))
     _broadcast(found, device)
+    if info is not None:
+        info.update(cached=found[0] is not None, cache_file=str(store.path(key)) if store is not None and key else None)
     if found[0] is not None:
         return Profile.from_dict(found[0])
 

@@ -161,7 +161,7 @@ def _join_process_group(args: argparse.Namespace) -> bool:
 
 # ---------------------------------------------------------------------------------------------- report
 def _summary(result: Any, output: str, precision: str, world: int, seconds: float) -> str:
-    from lightning_galvatron.cli import _table
+    from lightning_galvatron.search.report import text_table
     from lightning_galvatron.units import format_bytes
 
     model, hw = result.model, result.hardware
@@ -174,7 +174,7 @@ def _summary(result: Any, output: str, precision: str, world: int, seconds: floa
             f"{t.backward_to_forward:.2f}", degrees, format_bytes(t.recompute_activation_bytes_per_sample),
         ))
     v = model.vocab
-    lines += [_table(rows), ""]
+    lines += [text_table(rows), ""]
     lines.append(
         f"embedding/head: vocabulary {v.vocab_size}, {v.embedding_parameters:,} + {v.head_parameters:,} parameters"
         + (" (tied)" if v.tied else "")
@@ -185,7 +185,7 @@ def _summary(result: Any, output: str, precision: str, world: int, seconds: floa
     rows = [("collective", "group", "ranks/node", "latency", "bandwidth")]
     for c in hw.collectives:
         rows.append((c.kind, str(c.group_size), str(c.ranks_per_node), f"{c.latency_s * 1e6:.0f} us", f"{c.bandwidth_bytes_per_s / 1e9:.3g} GB/s"))
-    lines += [_table(rows), ""]
+    lines += [text_table(rows), ""]
     memory = format_bytes(hw.device_memory_bytes) if hw.device_memory_bytes else "not budgeted (CPU)"
     lines.append(f"overlap coefficient {hw.overlap_coefficient:.2f}; device memory {memory}; fixed overhead {format_bytes(hw.memory_overhead_bytes)}")
     budget = "" if hw.device_memory_bytes else " --memory-per-device 4GB"

@@ -8,6 +8,7 @@ reference uses that sampler with one replica).
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,7 @@ def _trainer(strategy: Any, devices: int, precision: str, **trainer_kwargs: Any)
     recorder = _LossRecorder()
     trainer_kwargs.setdefault("max_steps", 3)
     trainer = L.Trainer(
+        default_root_dir=tempfile.gettempdir(),  # where the strategy saves its plan (no logger here)
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
@@ -123,7 +125,7 @@ def run_distributed(
     module = model() if model is not None else tiny_gpt(**(model_kwargs or {}))
     loader = DataLoader(dataset(num_samples), batch_size=global_batch // world, shuffle=True)
     if strategy is None:
-        strategy = GalvatronStrategy(plan=plan, **(strategy_kwargs or {}))
+        strategy = GalvatronStrategy(plan=plan if plan is not None else "auto", **(strategy_kwargs or {}))
     trainer, recorder = _trainer(strategy, world, precision, **trainer_kwargs)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     if save_path is not None:

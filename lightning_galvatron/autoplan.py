@@ -1,0 +1,152 @@
+"""``plan="auto"``: profile the model and the cluster, search the plan, agree on it everywhere.
+
+Every rank profiles (collectively: the hardware profiler measures the live process groups; the
+cache makes a second run nearly free), rank 0 searches, and the plan -- or the search's error --
+is broadcast, so all ranks apply the same plan or all stop with the same message before anything
+is changed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_galvatron.model.discovery import ModelStructure
+from lightning_galvatron.plan import ParallelPlan, PlanError
+from lightning_galvatron.profiles import Profile
+from lightning_galvatron.units import format_bytes, parse_bytes
+
+# Left free on a GPU for the CUDA context, the allocator's fragmentation and NCCL buffers.
+CUDA_MEMORY_RESERVE = 0.05
+# Share of a CPU machine's memory one process may plan for (the rest: OS, other processes, data).
+CPU_MEMORY_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """What ``GalvatronStrategy`` passes on to the search (see its arguments)."""
+
+    memory_budget: int | str | None = None
+    max_tp: int | None = None
+    max_pp: int | None = None
+    disable: Sequence[str] = ()
+    schedules: Sequence[str] | None = None
+    search_batch_size: bool = False
+    max_global_batch_size: int | None = None
+    profile_cache: bool | str | os.PathLike = True
+
+
+@dataclass
+class AutoPlan:
+    plan: ParallelPlan
+    profile: Profile
+    report: str  # the search's table and baselines (rank 0; empty elsewhere)
+    memory_budget_bytes: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    profile_cached: bool = False
+
+
+def default_memory_budget(device: torch.device, processes_per_node: int) -> int:
+    """The device's memory less a reserve on CUDA; a share of the machine's memory per process on CPU."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(total * (1 - CUDA_MEMORY_RESERVE))
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(physical * CPU_MEMORY_SHARE / max(processes_per_node, 1))
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer | None) -> str:
+    """The search's name for how many states per parameter an optimizer keeps."""
+    if optimizer is None:
+        return "adamw"
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return "adamw"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd_momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
+    return "adamw"  # unknown optimizers are planned like Adam (two states), the common worst case
+
+
+def plan_automatically(
+    module: nn.Module,
+    structure: ModelStructure,
+    example_batch: Any,
+    *,
+    world_size: int,
+    devices_per_node: int,
+    precision: str,
+    global_batch_size: int,
+    device: torch.device,
+    settings: SearchSettings,
+    optimizer: str = "adamw",
+) -> AutoPlan:
+    """Profile (all ranks), search (rank 0), broadcast. Raises the same :class:`PlanError` on every rank."""
+    from lightning_galvatron.profiler import profile
+    from lightning_galvatron.search import search
+    from lightning_galvatron.search.report import describe_search
+
+    started = time.perf_counter()
+    cache_info: dict[str, Any] = {}
+    measured = profile(
+        module,
+        structure,
+        example_batch,
+        world_size=world_size,
+        devices_per_node=devices_per_node,
+        precision=precision,
+        cache=settings.profile_cache,
+        device=device,
+        info=cache_info,
+    )
+    profiled = time.perf_counter()
+    budget = (
+        parse_bytes(settings.memory_budget)
+        if settings.memory_budget is not None
+        else default_memory_budget(device, devices_per_node)
+    )
+    # Pipelines cannot carry an encoder's output to decoder stages (see runtime.pipeline).
+    max_pp = 1 if len(structure.block_lists) > 1 else settings.max_pp
+    outcome: tuple[dict | None, str, str | None] = (None, "", None)
+    if dist.get_rank() == 0:
+        try:
+            result = search(
+                measured,
+                world_size,
+                budget,
+                global_batch_size=global_batch_size,
+                max_tp=settings.max_tp,
+                max_pp=max_pp,
+                disable=settings.disable,
+                schedules=settings.schedules,
+                optimizer=optimizer,
+                precision=precision,
+                search_batch_size=settings.search_batch_size,
+                max_global_batch_size=settings.max_global_batch_size,
+            )
+            title = (
+                f"Galvatron plan for {world_size} devices, {format_bytes(budget)} per device, "
+                f"global batch {result.global_batch_size}"
+            )
+            outcome = (result.plan.to_dict(), describe_search(result, title), None)
+        except ValueError as error:  # infeasible budget, no valid plan: say it on every rank
+            outcome = (None, "", str(error))
+    holder = [outcome]
+    dist.broadcast_object_list(holder, src=0)
+    plan_dict, report, error = holder[0]
+    if error is not None:
+        raise PlanError(f"automatic plan search failed: {error}")
+    assert plan_dict is not None
+    return AutoPlan(
+        plan=ParallelPlan.from_dict(plan_dict),
+        profile=measured,
+        report=report,
+        memory_budget_bytes=budget,
+        seconds={"profile": profiled - started, "search": time.perf_counter() - profiled},
+        profile_cached=bool(cache_info.get("cached")),
+    )
