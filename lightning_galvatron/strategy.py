@@ -3,8 +3,9 @@
 - ``_configure_launcher`` (main process, before any worker starts): check the precision and
   install the plugin that clips by the global norm across meshes.
 - ``setup_environment`` (every worker): initialise the process group; meshes are made lazily.
-- ``setup``: resolve the plan for this world size, find the model's blocks, broadcast rank 0's
-  weights, apply the plan (the runtime does the work), create the optimizers.
+- ``setup``: find the model's blocks, get the plan (given, or with ``plan="auto"`` profiled and
+  searched by :mod:`lightning_galvatron.autoplan`), broadcast rank 0's weights, apply the plan (the
+  runtime does the work), create the optimizers.
 - ``distributed_sampler_kwargs`` / ``process_dataloader``: give each data shard of the plan's input
   layout the samples DDP would have trained on (batch semantics, see :mod:`lightning_galvatron.data`).
 - ``training_step`` / ``validation_step`` / ...: with one micro-batch and no pipeline, Lightning's own
@@ -24,20 +25,20 @@ No parallelism maths lives here: plans in :mod:`lightning_galvatron.plan`, execu
 from __future__ import annotations
 
 import atexit
-import time
-from pathlib import Path
-from contextlib import AbstractContextManager, nullcontext
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer import call
@@ -57,10 +58,10 @@ from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
 from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_flag, precision_plugin_for
 from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan, check_runtime_support, input_shard
 from lightning_galvatron.runtime.mesh import MeshCache
-from lightning_galvatron.runtime.pipeline import PipelineRunner, _loss_of
+from lightning_galvatron.runtime.pipeline import PipelineRunner, loss_of
 from lightning_galvatron.runtime.sync import broadcast_module_states
-from lightning_galvatron.step_logs import recording_logs, replay_logs
 from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
+from lightning_galvatron.step_logs import recording_logs, replay_logs
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
@@ -327,7 +328,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         scale = 1.0 / (self._applied.input_shards * self.plan.micro_batches * trainer.accumulate_grad_batches)
         with recording_logs(module) as logs, self._step_context():  # loss_parallel covers backward too
             outputs = self._runner.run(batch, step, loss_scale=scale, train=train)
-        losses = [float(loss.detach()) for loss in map(_loss_of, outputs) if loss is not None]
+        losses = [float(loss.detach()) for loss in map(loss_of, outputs) if loss is not None]
         summary = (sum(losses) / len(losses) if losses else None, logs.averaged())
         loss, records = self._runner.broadcast_from_last_stage(summary)
         replay_logs(module, records, self.root_device)

@@ -14,7 +14,7 @@ import torch
 import lightning_galvatron
 from lightning_galvatron import GalvatronStrategy
 from lightning_galvatron.plan import LayerStrategy as S
-from lightning_galvatron.plan import ParallelPlan, PlanError
+from lightning_galvatron.plan import ParallelPlan
 from tests.helpers.training import assert_close_runs, run_distributed, run_single
 from tests.test_parity_data_parallel import FP32_TOL, MIXED_DP_PLAN
 

@@ -372,7 +372,7 @@ class PipelineRunner:
             self._set_micro_batch_size(_leading_size(micro_batch) * self._input_shards)
             out = step(micro_batch)
             outputs.append(out)
-            loss = _loss_of(out)
+            loss = loss_of(out)
             if train and loss is not None:
                 (loss * loss_scale).backward()
         return outputs
@@ -453,7 +453,7 @@ class PipelineRunner:
                 "every step must run all Transformer blocks in order"
             )
         self._outputs.append(out)
-        loss = _loss_of(out)
+        loss = loss_of(out)
         return torch.zeros((), device=self.device) if loss is None else loss.float()  # None: a step that only logs
 
     def _sum_tied_gradients(self) -> None:
@@ -474,7 +474,7 @@ class _ScaledLoss:
         return output * self.scale
 
 
-def _loss_of(out: Any) -> torch.Tensor | None:
+def loss_of(out: Any) -> torch.Tensor | None:
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
