@@ -154,6 +154,10 @@ class GPTModule(L.LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.log("val_loss", self.loss(batch), prog_bar=True, sync_dist=True)
 
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, _ = batch
+        return self(inputs).argmax(-1)  # the most likely next character at every position
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
             self.parameters(), lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay

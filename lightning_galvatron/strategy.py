@@ -308,10 +308,20 @@ class GalvatronStrategy(ModelParallelStrategy):
                 return super().test_step(*args, **kwargs)
         return self._run_micro_batches("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runner is None:
+            with self._step_context():
+                return super().predict_step(*args, **kwargs)
+        return self._run_micro_batches("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
     def _run_micro_batches(
         self, hook: str, precision_context: Callable[[], AbstractContextManager], args: tuple, kwargs: dict
-    ) -> Tensor | None:
-        """One Lightning step as micro-batches through the runner (and the pipeline schedule)."""
+    ) -> Any:
+        """One Lightning step as micro-batches through the runner (and the pipeline schedule).
+
+        Returns the mean loss (training, validation, test) or the micro-batches' predictions joined
+        along the batch (predict), as the last stage computed them, on every rank.
+        """
         assert self._runner is not None and self._applied is not None and self.plan is not None
         module = self.lightning_module
         trainer = module.trainer
@@ -328,6 +338,8 @@ class GalvatronStrategy(ModelParallelStrategy):
         scale = 1.0 / (self._applied.input_shards * self.plan.micro_batches * trainer.accumulate_grad_batches)
         with recording_logs(module) as logs, self._step_context():  # loss_parallel covers backward too
             outputs = self._runner.run(batch, step, loss_scale=scale, train=train)
+        if hook == "predict_step":
+            return move_data_to_device(self._runner.broadcast_from_last_stage(_join_batches(outputs)), self.root_device)
         losses = [float(loss.detach()) for loss in map(loss_of, outputs) if loss is not None]
         summary = (sum(losses) / len(losses) if losses else None, logs.averaged())
         loss, records = self._runner.broadcast_from_last_stage(summary)
@@ -364,6 +376,13 @@ class GalvatronStrategy(ModelParallelStrategy):
         if self.plan is None:
             raise RuntimeError("the Galvatron plan is resolved in setup(); it is not available yet")
         return self.plan
+
+
+def _join_batches(outputs: list[Any]) -> Any:
+    """Micro-batch predictions as one batch (tensors concatenated along dim 0, on the CPU to travel)."""
+    if outputs and all(isinstance(o, Tensor) for o in outputs):
+        return torch.cat([o.detach().cpu() for o in outputs])
+    return outputs if len(outputs) != 1 else outputs[0]
 
 
 def _first_dataloader(trainer: Any) -> Any:

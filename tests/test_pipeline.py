@@ -100,6 +100,28 @@ def test_validation_loss_under_a_pipeline(pools):
     assert result.val_loss == pytest.approx(expected.val_loss, abs=1e-5)
 
 
+def _predictions(plan: ParallelPlan | None) -> torch.Tensor:
+    import lightning.pytorch as L
+    from torch.utils.data import DataLoader
+
+    from lightning_galvatron import GalvatronStrategy
+    from tests.helpers.training import dataset
+
+    world = 1 if plan is None else plan.world_size
+    strategy = "auto" if plan is None else GalvatronStrategy(plan=plan, save_plan=False)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, logger=False, enable_progress_bar=False)
+    batches = trainer.predict(tiny_gpt(), DataLoader(dataset(8), batch_size=8 // world))
+    return torch.cat(batches)
+
+
+def test_predict_under_a_pipeline(pools):
+    """Predictions come from the last stage to every rank, joined over micro-batches."""
+    expected = _predictions(None)
+    plan = PP2_TP2.replace(vocab=S(tp=2))  # one data shard: every rank predicts all 8 samples
+    for rank_predictions in pools(4).run(_predictions, plan):
+        assert torch.equal(rank_predictions, expected)
+
+
 DP4 = ParallelPlan.uniform(4, 4, S(dp_type="zero3"))
 
 

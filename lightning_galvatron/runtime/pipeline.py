@@ -334,6 +334,7 @@ class PipelineRunner:
         self._micro_batches: list[Any] = []
         self._next: dict[int, int] = {}
         self._outputs: list[Any] = []
+        self._train = True
         self._last_rank = dist.get_process_group_ranks(pipeline_group)[-1] if pipeline_group is not None else None
 
     # ------------------------------------------------------------------ public
@@ -346,7 +347,7 @@ class PipelineRunner:
         micro_batches = split_micro_batches(batch, self.plan.micro_batches)
         if self.partition is None:
             return self._run_sequentially(micro_batches, step, loss_scale, train)
-        self._step, self._micro_batches, self._outputs = step, micro_batches, []
+        self._step, self._micro_batches, self._outputs, self._train = step, micro_batches, [], train
         self._next = {chunk.index: 0 for chunk in self.partition.chunks}
         try:
             self._run_schedule(loss_scale, train)
@@ -453,8 +454,8 @@ class PipelineRunner:
                 "every step must run all Transformer blocks in order"
             )
         self._outputs.append(out)
-        loss = loss_of(out)
-        return torch.zeros((), device=self.device) if loss is None else loss.float()  # None: a step that only logs
+        loss = loss_of(out) if self._train else None  # forward-only: the schedule needs a scalar, not predictions
+        return torch.zeros((), device=self.device) if loss is None else loss.float()
 
     def _sum_tied_gradients(self) -> None:
         assert self.partition is not None
