@@ -7,8 +7,12 @@ are. Transformer implementations keep them in one container -- ``nn.ModuleList``
 "vocabulary" part that the plan's ``vocab`` strategy covers.
 
 When several such containers exist, the one holding the most parameters wins (attention heads kept
-in a small list inside each block never beat the block list itself). Users can name the list(s)
-explicitly, e.g. ``layers="model.blocks"``; encoder-decoder models name two.
+in a small list inside each block never beat the block list itself). Encoder-decoder models keep
+their blocks in two containers (``encoder.layers`` and ``decoder.layers`` of ``nn.Transformer``,
+BART, T5, ...): every other container outside the winner -- neither inside it nor holding it --
+with at least :data:`COMPANION_SHARE` of its parameters is a block list too, in registration order
+(the encoder is registered first in these models). Users can name the list(s) explicitly, e.g.
+``layers="model.blocks"`` or ``layers=["encoder.layers", "decoder.layers"]``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,11 @@ from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+
+#: A second block container counts as another block list (an encoder's or a decoder's) when it holds at
+#: least this share of the largest one's parameters; smaller ones (output heads, adapters) do not.
+COMPANION_SHARE = 0.25
 
 
 class BlockDiscoveryError(ValueError):
@@ -91,7 +100,20 @@ def find_blocks(model: nn.Module, layers: str | Sequence[str] | None = None) -> 
             "they are: GalvatronStrategy(layers='path.to.blocks')"
         )
     best = max(candidates, key=lambda c: (_num_params(c.container), -c.path.count(".")))
-    return ModelStructure(model, (best,))
+    chosen = [c for c in candidates if c is best or _is_companion(c, best, candidates)]
+    return ModelStructure(model, tuple(chosen))
+
+
+def _is_companion(candidate: BlockList, best: BlockList, candidates: Sequence[BlockList]) -> bool:
+    """Another top-level block list next to ``best`` (see the module docstring)."""
+    def nested(inner: str, outer: str) -> bool:
+        return inner.startswith(outer + ".")
+
+    if nested(candidate.path, best.path) or nested(best.path, candidate.path):
+        return False
+    if any(nested(candidate.path, other.path) for other in candidates if other is not candidate):
+        return False  # a list inside another list's blocks (attention heads, experts)
+    return _num_params(candidate.container) >= COMPANION_SHARE * _num_params(best.container)
 
 
 def _named_block_list(model: nn.Module, path: str) -> BlockList:

@@ -9,7 +9,11 @@ divide the attention heads and the projection widths) and fixes attributes that 
 Plans come from, in order:
 
 1. plans registered by the user with :func:`register_tensor_parallel_plan` (for their own blocks);
-2. built-in plans for known families (Hugging Face GPT-2);
+2. built-in plans for known families: Hugging Face GPT-2, BERT-style encoder layers (BERT, RoBERTa and
+   others with ``attention.self.query/key/value``, ``attention.output.dense``, ``intermediate.dense``,
+   ``output.dense``; with Megatron sequence parallelism) and PyTorch's ``nn.TransformerEncoderLayer`` /
+   ``nn.TransformerDecoderLayer`` (``batch_first=True``; their ``nn.MultiheadAttention`` is split by
+   :class:`~lightning_galvatron.runtime.tensor_parallel.ParallelMultiheadAttention`);
 3. inference for blocks built from ``nn.Linear`` layers with the usual names (``q_proj``/``k_proj``/
    ``v_proj``/``out_proj``/``o_proj``, ``up_proj``/``gate_proj``/``down_proj``, ``fc1``/``fc2``, ...):
    this covers the example GPT, Llama-style decoders and many others.
@@ -34,7 +38,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_galvatron.model.discovery import model_class
-from lightning_galvatron.runtime.tensor_parallel import ColwiseConv1D, RowwiseConv1D
+from lightning_galvatron.runtime.tensor_parallel import (
+    ColwiseConv1D,
+    ParallelMultiheadAttention,
+    RowwiseConv1D,
+    multihead_attention_unsupported,
+)
 
 StylesFn = Callable[[bool], Mapping[str, ParallelStyle]]
 
@@ -113,6 +122,10 @@ def tensor_parallel_plan(block: nn.Module) -> BlockTensorParallelPlan | None:
             return make(block)
     if cls.__name__ == "GPT2Block" and cls.__module__.startswith("transformers."):
         return _hf_gpt2_plan(block)
+    if isinstance(block, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return _torch_transformer_layer_plan(block)
+    if _is_bert_style_layer(block):
+        return _bert_style_plan(block)
     return _linear_plan(block)
 
 
@@ -135,6 +148,83 @@ def _hf_gpt2_plan(block: nn.Module) -> BlockTensorParallelPlan:
 
     sizes = {"attention heads": attn.num_heads, "MLP width": block.mlp.c_fc.weight.shape[1]}
     return BlockTensorParallelPlan(styles, sizes, localize=localize)
+
+
+# ------------------------------------------------------------------------------------ BERT-style encoder layers
+_BERT_LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+                 "intermediate.dense", "output.dense")
+
+
+def _is_bert_style_layer(block: nn.Module) -> bool:
+    """A Hugging Face BERT-family encoder layer (BERT, RoBERTa, ELECTRA, ...) without cross-attention."""
+    modules = dict(block.named_modules())
+    return (
+        all(isinstance(modules.get(name), nn.Linear) for name in _BERT_LINEARS)
+        and isinstance(modules.get("attention.output.LayerNorm"), nn.LayerNorm)
+        and isinstance(modules.get("output.LayerNorm"), nn.LayerNorm)
+        and "crossattention" not in modules
+        and sum(isinstance(m, nn.Linear) for m in modules.values()) == len(_BERT_LINEARS)
+    )
+
+
+def _bert_style_plan(block: nn.Module) -> BlockTensorParallelPlan:
+    """Post-norm encoder layer: q/k/v and the MLP's first layer split by columns, the two output
+    projections by rows. With Megatron-SP the two LayerNorms (after each residual add) run on
+    sequence shards, their outputs stay local tensors (they feed the next residual add as well as the
+    next sub-layer), and the attention and the MLP gather the sequence on entry."""
+    attention = block.attention.self
+
+    def styles(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+        def rowwise() -> ParallelStyle:
+            return RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+
+        out: dict[str, ParallelStyle] = {
+            "attention.self.query": ColwiseParallel(),
+            "attention.self.key": ColwiseParallel(),
+            "attention.self.value": ColwiseParallel(),
+            "attention.output.dense": rowwise(),
+            "intermediate.dense": ColwiseParallel(),
+            "output.dense": rowwise(),
+        }
+        if sequence_parallel:
+            for sub_layer in ("attention.self", "intermediate"):
+                out[sub_layer] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
+                out[norm] = SequenceParallel(use_local_output=True)
+        return out
+
+    def localize(module: nn.Module, tp: int) -> None:
+        module.attention.self.num_attention_heads //= tp  # the attention code itself reshapes with -1 heads
+        module.attention.self.all_head_size //= tp
+
+    sizes = {"attention heads": attention.num_attention_heads, "MLP width": block.intermediate.dense.out_features}
+    return BlockTensorParallelPlan(styles, sizes, megatron_sp=True, localize=localize)
+
+
+# ------------------------------------------------------------------------------------ torch.nn Transformer layers
+def _torch_transformer_layer_plan(block: nn.Module) -> BlockTensorParallelPlan | None:
+    """``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer``: attention(s) split by heads, the
+    feed-forward ``linear1`` by columns and ``linear2`` by rows (no sequence parallelism).
+
+    Only ``batch_first=True`` layers: between blocks the runtime moves activations along their first
+    dimension as the batch.
+    """
+    attentions = ["self_attn"] + (["multihead_attn"] if isinstance(block, nn.TransformerDecoderLayer) else [])
+    if not all(getattr(block, name).batch_first for name in attentions):
+        return None
+    if any(multihead_attention_unsupported(getattr(block, name)) for name in attentions):
+        return None
+
+    def styles(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+        out: dict[str, ParallelStyle] = {name: ParallelMultiheadAttention() for name in attentions}
+        out["linear1"] = ColwiseParallel()
+        out["linear2"] = RowwiseParallel()
+        return out
+
+    sizes = {"attention heads": block.self_attn.num_heads, "feed-forward width": block.linear1.out_features}
+    if "multihead_attn" in attentions:
+        sizes["cross-attention heads"] = block.multihead_attn.num_heads
+    return BlockTensorParallelPlan(styles, sizes)
 
 
 # ------------------------------------------------------------------------------------ nn.Linear blocks

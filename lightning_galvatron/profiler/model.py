@@ -888,9 +888,10 @@ class _BlockProfiler:
             return 0
         from torch.distributed.tensor.parallel import RowwiseParallel
 
-        from lightning_galvatron.runtime.tensor_parallel import RowwiseConv1D
+        from lightning_galvatron.runtime.tensor_parallel import ParallelMultiheadAttention, RowwiseConv1D
 
-        return sum(isinstance(s, (RowwiseParallel, RowwiseConv1D)) for s in self.tp_plan.styles(False).values())
+        row_parallel = (RowwiseParallel, RowwiseConv1D, ParallelMultiheadAttention)  # the attention ends in its out_proj
+        return sum(isinstance(s, row_parallel) for s in self.tp_plan.styles(False).values())
 
     def _cross_check(self, plain: Sequence[tuple[int, SavedTensorCounter]]) -> None:
         for b, counter in plain:

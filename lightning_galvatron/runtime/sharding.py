@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_galvatron.plan import LayerStrategy
 
@@ -36,9 +38,28 @@ def apply_data_parallel(
     if strategy.dp_type == "ddp":
         replicate(module, mesh=dp_mesh, mp_policy=mp_policy)
     else:
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=strategy.dp_type == "zero3", mp_policy=mp_policy)
+        fully_shard(
+            module,
+            mesh=dp_mesh,
+            reshard_after_forward=strategy.dp_type == "zero3",
+            mp_policy=mp_policy,
+            shard_placement_fn=shard_placement,
+        )
     for m in module if isinstance(module, list) else [module]:
         use_sum_reduction(m)
+
+
+def shard_placement(param: nn.Parameter) -> Shard | None:
+    """Where FSDP2 shards a parameter: dim 0 (``None``), except dim 1 for a weight that tensor parallelism
+    already split in strides along dim 0 (a fused q/k/v projection, ``nn.MultiheadAttention.in_proj_weight``).
+
+    FSDP2 accepts sharding such a dimension again but then describes the tensor wrongly (its full
+    tensor, hence every checkpoint, would be scrambled).
+    """
+    if isinstance(param, DTensor) and param.dim() > 1:
+        if any(isinstance(p, _StridedShard) and p.dim == 0 for p in param.placements):
+            return Shard(1)
+    return None
 
 
 def use_sum_reduction(module: nn.Module) -> None:

@@ -1,0 +1,179 @@
+"""One small LightningModule per supported model family, trained on the parity tests' token batches.
+
+Every model takes the ``(inputs, targets)`` batches of :class:`examples.gpt.ArithmeticText` (``SEQ``
+tokens from a vocabulary of 16), so the shared parity harness (:mod:`tests.helpers.training`) runs
+them unchanged; what each one predicts is derived from those tokens. Factories are module-level
+functions (the worker pool pickles them) that seed the initialisation, so every run starts from the
+same weights. Dropout is 0: parity compares against one process exactly.
+
+AdamW runs with ``eps=1e-6``: gradients that are zero in exact arithmetic (the key bias of
+``nn.MultiheadAttention``: softmax ignores a constant added to every logit of a query) are rounding
+noise of ~1e-10 that differs between one process and four; with the default ``eps=1e-8`` Adam turns
+that noise into steps of ~2% of the learning rate in random directions. Real gradients (> 1e-4 here)
+are stepped the same with either ``eps``.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from examples.gpt import ALPHABET
+
+VOCAB, HIDDEN, HEADS, FFN = 16, 32, 4, 64
+SEMICOLON = ALPHABET.index(";")
+
+
+class _Trainable(L.LightningModule):
+    def __init__(self, learning_rate: float = 1e-2) -> None:
+        super().__init__()
+        self.learning_rate = learning_rate
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        loss = self.loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate, eps=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face BERT
+def padding_mask(inputs: torch.Tensor) -> torch.Tensor:
+    """1 = attend, 0 = padding: the last position of every sample, and the one before it where the first
+    token is even. Every sample has padding: Hugging Face drops the mask of a batch without any (see the
+    README's known limits), and ranks must agree on which inputs their blocks receive."""
+    mask = torch.ones_like(inputs)
+    mask[:, -1] = 0
+    mask[:, -2] = (inputs[:, 0] % 2 != 0).long()
+    return mask
+
+
+class BertClassifier(_Trainable):
+    """``transformers.BertForSequenceClassification`` (post-norm encoder, padding mask): is the last target odd?"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=4, num_attention_heads=HEADS, intermediate_size=FFN,
+            max_position_embeddings=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2,
+        )
+        config._attn_implementation = "sdpa"
+        self.model = transformers.BertForSequenceClassification(config)
+
+    def loss(self, batch):  # noqa: ANN001, ANN201
+        inputs, targets = batch
+        logits = self.model(input_ids=inputs, attention_mask=padding_mask(inputs)).logits
+        return F.cross_entropy(logits.float(), targets[:, -1] % 2)
+
+
+def hf_bert() -> BertClassifier:
+    torch.manual_seed(1234)
+    return BertClassifier()
+
+
+# ---------------------------------------------------------------------------------------------- torch.nn Transformers
+def _encoder_layer() -> nn.TransformerEncoderLayer:
+    return nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, dropout=0.0, batch_first=True, norm_first=True)
+
+
+class TorchEncoderLM(_Trainable):
+    """``nn.TransformerEncoder`` with a causal mask as a next-token model (its layers use ``nn.MultiheadAttention``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, HIDDEN)
+        self.positions = nn.Embedding(8, HIDDEN)
+        self.encoder = nn.TransformerEncoder(_encoder_layer(), num_layers=4, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def loss(self, batch):  # noqa: ANN001, ANN201
+        inputs, targets = batch
+        seq = inputs.shape[1]
+        x = self.embedding(inputs) + self.positions(torch.arange(seq, device=inputs.device))
+        causal = nn.Transformer.generate_square_subsequent_mask(seq, device=inputs.device)
+        x = self.encoder(x, mask=causal, is_causal=True)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def torch_encoder() -> TorchEncoderLM:
+    torch.manual_seed(1234)
+    return TorchEncoderLM()
+
+
+class TorchSeq2Seq(_Trainable):
+    """Encoder-decoder from ``nn.TransformerEncoder`` and ``nn.TransformerDecoder`` (two block lists):
+    the encoder reads the inputs (with a key padding mask), the decoder predicts the targets from the
+    targets shifted by one (causal self-attention, cross-attention to the encoder's output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, HIDDEN)
+        self.positions = nn.Embedding(8, HIDDEN)
+        self.encoder = nn.TransformerEncoder(_encoder_layer(), num_layers=2, enable_nested_tensor=False)
+        decoder_layer = nn.TransformerDecoderLayer(HIDDEN, HEADS, FFN, dropout=0.0, batch_first=True, norm_first=True)
+        self.decoder = nn.TransformerDecoder(decoder_layer, num_layers=2)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embedding(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+
+    def loss(self, batch):  # noqa: ANN001, ANN201
+        inputs, targets = batch
+        seq = targets.shape[1]
+        padding = inputs == SEMICOLON  # True = ignore this key (at most a few per sample)
+        memory = self.encoder(self.embed(inputs), src_key_padding_mask=padding)
+        shifted = torch.cat([torch.zeros_like(targets[:, :1]), targets[:, :-1]], dim=1)
+        causal = nn.Transformer.generate_square_subsequent_mask(seq, device=inputs.device)
+        x = self.decoder(self.embed(shifted), memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=padding)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def torch_seq2seq() -> TorchSeq2Seq:
+    torch.manual_seed(1234)
+    return TorchSeq2Seq()
+
+
+# ---------------------------------------------------------------------------------------------- any list of blocks
+class MixerBlock(nn.Module):
+    """A block no tensor-parallel plan knows (unrecognised layer names, a depthwise convolution)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.token_mixer = nn.Conv1d(HIDDEN, HIDDEN, kernel_size=3, padding=2, groups=HIDDEN)
+        self.channel_in = nn.Linear(HIDDEN, FFN)
+        self.channel_out = nn.Linear(FFN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mixed = self.token_mixer(self.norm(x).transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)  # causal
+        x = x + mixed
+        return x + self.channel_out(F.gelu(self.channel_in(x)))
+
+
+class PlainBlocksLM(_Trainable):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(MixerBlock() for _ in range(4))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def loss(self, batch):  # noqa: ANN001, ANN201
+        inputs, targets = batch
+        x = self.embedding(inputs)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1).float(), targets.flatten())
+
+
+def plain_blocks() -> PlainBlocksLM:
+    torch.manual_seed(1234)
+    return PlainBlocksLM()

@@ -1,0 +1,169 @@
+"""Model families (issue 8): each trains under GalvatronStrategy on 4 processes and matches one process.
+
+Families: Hugging Face GPT-2 and Llama (also in test_parity_tensor_parallel / test_pipeline), a
+Hugging Face BERT classifier with a padding mask, PyTorch's ``nn.TransformerEncoder`` (its layers'
+``nn.MultiheadAttention`` split by heads), an encoder-decoder of ``nn.TransformerEncoder`` and
+``nn.TransformerDecoder`` (two block lists, found automatically) and a plain list of blocks that no
+tensor-parallel plan knows. Tolerances as in test_parity_data_parallel (fp32): losses 1e-5,
+first-step gradients 1e-3 of their RMS, parameters 1e-4 after 3 AdamW steps.
+
+The ``torch.nn`` models use a global batch of 12: their causal mask is ``[SEQ, SEQ] = [8, 8]`` and
+the runtime moves extra block inputs whose first dimension equals the local batch along the batch,
+so no layout may hold 8 samples (see the README's known limits).
+"""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from lightning_galvatron.model.discovery import find_blocks
+from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
+from lightning_galvatron.plan import LayerStrategy as S
+from lightning_galvatron.plan import ParallelPlan
+from tests.helpers.hf_models import hf_llama
+from tests.helpers.model_families import hf_bert, plain_blocks, torch_encoder, torch_seq2seq
+from tests.helpers.training import assert_close_runs, run_distributed, run_single
+from tests.test_parity_data_parallel import FP32_TOL
+
+pytestmark = pytest.mark.timeout(900)
+
+TORCH_BATCH = 12
+
+PLANS = {
+    "hf_bert_tp_megatron_sp": (
+        hf_bert,
+        8,
+        ParallelPlan(
+            world_size=4,
+            layers=(
+                S(tp=2, sp="megatron", dp_type="zero3"),
+                S(tp=2, recompute=True),
+                S(tp=2, sp="megatron", dp_type="zero2", recompute=True),
+                S(tp=2, dp_type="zero3"),
+            ),
+            vocab=S(tp=2),
+        ),
+    ),
+    "torch_encoder_heterogeneous": (
+        torch_encoder,
+        TORCH_BATCH,
+        ParallelPlan(
+            world_size=4,
+            layers=(
+                S(tp=2, dp_type="zero3"),
+                S(tp=4, recompute=True),
+                S(tp=2, dp_type="zero2", tp_consecutive=False),
+                S(dp_type="zero3", recompute=True),
+            ),
+            vocab=S(tp=2),
+        ),
+    ),
+    "torch_encoder_decoder_two_block_lists": (
+        torch_seq2seq,
+        TORCH_BATCH,
+        ParallelPlan(
+            world_size=4,
+            layers=(S(tp=2), S(tp=2, dp_type="zero3", recompute=True), S(tp=2, dp_type="zero2"), S(tp=2, dp_type="zero3", recompute=True)),
+            vocab=S(tp=2),
+        ),
+    ),
+    "plain_blocks_without_tp_plan": (
+        plain_blocks,
+        8,
+        ParallelPlan(
+            world_size=4,
+            layers=(S(dp_type="zero3"), S(dp_type="zero2", recompute=True), S(), S(dp_type="zero3", recompute=True)),
+            vocab=S(tp=2),
+        ),
+    ),
+    "hf_llama_pipelined_with_tp": (
+        hf_llama,
+        8,
+        ParallelPlan.uniform(4, 4, S(tp=2, dp_type="zero3"), vocab=S(tp=2), pp=2, schedule="1f1b", micro_batches=2),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_family_matches_single_process(pools, name):
+    model, batch, plan = PLANS[name]
+    expected = run_single(model=model, global_batch=batch)
+    result = pools(4).run(run_distributed, plan, model=model, global_batch=batch)[0]
+    assert_close_runs(result, expected, **FP32_TOL)
+
+
+# Blocks whose data-parallel layouts differ from the embedding's and from each other. The runtime moves a
+# block's extra batch-major inputs (BERT's attention mask, the decoder's memory and padding mask) as if they
+# came from the previous block's layout; they come from outside the blocks, i.e. the embedding's layout.
+# Until runtime/apply.py relocates them from there, these runs fail (a shape mismatch, or rows of another
+# sample's mask where the layouts have the same shape).
+EXTRA_INPUTS_FROM_EMBEDDING_LAYOUT = pytest.mark.xfail(
+    strict=True, raises=AssertionError,
+    reason="runtime/apply.py relocates extra block inputs from the previous block's layout, not the embedding's",
+)
+HETEROGENEOUS = {
+    "hf_bert": (
+        hf_bert,
+        8,
+        ParallelPlan(
+            world_size=4,
+            layers=(
+                S(tp=2, sp="megatron", dp_type="zero3"),
+                S(tp=4, recompute=True),
+                S(dp_type="zero2"),
+                S(tp=2, sp="megatron", recompute=True, tp_consecutive=False),
+            ),
+            vocab=S(tp=2),
+        ),
+    ),
+    "torch_encoder_decoder": (
+        torch_seq2seq,
+        TORCH_BATCH,
+        ParallelPlan(
+            world_size=4,
+            layers=(S(tp=2), S(tp=4, dp_type="zero3"), S(tp=2, dp_type="zero2", recompute=True), S(dp_type="zero3")),
+            vocab=S(dp_type="zero2"),
+        ),
+    ),
+}
+
+
+@EXTRA_INPUTS_FROM_EMBEDDING_LAYOUT
+@pytest.mark.parametrize("name", list(HETEROGENEOUS))
+def test_heterogeneous_layouts_with_extra_block_inputs(pools, name):
+    model, batch, plan = HETEROGENEOUS[name]
+    expected = run_single(model=model, global_batch=batch)
+    result = pools(4).run(run_distributed, plan, model=model, global_batch=batch)[0]
+    assert_close_runs(result, expected, **FP32_TOL)
+
+
+def test_blocks_and_plans_are_found():
+    bert = find_blocks(hf_bert())
+    assert [bl.path for bl in bert.block_lists] == ["model.bert.encoder.layer"]
+    assert tensor_parallel_plan(bert.blocks[0]).megatron_sp
+    seq2seq = find_blocks(torch_seq2seq())
+    assert [bl.path for bl in seq2seq.block_lists] == ["encoder.layers", "decoder.layers"]
+    assert [bl.block_type for bl in seq2seq.block_lists] == ["TransformerEncoderLayer", "TransformerDecoderLayer"]
+    assert all(tensor_parallel_plan(b).unsupported(4, "none") is None for b in seq2seq.blocks)
+    assert tensor_parallel_plan(seq2seq.blocks[0]).unsupported(2, "megatron") is not None
+    assert tensor_parallel_plan(find_blocks(plain_blocks()).blocks[0]) is None
+    sequence_first = nn.TransformerEncoderLayer(32, 4, 64, batch_first=False)
+    assert tensor_parallel_plan(sequence_first) is None  # the runtime moves activations along dim 0 as the batch
+    small_head = nn.Module()
+    small_head.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 4, enable_nested_tensor=False)
+    small_head.heads = nn.ModuleList(nn.Sequential(nn.Linear(32, 2), nn.Linear(2, 2)) for _ in range(2))
+    assert [bl.path for bl in find_blocks(small_head).block_lists] == ["encoder.layers"]
+
+
+def test_tensor_parallelism_for_a_block_without_plan_is_refused(pools):
+    plan = PLANS["plain_blocks_without_tp_plan"][2]
+    plan = plan.replace(layers=(S(tp=2), *plan.layers[1:]))
+    with pytest.raises(AssertionError, match=r"layers\[0\]: MixerBlock has no tensor-parallel plan, so tp=2 cannot run"):
+        pools(4).run(run_distributed, plan, model=plain_blocks)
+
+
+def test_encoder_decoder_pipeline_is_refused(pools):
+    plan = ParallelPlan.uniform(4, 4, S(), pp=2, schedule="1f1b", micro_batches=2)
+    with pytest.raises(AssertionError, match=r"pipeline parallelism over several block lists \(encoder.layers, decoder.layers\)"):
+        pools(4).run(run_distributed, plan, model=torch_seq2seq, global_batch=TORCH_BATCH)
