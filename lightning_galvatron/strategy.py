@@ -219,6 +219,12 @@ class GalvatronStrategy(ModelParallelStrategy):
     def _search_plan(self, trainer: Any, structure: ModelStructure) -> ParallelPlan:
         """``plan="auto"``: profile on every rank, search on rank 0, the same plan everywhere."""
         module = self.lightning_module
+        if any(p.is_meta for p in module.parameters()):
+            raise PlanError(
+                'plan="auto" profiles the model by running it, but its parameters are on the meta device '
+                "(empty_init / configure_model); create it with real weights, or pass a plan (e.g. one from "
+                "`lightning-galvatron search`)"
+            )
         loader = _first_dataloader(trainer)
         example = move_data_to_device(next(iter(loader)), self.root_device)
         global_batch = self._global_batch_size or loader.batch_size * self.world_size

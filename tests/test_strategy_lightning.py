@@ -166,3 +166,30 @@ def test_lightning_cli_yaml_class_path_needs_no_import(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "strategy: lightning_galvatron.strategy GalvatronStrategy" in out.stdout
+
+
+def _train_from_empty_init(plan: ParallelPlan) -> tuple[bool, list[float]]:
+    """A model created on the meta device is materialised shard by shard, never whole on one rank."""
+    from torch.utils.data import DataLoader
+
+    from examples.gpt import GPTModule
+    from tests.helpers.training import TINY_GPT, dataset
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=GalvatronStrategy(plan=plan, save_plan=False), max_steps=4,
+        logger=False, enable_progress_bar=False, enable_checkpointing=False,
+    )
+    with trainer.init_module(empty_init=True):
+        module = GPTModule(**TINY_GPT)
+    was_meta = all(p.is_meta for p in module.parameters())
+    losses: list[float] = []
+    module.on_train_batch_end = lambda outputs, batch, batch_idx: losses.append(float(outputs["loss"]))
+    trainer.fit(module, DataLoader(dataset(64), batch_size=2, shuffle=True))
+    return was_meta, losses
+
+
+def test_empty_init_model_is_materialised_sharded(pools):
+    plan = ParallelPlan.uniform(4, 4, S(tp=2, dp_type="zero3"), vocab=S(dp_type="zero3"))
+    was_meta, losses = pools(4).run(_train_from_empty_init, plan)[0]
+    assert was_meta
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
