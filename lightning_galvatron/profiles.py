@@ -228,7 +228,7 @@ class VocabProfile:
     """The embedding (first pipeline stage) and the head with the loss (last stage).
 
     Attributes:
-        vocab_size: vocabulary size (a vocabulary-parallel degree must divide it).
+        vocab_size: vocabulary size (any vocabulary-parallel degree works: shards may differ by one row).
         embedding_parameters, head_parameters: parameter counts; with ``tied`` the head reuses the
             embedding (``head_parameters`` is then 0 and, under pipelining, both end stages hold it).
         embedding_forward_time, head_forward_time: forward time vs local batch, degree 1.

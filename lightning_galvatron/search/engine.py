@@ -750,7 +750,7 @@ def _baselines(cm: CostModel, world_size: int, budget: int, global_batch: int, o
     degrees = [g for g in _divisors(W) if options.max_tp is None or g <= options.max_tp]
     for g in sorted(degrees, reverse=True):
         if all(lt.supports_tensor_parallel and lt.num_heads % g == 0 and lt.hidden_size % g == 0 and lt.ffn_hidden_size % g == 0 for lt in model.layer_types):
-            vg = g if model.vocab.vocab_size % g == 0 else 1
+            vg = g if model.vocab.supports_tensor_parallel else 1
             for sp in ("megatron", "none"):
                 tp_plans += list(uniform(LayerStrategy(tp=g, sp=sp if g > 1 else "none"), LayerStrategy(tp=vg)))
             break

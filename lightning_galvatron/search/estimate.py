@@ -229,8 +229,8 @@ def _executability_warnings(profile: Profile, plan: ParallelPlan) -> list[str]:
     vocab, v = model.vocab, plan.vocab
     if v.sp != "none":
         out.append(f"vocab: sp={v.sp!r} is not executable: the embedding and head run on whole sequences (use sp='none')")
-    elif v.tp > 1 and (not vocab.supports_tensor_parallel or vocab.vocab_size % v.tp):
-        out.append(f"vocab: vocabulary-parallel degree {v.tp} does not divide the vocabulary of {vocab.vocab_size}")
+    elif v.tp > 1 and not vocab.supports_tensor_parallel:
+        out.append(f"vocab: the model has no vocabulary-parallel embedding/head, so degree {v.tp} is not executable")
     if plan.pp > 1 and model.block_lists > 1:
         out.append(f"pp={plan.pp} is not executable: the blocks sit in {model.block_lists} lists (encoder and decoder); use pp=1")
     if plan.schedule in ("1f1b", "interleaved_1f1b") and plan.pp > 1 and plan.micro_batches < plan.pp:

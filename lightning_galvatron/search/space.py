@@ -201,8 +201,8 @@ def vocab_candidates(
     batch_per_micro_batch: int,
     options: SearchOptions,
 ) -> list[LayerStrategy]:
-    """Strategies for the embedding and head: data parallelism, or vocabulary parallelism of a degree that
-    divides the vocabulary.
+    """Strategies for the embedding and head: data parallelism, or vocabulary parallelism of any degree
+    (the runtime shards a vocabulary the degree does not divide unevenly).
 
     The embedding and head always run on whole sequences (``sp="none"``): the user's ``training_step``
     computes the loss from them, so the runtime cannot split their sequence. ``seq_length`` is kept for
@@ -217,8 +217,7 @@ def vocab_candidates(
         if batch_per_micro_batch % d:
             continue
         if g > 1 and not (
-            vocab.supports_tensor_parallel
-            and vocab.vocab_size % g == 0
+            vocab.supports_tensor_parallel  # any degree: uneven vocabularies are sharded unevenly
             and not {"vocab_parallel", "tensor_parallel"} & options.disable
         ):
             continue
