@@ -78,7 +78,9 @@ def hf_bert() -> BertClassifier:
 
 # ---------------------------------------------------------------------------------------------- torch.nn Transformers
 def _encoder_layer() -> nn.TransformerEncoderLayer:
-    return nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, dropout=0.0, batch_first=True, norm_first=True)
+    # GELU rather than the default ReLU: at ReLU's kink a pre-activation rounded differently in another
+    # process flips a gate, and that token's whole gradient contribution with it.
+    return nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, dropout=0.0, activation="gelu", batch_first=True, norm_first=True)
 
 
 class TorchEncoderLM(_Trainable):
@@ -117,7 +119,9 @@ class TorchSeq2Seq(_Trainable):
         self.embedding = nn.Embedding(VOCAB, HIDDEN)
         self.positions = nn.Embedding(8, HIDDEN)
         self.encoder = nn.TransformerEncoder(_encoder_layer(), num_layers=2, enable_nested_tensor=False)
-        decoder_layer = nn.TransformerDecoderLayer(HIDDEN, HEADS, FFN, dropout=0.0, batch_first=True, norm_first=True)
+        decoder_layer = nn.TransformerDecoderLayer(
+            HIDDEN, HEADS, FFN, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
         self.decoder = nn.TransformerDecoder(decoder_layer, num_layers=2)
         self.norm = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB)
