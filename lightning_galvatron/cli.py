@@ -8,7 +8,9 @@ Subcommands:
 * ``evaluate PROFILE --plan PLAN`` -- predicted time and memory of a plan (ours or the reference
   system's format): a what-if tool;
 * ``import-galvatron DIR --hidden-size H --seq-length S -o profile.json`` -- convert the reference
-  system's profile files.
+  system's profile files;
+* ``estimate --hf-config CONFIG.json --world-size N --memory-per-device 80GB --hardware PROFILE`` -- will
+  a model fit a cluster you do not have, and how (an analytic profile scaled from measured blocks).
 
 Adding a subcommand: write ``_cmd_<name>(args) -> int`` and a ``_register_<name>(subparsers)``
 decorated with :func:`subcommand` that adds its parser and sets ``func=_cmd_<name>``.
@@ -317,6 +319,48 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     path = consolidate(args.checkpoint, args.output, lightning=args.lightning)
     print(f"wrote {path}")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------- estimate
+@subcommand
+def _register_estimate(subparsers: Any) -> None:
+    from lightning_galvatron.plan import SCHEDULES
+    from lightning_galvatron.search.space import DISABLE_CHOICES
+
+    p = subparsers.add_parser(
+        "estimate",
+        help="will a model fit a cluster you do not have, and how? (plan, memory and time from an analytic profile)",
+        description="Search the plan for a model on a cluster that is not at hand: per-block costs are computed from "
+        "the model's shape and scaled from the measured blocks of a profile (--reference, default --hardware); the "
+        "interconnect is the hardware profile's. Exit status 0 when a plan fits, 1 when none does.",
+    )
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--hf-config", help="a Hugging Face config.json (nothing is downloaded)")
+    model.add_argument("--model", help="a LightningModule or nn.Module class, MODULE:CLASS, built on the meta device")
+    p.add_argument("--model-args", type=_json_object, default={}, help="with --model: its init arguments as a JSON object")
+    p.add_argument("--layers", nargs="+", help="with --model: dotted path(s) of the block container(s) (default: detected)")
+    p.add_argument("--world-size", type=int, required=True, help="number of devices")
+    p.add_argument("--memory-per-device", type=_byte_size, help="memory budget per device, e.g. 80GB (default: the hardware profile's)")
+    p.add_argument("--seq-length", type=int, help="tokens per sample (default: the config's maximum positions)")
+    p.add_argument("--hardware", help="profile JSON whose hardware part describes the cluster (default: the newest profile in the local profile cache)")
+    p.add_argument("--reference", help="profile JSON whose measured blocks calibrate compute and activations (default: --hardware)")
+    p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the world size)")
+    p.add_argument("--search-batch-size", action="store_true", help="also search the global batch size for throughput")
+    p.add_argument("--max-global-batch-size", type=int, help="largest batch tried by --search-batch-size")
+    p.add_argument("--max-tp", type=int, help="largest tensor/sequence-parallel degree")
+    p.add_argument("--max-pp", type=int, help="largest pipeline degree")
+    p.add_argument("--disable", nargs="+", default=[], choices=sorted(DISABLE_CHOICES), metavar="WHAT", help=f"leave out: {', '.join(sorted(DISABLE_CHOICES))}")
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, help="pipeline schedules allowed (default: all)")
+    p.add_argument("-o", "--output", help="write the plan JSON here (when one fits)")
+    p.add_argument("--profile-output", help="write the analytic profile here (for `search` and `evaluate`)")
+    _add_cost_options(p)
+    p.set_defaults(func=_cmd_estimate)
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from lightning_galvatron.estimator import run_estimate
+
+    return run_estimate(args)
 
 
 if __name__ == "__main__":
