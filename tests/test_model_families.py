@@ -100,15 +100,9 @@ def test_family_matches_single_process(pools, name):
     assert_close_runs(result, expected, **FP32_TOL)
 
 
-# Blocks whose data-parallel layouts differ from the embedding's and from each other. The runtime moves a
-# block's extra batch-major inputs (BERT's attention mask, the decoder's memory and padding mask) as if they
-# came from the previous block's layout; they come from outside the blocks, i.e. the embedding's layout.
-# Until runtime/apply.py relocates them from there, these runs fail (a shape mismatch, or rows of another
-# sample's mask where the layouts have the same shape).
-EXTRA_INPUTS_FROM_EMBEDDING_LAYOUT = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="runtime/apply.py relocates extra block inputs from the previous block's layout, not the embedding's",
-)
+# Blocks whose data-parallel layouts differ from the embedding's and from each other: a block's extra
+# batch-major inputs (BERT's attention mask, the decoder's memory and padding mask) are made outside the
+# blocks, so they are relocated from the embedding's layout, not from the previous block's.
 HETEROGENEOUS = {
     "hf_bert": (
         hf_bert,
@@ -136,7 +130,6 @@ HETEROGENEOUS = {
 }
 
 
-@EXTRA_INPUTS_FROM_EMBEDDING_LAYOUT
 @pytest.mark.parametrize("name", list(HETEROGENEOUS))
 def test_heterogeneous_layouts_with_extra_block_inputs(pools, name):
     model, batch, plan = HETEROGENEOUS[name]
@@ -221,10 +214,9 @@ def test_auto_plan_matches_single_process(pools, tmp_path, name):
     assert_close_runs(out["result"], run_single(model=model, global_batch=batch), **FP32_TOL)
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError, reason="runtime/pipeline.py: a later stage's gated list looks up self.layers[0] by its global key")
 def test_torch_encoder_runs_on_a_later_pipeline_stage():
     """nn.TransformerEncoder reads ``self.layers[0]`` (for its fast-path checks) before looping over the layers;
-    on stage 1 of 2 block "0" was removed from the list."""
+    on stage 1 of 2 block "0" lives on stage 0, and its configuration is read from a local block."""
     import torch
 
     from lightning_galvatron.runtime.pipeline import StagePartition

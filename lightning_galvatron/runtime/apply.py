@@ -153,7 +153,9 @@ def apply_plan(
         block, strategy = all_blocks[index], plan.layers[index]
         source = vocab_layout if index in starts else layouts[index - 1]
         applied.hooks.append(
-            _relocate_inputs(block, source, layouts[index], micro_batch, position, stage_group, first=index == 0)
+            _relocate_inputs(
+                block, source, layouts[index], micro_batch, position, stage_group, first=index == 0, extras_source=vocab_layout
+            )
         )
         layout = Layout.of(plan, strategy)
         if strategy.sp == "ulysses":
@@ -252,14 +254,18 @@ def _relocate_inputs(
     position: int,
     group: dist.ProcessGroup,
     first: bool,
+    extras_source: ActivationLayout,
 ):  # noqa: ANN202
-    """Forward pre-hook: bring the block's inputs from ``source`` to ``target`` layout.
+    """Forward pre-hook: bring the block's inputs to the ``target`` layout.
 
-    The hidden states (first tensor argument) move along batch and sequence; other tensors whose
-    first dimension is the local batch (masks, position tables) move along the batch only. Registered
-    before recomputation so that recompute replays from already relocated inputs.
+    The hidden states (first tensor argument) move from ``source`` (the previous block's layout) along
+    batch and sequence; other tensors whose first dimension is the local batch (masks, position
+    tables, memory) move from ``extras_source`` (the vocabulary layout) along the batch only.
+    Registered before recomputation so that recompute replays from already relocated inputs.
     """
-    batch_only_source = ActivationLayout(source.layout)
+    # Other inputs (masks, positions, an encoder's memory) are made outside the blocks and handed to every
+    # block as they are: they always come from the vocabulary layout, whatever the previous block's was.
+    batch_only_source = ActivationLayout(extras_source.layout)
     batch_only_target = ActivationLayout(target.layout)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -272,12 +278,12 @@ def _relocate_inputs(
             raise RuntimeError(f"{type(module).__name__} was called without a hidden-states tensor to relocate")
         if first:
             micro_batch.size = hidden.shape[0] * source.layout.dp  # the input layout's shards are even
-        local_batch = hidden.shape[0]
+        extras_batch = micro_batch.size // extras_source.layout.dp
 
         def move(value: Any, is_hidden: bool) -> Any:
             if is_hidden:
                 return relocate(value, source, target, micro_batch.size, position, group)
-            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == local_batch:
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == extras_batch:
                 return relocate(value, batch_only_source, batch_only_target, micro_batch.size, position, group)
             return value
 

@@ -177,6 +177,22 @@ class _Gate:
         ]
 
 
+class _AbsentBlock:
+    """A block of another stage, looked up by index: its configuration reads like a local block's."""
+
+    def __init__(self, representative: nn.Module, key: str) -> None:
+        self._representative, self._key = representative, key
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._representative, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineUsageError(
+            f"block {self._key} lives on another pipeline stage; with pipeline parallelism blocks must be called "
+            "by iterating over their list (for block in self.layers: ...), not by index"
+        )
+
+
 def _gated_class(cls: type, gate: _Gate) -> type:
     def __iter__(self):  # noqa: ANN001, ANN202, N807
         return iter(gate.calls(list(self._modules.values())))
@@ -184,7 +200,10 @@ def _gated_class(cls: type, gate: _Gate) -> type:
     def __getitem__(self, index):  # noqa: ANN001, ANN202, N807
         if isinstance(index, slice):
             return gate.calls(list(self._modules.values())[index])
-        return cls.__getitem__(self, index)
+        key = str(index % self.galvatron_length)  # keys are the global positions
+        if key in self._modules:
+            return self._modules[key]
+        return _AbsentBlock(next(iter(self._modules.values())), key)  # e.g. nn.TransformerEncoder reads layers[0]
 
     return type(f"Pipelined{cls.__name__}", (cls,), {"__iter__": __iter__, "__getitem__": __getitem__})
 
@@ -236,6 +255,7 @@ class StagePartition:
         index_of: dict[int, int] = {}
         index = 0
         for block_list in structure.block_lists:
+            block_list.container.galvatron_length = len(block_list.container)  # before blocks are removed
             for key, block in list(block_list.container._modules.items()):
                 if index in local:
                     index_of[id(block)] = index
