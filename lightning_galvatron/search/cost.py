@@ -25,6 +25,11 @@ What a block costs per micro-batch (what the runtime executes):
 
 Overlap of ``x`` and ``y`` costs ``max(x, y) + (alpha - 1) * min(x, y)`` with the profile's overlap
 coefficient ``alpha``.
+
+With a :class:`~lightning_galvatron.search.calibration.Calibration` (fitted from measured steps), a
+block's time per micro-batch is the calibrated combination of these terms plus fixed costs per call of
+each mechanism, the optimizer step is priced per parameter tensor and element, and a step and each
+pipeline micro-batch add fixed overheads (see :mod:`.calibration`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_galvatron.profiles import LayerTypeProfile, LinearFit, Profile, bus_volume
+from lightning_galvatron.search.calibration import Calibration, block_features, load_calibration, vocab_time
 from lightning_galvatron.search.space import Layout, StrategyArrays
 
 
@@ -143,10 +149,18 @@ def overlap_time(compute, comm, alpha: float):
 
 # ---------------------------------------------------------------------------------------------- the model
 class CostModel:
-    """A profile bound to a precision and an optimizer; collectives are looked up once and cached."""
+    """A profile bound to a precision, an optimizer and optionally a calibration; collectives are looked up
+    once and cached."""
 
-    def __init__(self, profile: Profile, precision: str | Precision = "bf16-mixed", optimizer: str | float = "adamw"):
+    def __init__(
+        self,
+        profile: Profile,
+        precision: str | Precision = "bf16-mixed",
+        optimizer: str | float = "adamw",
+        calibration: Calibration | str | None = None,
+    ):
         self.profile = profile
+        self.calibration = load_calibration(calibration)
         self.precision = resolve_precision(precision)
         self.optimizer_bytes = optimizer_state_bytes(optimizer, self.precision)
         self.alpha = profile.hardware.overlap_coefficient
@@ -178,6 +192,14 @@ class CostModel:
                 mask = (group_sizes == g) & (strides == t)
                 out[mask] = self.collective_time(kind, nbytes[mask], g, t, world_size)
         return out
+
+    def step_overhead(self) -> float:
+        """Fixed time per training step (calibrated; 0 without a calibration)."""
+        return self.calibration.step_overhead_s if self.calibration is not None else 0.0
+
+    def pipeline_overhead(self, pp: int) -> float:
+        """Fixed time per micro-batch and stage of a pipeline besides its transfers (calibrated)."""
+        return self.calibration.pipeline_overhead_s if self.calibration is not None and pp > 1 else 0.0
 
     def p2p_time(self, ctx: StageContext, hidden: int, seq: int) -> float:
         """One stage-to-stage transfer of a micro-batch's activations (each device sends its share)."""
@@ -363,12 +385,16 @@ def _costs(
     tp_calls_forward: float,
     tp_calls_backward: float,
     ulysses_calls: float,
+    vocab: bool = False,
+    parameter_tensors: float = 0.0,
 ) -> LayerCosts:
     """Assemble the terms above for blocks and for the embedding/head (which differ only in their data).
 
     Per micro-batch: forward overlapped with its parameter gathers, backward (and recompute)
     overlapped with its gathers and per-micro-batch gradient reductions, plus TP/SP communication;
     the last micro-batch also overlaps the once-per-step gradient reduction with its backward.
+    Calibrated: the block (or embedding/head) terms recombined as the calibration says, and the
+    optimizer's work on the ``parameter_tensors`` and the elements this device holds added once per step.
     """
     n = ctx.devices_per_stage
     d = n // sa.tp
@@ -380,6 +406,16 @@ def _costs(
     fwd = overlap_time(forward, gather_f, cm.alpha)
     time = fwd + overlap_time(backward, backward_comm, cm.alpha) + tp
     last = fwd + overlap_time(backward, backward_comm + per_step, cm.alpha) + tp
+    cal = cm.calibration
+    if cal is not None:
+        if vocab:
+            calibrated = vocab_time(cal, (1.0 + backward_to_forward) * forward, time, sa)
+        else:
+            calibrated = block_features(forward, backward_to_forward, time, sa) @ cal.coefficients
+        weights = parameters / np.where(sa.splits_weights, sa.tp, 1)
+        elements = np.where(sa.dp_code > 0, weights / d, weights)
+        extra = (last - time) + cal.optimizer_time(parameter_tensors, elements)
+        time, last = calibrated, calibrated + extra
     return LayerCosts(
         time=time,
         last_extra=last - time,
@@ -405,6 +441,7 @@ def block_costs(cm: CostModel, layer: LayerTypeProfile, sa: StrategyArrays, ctx:
         tp_calls_forward=layer.tp_collectives_per_forward,
         tp_calls_backward=layer.tp_collectives_per_forward,
         ulysses_calls=layer.ulysses_all_to_alls_per_forward,
+        parameter_tensors=cm.calibration.tensors_per_layer_type.get(layer.name, 0) if cm.calibration is not None else 0,
     )
 
 
@@ -419,9 +456,12 @@ def vocab_costs(cm: CostModel, sa: StrategyArrays, ctx: StageContext, part: str)
     """
     model = cm.profile.model
     vocab = model.vocab
+    tensors = cm.calibration.vocab_tensors if cm.calibration is not None else 0
     if part == "embedding":
         parameters, fit, table = vocab.embedding_parameters, vocab.embedding_forward_time, vocab.embedding_activation_bytes_per_sample
+        tensors = (tensors + 1) // 2
     elif part == "head":
+        tensors //= 2
         parameters = vocab.head_parameters if not vocab.tied else (vocab.embedding_parameters if ctx.pp > 1 else 0)
         fit, table = vocab.head_forward_time, vocab.head_activation_bytes_per_sample
     else:
@@ -441,6 +481,8 @@ def vocab_costs(cm: CostModel, sa: StrategyArrays, ctx: StageContext, part: str)
         tp_calls_forward=1.0,
         tp_calls_backward=0.0,
         ulysses_calls=0.0,
+        vocab=True,
+        parameter_tensors=tensors,
     )
 
 

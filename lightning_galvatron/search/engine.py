@@ -29,6 +29,7 @@ import numpy as np
 
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, even_partition
 from lightning_galvatron.profiles import Profile, load_profile
+from lightning_galvatron.search.calibration import Calibration
 from lightning_galvatron.search.cost import (
     CostModel,
     LayerCosts,
@@ -183,12 +184,16 @@ def search(
     virtual_stages: Sequence[int] = (2,),
     memory_tolerance: float = 0.01,
     baselines: bool = True,
+    calibration: Calibration | str | None = None,
 ) -> SearchResult:
     """Find the plan with the highest predicted throughput that fits ``memory_budget_bytes`` per device.
 
     The global batch is fixed (``global_batch_size``, default ``world_size``: one sample per device
     as DDP would train) unless ``search_batch_size`` is set, in which case batch sizes up to
     ``max_global_batch_size`` (default ``8 * world_size``) are tried for the best throughput.
+
+    ``calibration`` (a :class:`~lightning_galvatron.search.calibration.Calibration` or its JSON file)
+    prices plans with the cost model calibrated from measured steps.
 
     Raises :class:`InfeasibleBudgetError` (naming the smallest budget that fits) or
     :class:`NoValidPlanError`; both are ``ValueError``.
@@ -206,7 +211,7 @@ def search(
         virtual_stages=tuple(virtual_stages),
         memory_tolerance=memory_tolerance,
     )
-    cm = CostModel(profile, precision, optimizer)
+    cm = CostModel(profile, precision, optimizer, calibration)
     if search_batch_size:
         limit = max_global_batch_size or 8 * world_size
         batches = batch_size_candidates(limit)
@@ -351,6 +356,7 @@ class _FixedBatchSearch:
         vocab_time[-1] += head.step_share(m)
         vocab_memory[-1] += head.memory(in_flight[-1])
         p2p = np.array([p2p_transfers(pp, r, v) for r in range(pp)]) * cm.p2p_time(ctx, model.hidden_size, model.seq_length)
+        p2p = p2p + cm.pipeline_overhead(pp)
         # Working-memory reserve of a stage [a, a+j): the largest over the block types it holds.
         per_type = np.array([working_memory_bytes(cm, [lt], ctx) for lt in model.layer_types])
         max_blocks_override = max_blocks
@@ -434,7 +440,8 @@ class _FixedBatchSearch:
         """The fastest plan at this batch size, or None; shapes that cannot beat ``best_throughput`` are skipped."""
         shapes = self.price()
         shapes.sort(key=lambda s: s.lower_bound)
-        best_time = math.inf if best_throughput is None else self.B / best_throughput
+        overhead = self.cm.step_overhead()  # per step, whatever the plan: compared without it, counted in throughput
+        best_time = math.inf if best_throughput is None else self.B / best_throughput - overhead
         best: tuple[float, _Shape, tuple[int, ...], int] | None = None
         for shape in shapes:
             if shape.lower_bound >= best_time * (1 - 1e-12):
@@ -448,7 +455,7 @@ class _FixedBatchSearch:
             return None
         step, shape, partition, vocab_index = best
         plan = self._build_plan(shape, partition, vocab_index)
-        return _Choice(self.B / step, step, self.B, plan)
+        return _Choice(self.B / (step + overhead), step + overhead, self.B, plan)
 
     def _cell(self, shape: _Shape) -> tuple[float, int]:
         cell = cell_bytes(self.capacity, shape.max_blocks, self.options.memory_tolerance)

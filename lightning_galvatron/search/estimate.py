@@ -9,6 +9,7 @@ import numpy as np
 
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 from lightning_galvatron.profiles import Profile, load_profile
+from lightning_galvatron.search.calibration import Calibration
 from lightning_galvatron.search.cost import (
     CostModel,
     Precision,
@@ -145,10 +146,12 @@ def evaluate(
     precision: str | Precision = "bf16-mixed",
     memory_budget_bytes: int | str | None = None,
     cost_model: CostModel | None = None,
+    calibration: Calibration | str | None = None,
 ) -> Estimate:
-    """Predict ``plan``'s step time and per-device peak memory with the search's cost model."""
+    """Predict ``plan``'s step time and per-device peak memory with the search's cost model
+    (calibrated from measured steps when ``calibration`` is given, see :mod:`.calibration`)."""
     profile = load_profile(profile)
-    cm = cost_model or CostModel(profile, precision, optimizer)
+    cm = cost_model or CostModel(profile, precision, optimizer, calibration)
     model = profile.model
     if plan.num_layers != model.num_blocks:
         raise PlanError(f"the plan has {plan.num_layers} layer strategies but the profiled model has {model.num_blocks} blocks")
@@ -193,11 +196,11 @@ def evaluate(
                 c = vocab_costs(cm, vocab_arrays, ctx, part)
                 time += float(c.step_share(m)[0])
                 vocab_bytes += float(c.memory(k)[0])
-        time += p2p_transfers(pp, rank, v) * cm.p2p_time(ctx, model.hidden_size, model.seq_length)
+        time += p2p_transfers(pp, rank, v) * cm.p2p_time(ctx, model.hidden_size, model.seq_length) + cm.pipeline_overhead(pp)
         layers = plan.stage_layers(rank)
         working = working_memory_bytes(cm, [model.layer_types[t] for t in sorted({model.blocks[i] for i in layers})], ctx)
         stages.append(StageEstimate(rank, tuple(layers), k, time, states, acts, vocab_bytes, working, hw.memory_overhead_bytes))
-    step = float(pipeline_step_time(np.array([s.time_per_micro_batch_s for s in stages]), m, v))
+    step = float(pipeline_step_time(np.array([s.time_per_micro_batch_s for s in stages]), m, v)) + cm.step_overhead()
     blocks.sort(key=lambda b: b.index)
     return Estimate(
         plan=plan if plan.global_batch_size == B else plan.replace(global_batch_size=B),

@@ -1,0 +1,136 @@
+"""Calibration of the cost model from measured steps: the fit inverts the model, the search uses it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from lightning_galvatron.plan import LayerStrategy as S
+from lightning_galvatron.plan import ParallelPlan
+from lightning_galvatron.search import evaluate, search
+from lightning_galvatron.search.calibration import (
+    BLOCK_TERMS,
+    BlockTiming,
+    Calibration,
+    Observation,
+    _analytic_parts,
+    _arrays,
+    block_features,
+    fit_calibration,
+    nonnegative_least_squares,
+)
+from lightning_galvatron.search.cost import CostModel
+from tests.test_search_cost import tiny_profile
+
+PRECISION = "32-true"
+TRUTH = Calibration(
+    block={
+        "compute": 1.5, "compute_tensor_parallel": 2.0, "compute_ulysses": 1.2, "recompute": 2.2, "communication": 1.3,
+        "call": 2e-3, "zero2": 1e-3, "zero3": 2e-3, "tensor_parallel": 8e-3, "megatron_sp": 1e-3, "ulysses": 3e-3,
+        "recompute_call": 4e-3,
+    },
+    optimizer_s_per_tensor=5e-4,
+    optimizer_s_per_element=2e-9,
+    tensors_per_layer_type={"block": 12},
+    vocab_tensors=3,
+)
+PROBE = ParallelPlan(
+    4,
+    (S(), S(dp_type="zero2"), S(dp_type="zero3", recompute=True), S(tp=2, dp_type="zero2"), S(tp=4), S(tp=2, sp="megatron"),
+     S(tp=4, sp="ulysses"), S(dp_type="zero3")),
+    global_batch_size=16,
+)
+
+
+def synthetic_observations(profile, truth: Calibration, plans, step_overhead: float = 0.02) -> list[Observation]:
+    """What a rank would measure if the machine behaved exactly as ``truth`` says (the fit's inverse problem)."""
+    cm = CostModel(profile, PRECISION)
+    out = []
+    for plan in plans:
+        parts = _analytic_parts(cm, plan)
+        n = plan.devices_per_stage
+        for rank in range(plan.world_size):
+            stage = rank // n
+            timings, block_time, tensors, elements = [], 0.0, 0, 0
+            for i in plan.stage_layers(stage):
+                forward, beta, analytic, relocation, s = parts.blocks[i]
+                call = float(block_features(np.array([forward]), beta, np.array([analytic]), _arrays([s]))[0] @ truth.coefficients) + relocation
+                timings.append(BlockTiming(i, 0.4 * call, 0.6 * call, plan.micro_batches, parameter_tensors=12))
+                block_time += call * plan.micro_batches
+                tensors += 12
+                weights = profile.model.layer_types[0].parameters / (s.tp if s.splits_weights else 1)
+                elements += weights / (n // s.tp) if s.dp_type != "ddp" else weights
+            tensors += truth.vocab_tensors
+            optimizer = truth.optimizer_time(tensors, elements)
+            forward_backward = block_time  # the embedding/head of the tiny profile cost nothing measurable
+            out.append(Observation(plan, rank, forward_backward + optimizer + step_overhead, forward_backward, optimizer,
+                                   tensors, int(elements), tuple(timings)))
+    return out
+
+
+def test_nonnegative_least_squares_solves_and_clips():
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0, 1, (30, 4))
+    x = np.array([1.0, 0.5, 0.0, 2.0])
+    np.testing.assert_allclose(nonnegative_least_squares(a, a @ x), x, atol=1e-9)
+    y = a @ np.array([1.0, -1.0, 0.5, 0.0])  # the unconstrained optimum has a negative coefficient
+    solution = nonnegative_least_squares(a, y)
+    assert (solution >= 0).all() and solution[1] == 0.0
+    assert np.linalg.norm(a @ solution - y) <= np.linalg.norm(a @ np.clip(np.linalg.lstsq(a, y, rcond=None)[0], 0, None) - y) + 1e-12
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        ParallelPlan.uniform(4, 4, S(), global_batch_size=16),
+        ParallelPlan.uniform(4, 4, S(tp=2, sp="megatron", dp_type="zero3", recompute=True), vocab=S(tp=2), global_batch_size=16),
+        ParallelPlan.uniform(4, 4, S(dp_type="zero2"), pp=2, micro_batches=4, global_batch_size=16),
+    ],
+)
+def test_identity_calibration_is_the_uncalibrated_model(plan):
+    profile = tiny_profile(alpha=1.3)
+    plain = evaluate(profile, plan, precision=PRECISION)
+    calibrated = evaluate(profile, plan, precision=PRECISION, calibration=Calibration())
+    assert calibrated.step_time_s == pytest.approx(plain.step_time_s, rel=1e-12)
+    assert calibrated.peak_memory_bytes == plain.peak_memory_bytes
+
+
+def test_fit_recovers_the_machine_and_predicts_unseen_plans():
+    profile = tiny_profile(alpha=1.3).with_num_blocks(8)
+    probes = [PROBE, PROBE.replace(micro_batches=4),
+              ParallelPlan(4, tuple(S(tp=min(s.tp, 2), sp=s.sp, dp_type=s.dp_type, recompute=s.recompute) for s in PROBE.layers),
+                           pp=2, micro_batches=4, global_batch_size=16)]
+    fitted = fit_calibration(profile, synthetic_observations(profile, TRUTH, probes), precision=PRECISION)
+    assert fitted.residual < 1e-6
+    for term in BLOCK_TERMS:
+        assert fitted.block[term] == pytest.approx(TRUTH.block[term], rel=1e-4, abs=1e-9), term
+    assert fitted.optimizer_s_per_tensor == pytest.approx(TRUTH.optimizer_s_per_tensor, rel=1e-4)
+    assert fitted.optimizer_s_per_element == pytest.approx(TRUTH.optimizer_s_per_element, rel=1e-3)
+    assert fitted.step_overhead_s == pytest.approx(0.02, rel=1e-6)
+    assert fitted.pipeline_overhead_s == pytest.approx(0.0, abs=1e-9)
+    # A plan none of the probes ran, priced with the fitted terms, is what the machine would measure.
+    unseen = ParallelPlan(4, (S(tp=2, sp="megatron", dp_type="zero3", recompute=True),) * 4 + (S(dp_type="zero2"),) * 4, global_batch_size=16)
+    (truth,) = {o.step_s for o in synthetic_observations(profile, TRUTH, [unseen], step_overhead=0.02)}
+    assert evaluate(profile, unseen, precision=PRECISION, calibration=fitted).step_time_s == pytest.approx(truth, rel=1e-3)
+
+
+def test_a_costly_mechanism_steers_the_search_away():
+    profile = tiny_profile(alpha=1.0).with_num_blocks(8)
+    fast_tp = dataclasses.replace(TRUTH, block={**TRUTH.block, "tensor_parallel": 0.0, "compute_tensor_parallel": 0.1})
+    slow_tp = dataclasses.replace(TRUTH, block={**TRUTH.block, "tensor_parallel": 1.0})
+    chosen_fast = search(profile, 4, "1GB", global_batch_size=16, precision=PRECISION, calibration=fast_tp).plan
+    chosen_slow = search(profile, 4, "1GB", global_batch_size=16, precision=PRECISION, calibration=slow_tp).plan
+    assert any(s.splits_weights for s in chosen_fast.layers)
+    assert not any(s.splits_weights for s in (*chosen_slow.layers, chosen_slow.vocab))
+
+
+def test_calibration_json_round_trip(tmp_path):
+    path = tmp_path / "calibration.json"
+    TRUTH.save(path)
+    assert Calibration.load(path) == TRUTH
+    with pytest.raises(ValueError, match="unknown block terms"):
+        Calibration(block={"warp_speed": 1.0})
+    with pytest.raises(ValueError, match=">= 0"):
+        Calibration(step_overhead_s=-1.0)
