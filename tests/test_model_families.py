@@ -84,6 +84,11 @@ PLANS = {
             vocab=S(tp=2),
         ),
     ),
+    "torch_encoder_pipelined_with_tp": (
+        torch_encoder,
+        TORCH_BATCH,
+        ParallelPlan.uniform(4, 4, S(tp=2, dp_type="zero2"), vocab=S(tp=2), pp=2, schedule="1f1b", micro_batches=2),
+    ),
     "hf_llama_pipelined_with_tp": (
         hf_llama,
         8,
@@ -191,15 +196,12 @@ def _auto_plan_between_zero3_and_ddp(model: Callable[[], L.LightningModule], bat
     return dict(result=result, plan=strategy.plan, budget=budget, peaks=peaks)
 
 
-# The search may choose any plan (it depends on measured times); limits keep it off the two runtime gaps the
-# tests above mark: pipelines over nn.TransformerEncoder (it indexes its layer list: self.layers[0], which
-# runtime/pipeline.py's gated list looks up by the global key), and layouts that move extra block inputs.
 AUTO = {
     "hf_gpt2": (hf_gpt2, 8, {}),
     "hf_llama": (hf_llama, 8, {}),
-    "hf_bert": (hf_bert, 8, dict(max_tp=1)),
-    "torch_encoder": (torch_encoder, TORCH_BATCH, dict(max_pp=1)),
-    "torch_encoder_decoder": (torch_seq2seq, TORCH_BATCH, dict(max_tp=1)),
+    "hf_bert": (hf_bert, 8, {}),
+    "torch_encoder": (torch_encoder, TORCH_BATCH, {}),
+    "torch_encoder_decoder": (torch_seq2seq, TORCH_BATCH, {}),
     "plain_blocks": (plain_blocks, 8, {}),
 }
 
