@@ -143,6 +143,14 @@ def test_heterogeneous_layouts_with_extra_block_inputs(pools, name):
     assert_close_runs(result, expected, **FP32_TOL)
 
 
+def test_validation_with_split_attention_matches(pools):
+    """Evaluation mode (no gradients): nn.TransformerEncoder's own fast paths must stay off under the plan."""
+    model, batch, plan = PLANS["torch_encoder_heterogeneous"]
+    expected = run_single(model=model, global_batch=batch, validate=True, max_steps=1)
+    result = pools(4).run(run_distributed, plan, model=model, global_batch=batch, validate=True, max_steps=1)[0]
+    assert result.val_loss == pytest.approx(expected.val_loss, abs=1e-5)
+
+
 def test_blocks_and_plans_are_found():
     bert = find_blocks(hf_bert())
     assert [bl.path for bl in bert.block_lists] == ["model.bert.encoder.layer"]

@@ -36,6 +36,9 @@ class _Trainable(L.LightningModule):
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
     def configure_optimizers(self):  # noqa: ANN201
         return torch.optim.AdamW(self.parameters(), lr=self.learning_rate, eps=1e-6)
 
