@@ -133,6 +133,17 @@ def accumulates_unsharded_gradients(pp: int, micro_batches: int) -> bool:
     return False
 
 
+def gathers_replicated_weights() -> bool:
+    """Whether DDP blocks hold an unsharded copy of their weights from forward to the end of backward.
+
+    The runtime's DDP is FSDP2's ``replicate``: like ZeRO-2 it "all-gathers" the replicated parameters
+    into an unsharded buffer for forward and keeps it until after backward, in every precision (measured:
+    two 4 MiB linears allocate 8 MiB more in forward under ``replicate`` than plain, as under ZeRO-2).
+    Kept as a function so that a runtime whose DDP computes on the parameters themselves can say so here.
+    """
+    return True
+
+
 def ranks_per_node(group_size: int, stride: int, devices_per_node: int, world_size: int) -> int:
     """How many ranks of a group (members ``stride`` apart, aligned to nodes) share a node."""
     if world_size <= devices_per_node:
@@ -306,9 +317,9 @@ def model_state_bytes(cm: CostModel, sa: StrategyArrays, ctx: StageContext, para
     """Parameters, gradients and optimizer states one device holds for a block.
 
     With ``P`` the block's parameters on the device (``/g`` when Megatron splits the weights) and
-    ``S = P * (param + grad + optimizer bytes)``: DDP holds ``S`` plus a compute-dtype copy of the
-    weights under mixed precision; ZeRO-2 ``S/d`` plus the unsharded compute-dtype weights it keeps
-    from forward through backward; ZeRO-3 ``S/d`` (its gathered weights are transient, see
+    ``S = P * (param + grad + optimizer bytes)``: DDP holds ``S`` plus the unsharded compute-dtype copy
+    of the weights its forward and backward run on (:func:`gathers_replicated_weights`); ZeRO-2 ``S/d``
+    plus the unsharded compute-dtype weights it keeps from forward through backward; ZeRO-3 ``S/d`` (its gathered weights are transient, see
     :func:`working_memory_bytes`). ZeRO blocks add unsharded gradients in the reduce dtype when
     they accumulate across micro-batches (:func:`accumulates_unsharded_gradients`).
     """
@@ -319,7 +330,7 @@ def model_state_bytes(cm: CostModel, sa: StrategyArrays, ctx: StageContext, para
     weights = parameters / np.where(sa.splits_weights, g, 1)
     full = weights * (pr.param_bytes + pr.grad_bytes + cm.optimizer_bytes)
     working_copy = weights * pr.compute_bytes
-    ddp = full + (working_copy if pr.compute_bytes != pr.param_bytes else 0.0)
+    ddp = full + (working_copy if gathers_replicated_weights() or pr.compute_bytes != pr.param_bytes else 0.0)
     out = np.select([sa.dp_code == 0, sa.dp_code == 1], [ddp, full / d + working_copy], full / d)
     if accumulates_unsharded_gradients(ctx.pp, ctx.micro_batches):
         out = out + np.where(sa.dp_code > 0, weights * pr.reduce_bytes, 0.0)
