@@ -47,6 +47,9 @@ def test_llama2_7b_on_eight_a100s_of_36gb_fits_within_ten_seconds():
     assert data["memory_budget_bytes"] == budget
     assert data["search"]["peak_memory_bytes_per_device"] <= budget
     assert data["parameters"] == 6_738_415_616  # Llama-2-7B, counted from the config
+    # HF Llama layers take rotary tables and masks: tensor parallelism without Megatron-SP, in plan and baselines
+    plans = [data["search"]["plan"], *(b["plan"] for b in data["search"]["baselines"] if "plan" in b)]
+    assert all(layer["sp"] == "none" for plan in plans for layer in plan["layers"])
     plan = data["search"]["plan"]
     assert plan["world_size"] == 8 and len(plan["layers"]) == 32
 

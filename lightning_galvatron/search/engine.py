@@ -758,7 +758,9 @@ def _baselines(cm: CostModel, world_size: int, budget: int, global_batch: int, o
     for g in sorted(degrees, reverse=True):
         if all(lt.supports_tensor_parallel and lt.num_heads % g == 0 and lt.hidden_size % g == 0 and lt.ffn_hidden_size % g == 0 for lt in model.layer_types):
             vg = g if model.vocab.supports_tensor_parallel else 1
-            for sp in ("megatron", "none"):
+            # Megatron-SP only where every block type has it (the runtime refuses it otherwise).
+            kinds = ("megatron", "none") if all(lt.supports_megatron_sp for lt in model.layer_types) else ("none",)
+            for sp in kinds:
                 tp_plans += list(uniform(LayerStrategy(tp=g, sp=sp if g > 1 else "none"), LayerStrategy(tp=vg)))
             break
     out.append(Baseline("tp", "pure tensor parallelism (largest Megatron degree), no pipeline", best_of(tp_plans) if tp_plans else None))
