@@ -193,3 +193,12 @@ def test_empty_init_model_is_materialised_sharded(pools):
     was_meta, losses = pools(4).run(_train_from_empty_init, plan)[0]
     assert was_meta
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_ranks_that_disagree_on_a_mask_get_an_error_not_a_hang(pools):
+    from tests.helpers.masked_model import sometimes_masked
+
+    # Strided vocabulary groups read shards r % 2, the blocks' dp=4 needs quarter r: samples cross ranks.
+    plan = ParallelPlan(world_size=4, layers=(S(), S()), vocab=S(tp=2, tp_consecutive=False))
+    with pytest.raises(AssertionError, match="passed different inputs to MaskedBlock: some a per-sample tensor"):
+        pools(4).run(run_distributed, plan, model=sometimes_masked)

@@ -19,13 +19,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, register_fsdp_forward_method
 
-from lightning_galvatron.model.discovery import ModelStructure
+from lightning_galvatron.model.discovery import ModelStructure, model_class
 from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 from lightning_galvatron.runtime.mesh import Layout, MeshCache
 from lightning_galvatron.runtime.pipeline import PipelineRunner, StagePartition
 from lightning_galvatron.runtime.recompute import apply_recompute, is_recomputing
-from lightning_galvatron.runtime.relocate import ActivationLayout, relocate
+from lightning_galvatron.runtime.relocate import ActivationLayout, exchange_plan, relocate
 from lightning_galvatron.runtime.sharding import apply_data_parallel
 from lightning_galvatron.runtime.tensor_parallel import apply_tensor_parallel
 from lightning_galvatron.runtime.ulysses import apply_ulysses
@@ -138,6 +138,7 @@ def apply_plan(
     applied = AppliedPlan(plan, input_shards=vocab_layout.layout.dp)
     all_blocks = structure.blocks
     starts, ends = _block_list_bounds(structure)  # before a pipeline stage removes other stages' blocks
+    _disable_nested_tensors(structure)
     vocabulary = find_vocabulary_layers(structure) if plan.vocab.tp > 1 or plan.pp > 1 else None
 
     local_blocks = range(plan.num_layers)
@@ -210,6 +211,16 @@ def _hidden_size(vocabulary: VocabularyLayers | None) -> int | None:
     return vocabulary.embedding.embedding_dim
 
 
+def _disable_nested_tensors(structure: ModelStructure) -> None:
+    """``nn.TransformerEncoder`` may pack padded batches into nested tensors in eval mode, which cannot be
+    relocated between layouts; the plain path computes the same result."""
+    for block_list in structure.block_lists:
+        parent_path = block_list.path.rpartition(".")[0]
+        parent = structure.root.get_submodule(parent_path) if parent_path else structure.root
+        if isinstance(parent, nn.TransformerEncoder):
+            parent.use_nested_tensor = False
+
+
 def _block_list_bounds(structure: ModelStructure) -> tuple[set[int], set[int]]:
     """Global indices of the first and of the last block of every block list."""
     starts, ends, offset = set(), set(), 0
@@ -279,19 +290,68 @@ def _relocate_inputs(
         if first:
             micro_batch.size = hidden.shape[0] * source.layout.dp  # the input layout's shards are even
         extras_batch = micro_batch.size // extras_source.layout.dp
+        seq = source.global_seq(hidden.shape[1])
+        slots = [*((i, a) for i, a in enumerate(args) if i != hidden_index), *kwargs.items()]
+        slots = [(name, v) for name, v in slots if not (hidden_index is None and name == "hidden_states")]
+        per_sample = {name for name, v in slots if _is_per_sample(name, v, extras_batch, seq, module)}
+        if _extras_cross_ranks(batch_only_source, batch_only_target, micro_batch.size):
+            _agree_on_per_sample_inputs(module, [name in per_sample for name, _ in slots], group)
 
-        def move(value: Any, is_hidden: bool) -> Any:
-            if is_hidden:
+        def move(name: Any, value: Any) -> Any:
+            if name == "hidden":
                 return relocate(value, source, target, micro_batch.size, position, group)
-            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == extras_batch:
+            if name in per_sample:
                 return relocate(value, batch_only_source, batch_only_target, micro_batch.size, position, group)
             return value
 
-        new_args = tuple(move(a, i == hidden_index) for i, a in enumerate(args))
-        new_kwargs = {k: move(v, hidden_index is None and k == "hidden_states") for k, v in kwargs.items()}
+        new_args = tuple(move("hidden" if i == hidden_index else i, a) for i, a in enumerate(args))
+        new_kwargs = {k: move("hidden" if hidden_index is None and k == "hidden_states" else k, v) for k, v in kwargs.items()}
         return new_args, new_kwargs
 
     return block.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _is_per_sample(name: Any, value: Any, batch: int, seq: int, block: nn.Module) -> bool:
+    """Whether a block input other than the hidden states holds one row per sample (and so moves with them).
+
+    Batch-major tensors do (masks ``[b, ...]``, position tables ``[b, s, ...]``, an encoder's memory); a
+    ``[seq, seq]`` mask over positions does not -- unless its name says it pads samples. With as many
+    samples per shard as positions, a positional ``[seq, seq]`` input cannot be told apart: refuse.
+    """
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[0] != batch:
+        return False
+    if value.dim() == 2 and value.shape[1] == seq and batch == seq and "padding" not in str(name):
+        raise PlanError(
+            f"{model_class(block).__name__} received a [{seq}, {seq}] input ({name!r}) while each data shard holds "
+            f"{batch} samples of {seq} positions: it could be a mask over positions or one row per sample. Pass a "
+            "per-sample mask by a keyword with 'padding' in its name, or use a batch per shard other than the "
+            "sequence length"
+        )
+    return True
+
+
+_CROSSING: dict[tuple[ActivationLayout, ActivationLayout, int], bool] = {}
+
+
+def _extras_cross_ranks(source: ActivationLayout, target: ActivationLayout, batch: int) -> bool:
+    key = (source, target, batch)
+    if key not in _CROSSING:
+        _CROSSING[key] = any(t.source != t.target for t in exchange_plan(source, target, batch, 1))
+    return _CROSSING[key]
+
+
+def _agree_on_per_sample_inputs(block: nn.Module, present: list[bool], group: dist.ProcessGroup) -> None:
+    """Ranks that exchange a block's per-sample inputs must all have them (else some would wait forever)."""
+    flags = torch.tensor([int(p) for p in present] + [-int(p) for p in present], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    n = len(present)
+    if any(flags[i] != -flags[n + i] for i in range(n)):  # max != min: some ranks have it, some do not
+        raise PlanError(
+            f"the ranks of a stage passed different inputs to {model_class(block).__name__}: some a per-sample "
+            "tensor (e.g. an attention mask), others None. Hugging Face models drop the attention mask of a batch "
+            "without padding: pass the mask on every batch (or pad every batch), or keep these blocks in the "
+            "embedding's data-parallel layout"
+        )
 
 
 def _relocate_output(

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_galvatron.model.discovery import model_class
+
 
 class _AllToAll(torch.autograd.Function):
     """Chunk ``i`` of dim 0 goes to rank ``i``; the inverse (its own backward) is the same exchange."""
@@ -87,7 +89,7 @@ def apply_ulysses(block: nn.Module, group: dist.ProcessGroup) -> None:
             out = forward(*args, **kwargs)
         if mode.calls == 0:
             raise RuntimeError(
-                f"{type(block).__name__} ran without calling F.scaled_dot_product_attention, so Ulysses sequence "
+                f"{model_class(block).__name__} ran without calling F.scaled_dot_product_attention, so Ulysses sequence "
                 "parallelism cannot split its attention; choose sp='megatron' or 'none' for this block"
             )
         return out

@@ -45,22 +45,29 @@ class VocabularyLayers:
 
 
 def find_vocabulary_layers(structure: ModelStructure) -> VocabularyLayers:
-    """The token embedding and the LM head among the modules outside the blocks."""
+    """The token embedding (the largest ``nn.Embedding`` outside the blocks) and the LM head (a ``Linear``
+    from the embedding's width to as many outputs as it has rows), if there is one.
+
+    Smaller tables (positions, token types) and heads of other sizes (a classifier) stay whole.
+    """
     in_blocks = {id(m) for block in structure.blocks for m in block.modules()}
-    outside = [(n, m) for n, m in structure.root.named_modules() if id(m) not in in_blocks]
-    embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding)]
-    linears = [(n, m) for n, m in outside if isinstance(m, nn.Linear)]
-    for _, head in sorted(linears, key=lambda item: -item[1].out_features):
-        for _, emb in embeddings:
-            if emb.num_embeddings == head.out_features and emb.embedding_dim == head.in_features:
-                return VocabularyLayers(emb, head, tied=head.weight is emb.weight)
-    if embeddings:
-        _, emb = max(embeddings, key=lambda item: item[1].num_embeddings)
-        return VocabularyLayers(emb, None)
-    raise PlanError(
-        "vocabulary parallelism (vocab tp > 1) needs an nn.Embedding token table outside the blocks; none was found, "
-        "use vocab tp=1"
-    )
+    outside = [m for _, m in structure.root.named_modules() if id(m) not in in_blocks]
+    embeddings = [m for m in outside if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        raise PlanError(
+            "vocabulary parallelism (vocab tp > 1) needs an nn.Embedding token table outside the blocks; none was "
+            "found, use vocab tp=1"
+        )
+    embedding = max(embeddings, key=lambda m: m.num_embeddings)
+    heads = [
+        m
+        for m in outside
+        if isinstance(m, nn.Linear)
+        and m.out_features == embedding.num_embeddings
+        and m.in_features == embedding.embedding_dim
+    ]
+    head = heads[0] if heads else None
+    return VocabularyLayers(embedding, head, tied=head is not None and head.weight is embedding.weight)
 
 
 def apply_vocab_parallel(layers: VocabularyLayers, tp_mesh: DeviceMesh, parallel_loss: bool = False) -> None:

@@ -1,0 +1,45 @@
+"""A model whose blocks take an optional per-sample mask that only some ranks pass (like Hugging Face's
+attention mask, dropped for batches without padding)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class MaskedBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(width, 2 * width)
+        self.down_proj = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.down_proj(F.gelu(self.up_proj(x)))
+        return x + (y if mask is None else y * mask[..., None])
+
+
+class SometimesMasked(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(MaskedBlock(8) for _ in range(2))
+        self.head = nn.Linear(8, 16)
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        inputs, targets = batch
+        x = self.embed(inputs)
+        mask = torch.ones(inputs.shape, dtype=x.dtype) if dist.get_rank() % 2 == 0 else None
+        for block in self.blocks:
+            x = block(x, mask=mask)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def sometimes_masked() -> SometimesMasked:
+    torch.manual_seed(0)
+    return SometimesMasked()
