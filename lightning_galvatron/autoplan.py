@@ -41,6 +41,7 @@ class SearchSettings:
     search_batch_size: bool = False
     max_global_batch_size: int | None = None
     profile_cache: bool | str | os.PathLike = True
+    calibration: Any = None  # a Calibration, its dict or JSON file: price plans with the calibrated cost model
 
 
 @dataclass
@@ -128,6 +129,7 @@ def plan_automatically(
                 precision=precision,
                 search_batch_size=settings.search_batch_size,
                 max_global_batch_size=settings.max_global_batch_size,
+                calibration=settings.calibration,
             )
             title = (
                 f"Galvatron plan for {world_size} devices, {format_bytes(budget)} per device, "

@@ -80,6 +80,9 @@ class GalvatronStrategy(ModelParallelStrategy):
         search_batch_size: let the automatic search change the global batch size for throughput (up to
             ``max_global_batch_size``); off by default, so training matches DDP's.
         profile_cache: ``True`` for the default profile cache, a directory, or ``False`` to always profile.
+        calibration: price plans with the cost model calibrated from measured steps on this machine: a
+            :class:`~lightning_galvatron.search.calibration.Calibration` or its JSON file (see
+            ``benchmarks/README.md``); by default the profile alone.
         save_plan: write the plan (and, when searched, the profile) next to the logger's files.
         layers: dotted path(s) of the container(s) holding the Transformer blocks, relative to the
             LightningModule (e.g. ``"model.blocks"``); detected when omitted.
@@ -109,6 +112,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         search_batch_size: bool = False,
         max_global_batch_size: int | None = None,
         profile_cache: bool | str | os.PathLike = True,
+        calibration: Any = None,
         save_plan: bool = True,
         broadcast_initial_weights: bool = True,
         vocab_parallel_loss: bool = False,
@@ -123,7 +127,8 @@ class GalvatronStrategy(ModelParallelStrategy):
         )
         self._plan_source = plan
         self._search = SearchSettings(
-            memory_budget, max_tp, max_pp, tuple(disable), schedules, search_batch_size, max_global_batch_size, profile_cache
+            memory_budget, max_tp, max_pp, tuple(disable), schedules, search_batch_size, max_global_batch_size, profile_cache,
+            calibration,
         )
         self._save_plan = save_plan
         self._layers = layers
