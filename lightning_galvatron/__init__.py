@@ -12,13 +12,18 @@ from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 
 _install()
 
-__all__ = ["GalvatronStrategy", "LayerStrategy", "ParallelPlan", "PlanError"]
+__all__ = ["GalvatronStrategy", "LayerStrategy", "ParallelPlan", "PlanError", "register_tensor_parallel_plan"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    if name == "GalvatronStrategy":  # imported on first use: it needs Lightning
+    # Imported on first use: they need Lightning or torch.distributed, which the offline parts do without.
+    if name == "GalvatronStrategy":
         from lightning_galvatron.strategy import GalvatronStrategy
 
         return GalvatronStrategy
+    if name == "register_tensor_parallel_plan":
+        from lightning_galvatron.model.tensor_parallel_plans import register_tensor_parallel_plan
+
+        return register_tensor_parallel_plan
     raise AttributeError(f"module 'lightning_galvatron' has no attribute {name!r}")
