@@ -202,3 +202,12 @@ def test_ranks_that_disagree_on_a_mask_get_an_error_not_a_hang(pools):
     plan = ParallelPlan(world_size=4, layers=(S(), S()), vocab=S(tp=2, tp_consecutive=False))
     with pytest.raises(AssertionError, match="passed different inputs to MaskedBlock: some a per-sample tensor"):
         pools(4).run(run_distributed, plan, model=sometimes_masked)
+
+
+def test_user_registered_tensor_parallel_plan(pools):
+    from tests.helpers.masked_model import mixer_lm_with_registered_plan
+
+    plan = ParallelPlan(world_size=4, layers=(S(tp=2), S(tp=4, dp_type="zero3"), S(), S(tp=2, recompute=True)))
+    expected = run_single(model=mixer_lm_with_registered_plan)
+    result = pools(4).run(run_distributed, plan, model=mixer_lm_with_registered_plan)[0]
+    assert_close_runs(result, expected, **FP32_TOL)

@@ -43,3 +43,48 @@ class SometimesMasked(L.LightningModule):
 def sometimes_masked() -> SometimesMasked:
     torch.manual_seed(0)
     return SometimesMasked()
+
+
+class MixerBlock(nn.Module):
+    """A user's own block: no attention heads, names the inference does not know."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.expand = nn.Linear(width, 4 * width)
+        self.contract = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.contract(F.gelu(self.expand(x)))
+
+
+class MixerLM(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(MixerBlock(8) for _ in range(4))
+        self.head = nn.Linear(8, 16)
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        inputs, targets = batch
+        x = self.embed(inputs)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def mixer_lm_with_registered_plan() -> MixerLM:
+    """The documented way to give a block type a tensor-parallel plan."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    import lightning_galvatron
+
+    lightning_galvatron.register_tensor_parallel_plan(
+        MixerBlock,
+        {"expand": ColwiseParallel(), "contract": RowwiseParallel()},
+        divisible=lambda block: {"hidden width": block.expand.out_features},
+    )
+    torch.manual_seed(0)
+    return MixerLM()
