@@ -1,0 +1,272 @@
+"""Cost-model accuracy: predicted against measured step time and per-rank peak memory, for many plans.
+
+On 4 CPU processes (gloo), the example GPT (``harness.BenchModel``) is profiled by the profiler the
+strategy uses, then trained through ``GalvatronStrategy`` with each plan below: uniform DDP, ZeRO-2,
+ZeRO-3, ZeRO-3 with recomputation, DDP with 4 micro-batches, TP, Megatron-SP with ZeRO-2, Ulysses,
+pipelines (1F1B, GPipe), two heterogeneous plans, and the plans the search picks for an ample and for a
+tight budget (with and without calibration, when they differ).
+
+Two predictions per plan:
+
+* ``uncalibrated``: the cost model as the search uses it from the profile alone;
+* ``calibrated``: the same model calibrated (``lightning_galvatron.search.calibration``) from what the
+  runtime profiler measured on three *probe* plans -- one block of every kind, at two micro-batch sizes,
+  and a pipeline (``harness.probe_plans``); no evaluated plan is a probe;
+* ``held out``: calibrated from the runtime profiler's measurements of every *other* plan and the probes
+  (leave one out: a plan's own measurements never price it) -- what a strategy that has run other plans
+  on this machine predicts for a new one.
+
+Runs are interleaved (every plan and probe once per round, the order rotated) over ``--rounds`` rounds;
+a plan's step time is its median over rounds. Memory is measured once per plan, by the allocator-level
+accounting of ``harness.py`` (a CPU ``max_memory_allocated``; on CUDA the real one), and compared per
+pipeline stage (the largest rank of the stage). Printed and written to
+``benchmarks/results/cost_model_accuracy.{json,png}``: per plan predicted vs measured, the mean absolute
+percentage error (MAPE) of step time and memory, and the Spearman rank correlation of predicted and
+measured step time.
+
+    python benchmarks/cost_model_accuracy.py [--rounds 3] [--timed-steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import harness
+from harness import RESULTS, BenchModel, fit_from_runs, interleaved, mape, measure_run, mib, probe_plans, spearman, worker_pool
+
+from lightning_galvatron import GalvatronStrategy
+from lightning_galvatron.plan import LayerStrategy as S
+from lightning_galvatron.plan import ParallelPlan
+from lightning_galvatron.profiles import Profile
+from lightning_galvatron.search import evaluate, search
+
+WORLD = 4
+PRECISION = "32-true"
+OPTIMIZER = "adamw"
+
+
+# ---------------------------------------------------------------------------------------------- plans
+def fixed_plans(model: BenchModel) -> dict[str, ParallelPlan]:
+    """Twelve diverse plans, each executable by the runtime for this model on 4 devices."""
+    L, B, W = model.n_layer, model.global_batch, WORLD
+    half = L // 2
+
+    def uniform(strategy: S, vocab: S | None = None, **kw: Any) -> ParallelPlan:
+        return ParallelPlan.uniform(W, L, strategy, vocab=vocab or strategy, global_batch_size=B, **kw)
+
+    def mixed(first: S, second: S, vocab: S) -> ParallelPlan:
+        return ParallelPlan(W, (first,) * half + (second,) * (L - half), vocab=vocab, global_batch_size=B)
+
+    return {
+        "ddp": uniform(S()),
+        "zero2": uniform(S(dp_type="zero2")),
+        "zero3": uniform(S(dp_type="zero3")),
+        "zero3-recompute": uniform(S(dp_type="zero3", recompute=True), S(dp_type="zero3")),
+        "ddp-4-micro-batches": uniform(S(), micro_batches=4),
+        "tp4": uniform(S(tp=4), S(tp=4)),
+        "tp2-megatron-sp-zero2": uniform(S(tp=2, sp="megatron", dp_type="zero2"), S(dp_type="zero2")),
+        "ulysses4": uniform(S(tp=4, sp="ulysses"), S()),
+        "pp2-1f1b-m4": uniform(S(), pp=2, schedule="1f1b", micro_batches=4),
+        "pp4-gpipe-m4": uniform(S(), pp=4, schedule="gpipe", micro_batches=4),
+        "hetero-zero3-then-ddp-recompute": mixed(S(dp_type="zero3"), S(recompute=True), S(dp_type="zero3")),
+        "hetero-tp2-zero2-then-ddp": mixed(S(tp=2, dp_type="zero2"), S(), S()),
+    }
+
+
+def budgets(model: BenchModel, profile: Profile) -> dict[str, int]:
+    """An ample budget (1 GiB) and a tight one, halfway between pure ZeRO-3's and pure DDP's predicted peaks."""
+    peaks = {
+        dp: evaluate(profile, ParallelPlan.uniform(WORLD, model.n_layer, S(dp_type=dp), global_batch_size=model.global_batch),
+                     precision=PRECISION, optimizer=OPTIMIZER).peak_memory_bytes
+        for dp in ("ddp", "zero3")
+    }
+    return {"ample": 2**30, "tight": int((peaks["ddp"] + peaks["zero3"]) / 2)}
+
+
+def auto_plans(model: BenchModel, profile: Profile, calibration: Any) -> dict[str, ParallelPlan]:
+    """What the search picks for each budget, calibrated (what a calibrated strategy runs) and not."""
+    out = {}
+    for name, budget in budgets(model, profile).items():
+        kwargs = dict(global_batch_size=model.global_batch, precision=PRECISION, optimizer=OPTIMIZER, baselines=False)
+        calibrated = search(profile, WORLD, budget, calibration=calibration, **kwargs).plan
+        uncalibrated = search(profile, WORLD, budget, **kwargs).plan
+        out[f"auto-{name}"] = calibrated
+        if uncalibrated != calibrated:
+            out[f"auto-{name}-uncalibrated-search"] = uncalibrated
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- workers
+def profile_on_ranks(model: BenchModel) -> tuple[dict, float]:
+    """Profile the model on the pool's ranks as ``plan="auto"`` does (no cache: measured in this run)."""
+    import torch.distributed as dist
+
+    from lightning_galvatron.model.discovery import find_blocks
+    from lightning_galvatron.profiler import profile
+
+    module = harness.make_module(model)
+    batch = next(iter(harness.make_loader(model, dist.get_world_size())))
+    started = time.perf_counter()
+    measured = profile(module, find_blocks(module), batch, precision=PRECISION, devices_per_node=dist.get_world_size(), cache=False)
+    return measured.to_dict(), time.perf_counter() - started
+
+
+def run_plan(plan: dict, model: BenchModel, warmup: int, timed: int, memory: bool, runtime_profile: bool) -> dict:
+    return measure_run(
+        lambda: GalvatronStrategy(plan=plan, save_plan=False), model, warmup=warmup, timed=timed, memory=memory,
+        runtime_profile=runtime_profile,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--timed-steps", type=int, default=5)
+    parser.add_argument("--output", default=str(RESULTS / "cost_model_accuracy.json"))
+    args = parser.parse_args()
+    model = BenchModel()
+    started = time.perf_counter()
+    probes = probe_plans(model, WORLD)
+    runs: dict[str, list[dict]] = {}
+
+    def run(name: str, plan: ParallelPlan, memory: bool) -> None:
+        result = pool.run(run_plan, plan.to_dict(), model, args.warmup_steps, args.timed_steps, memory and name not in probes, True,
+                          timeout=600)[0]
+        runs.setdefault(name, []).append(result)
+        print(f"  {name:40s} {result['step_time_s'] * 1e3:8.1f} ms", flush=True)
+
+    with worker_pool(WORLD) as pool:
+        profile_dict, profile_s = pool.run(profile_on_ranks, model)[0]
+        profile = Profile.from_dict(profile_dict)
+        print(f"profiled in {profile_s:.1f} s; calibration probes:")
+        for name, plan in probes.items():
+            run(name, plan, memory=False)
+        first = fit_from_runs(profile, [r for name in probes for r in runs[name]], PRECISION, OPTIMIZER)
+        plans = {**fixed_plans(model), **auto_plans(model, profile, first)}
+        everything = {**plans, **probes}
+        current = None
+        for r, name in interleaved(list(everything), args.rounds):
+            if name in probes and r == 0:
+                continue  # measured above
+            if r != current:
+                print(f"round {r}:")
+                current = r
+            run(name, everything[name], memory=r == 0)
+    calibration = fit_from_runs(profile, [r for name in probes for r in runs[name]], PRECISION, OPTIMIZER)
+    print(f"\ncalibration from the probes: {calibration.describe()}")
+    rows = []
+    for name, plan in plans.items():
+        others = fit_from_runs(profile, [r for other, rs in runs.items() if other != name for r in rs], PRECISION, OPTIMIZER)
+        rows.append(row(name, plan, runs[name], profile, calibration, others))
+    report(rows, model, args, time.perf_counter() - started, profile_dict, calibration, probes, runs)
+
+
+def row(name: str, plan: ParallelPlan, runs: list[dict], profile: Profile, calibration: Any, others: Any) -> dict:
+    plain = evaluate(profile, plan, precision=PRECISION, optimizer=OPTIMIZER)
+    calibrated = evaluate(profile, plan, precision=PRECISION, optimizer=OPTIMIZER, calibration=calibration)
+    held_out = evaluate(profile, plan, precision=PRECISION, optimizer=OPTIMIZER, calibration=others)
+    peaks = next(run["peak_bytes_per_rank"] for run in runs if run["memory_source"] != "none")
+    n = plan.devices_per_stage
+    return {
+        "name": name,
+        "plan": plan.to_dict(),
+        "measured_step_s": statistics.median(run["step_time_s"] for run in runs),
+        "measured_step_s_per_round": [run["step_time_s"] for run in runs],
+        "predicted_step_s": plain.step_time_s,
+        "calibrated_step_s": calibrated.step_time_s,
+        "held_out_step_s": held_out.step_time_s,
+        "observations": [run["info"].get("observations", []) for run in runs],
+        "predicted_peak_bytes_per_stage": list(plain.peak_memory_bytes_per_stage),
+        "measured_peak_bytes_per_stage": [max(peaks[s * n : (s + 1) * n]) for s in range(plan.pp)],
+        "measured_peak_bytes_per_rank": peaks,
+        "memory_source": next(run["memory_source"] for run in runs if run["memory_source"] != "none"),
+        "estimate": plain.to_dict(),
+    }
+
+
+def summarise(rows: list[dict]) -> dict[str, float]:
+    measured = [r["measured_step_s"] for r in rows]
+    out = {}
+    for kind in ("predicted", "calibrated", "held_out"):
+        predicted = [r[f"{kind}_step_s"] for r in rows]
+        out[f"{kind}_step_time_mape"] = mape(predicted, measured)
+        out[f"{kind}_step_time_spearman"] = spearman(predicted, measured)
+    out["memory_mape"] = mape(
+        [p for r in rows for p in r["predicted_peak_bytes_per_stage"]], [m for r in rows for m in r["measured_peak_bytes_per_stage"]]
+    )
+    out["plans"] = len(rows)
+    return out
+
+
+def report(rows, model, args, seconds, profile_dict, calibration, probes, runs) -> None:  # noqa: ANN001
+    summary = summarise(rows)
+    print(f"\nCost model accuracy on {WORLD} CPU processes, {model.describe()}, median of {args.rounds} rounds")
+    print(f"{'plan':40s} {'measured':>8s} {'model':>13s} {'probes':>13s} {'others':>13s}   {'memory':>9s} {'model':>15s}")
+    for r in rows:
+        meas = r["measured_step_s"]
+        cells = " ".join(f"{r[k] * 1e3:6.0f}ms {r[k] / meas - 1:+5.0%}" for k in ("predicted_step_s", "calibrated_step_s", "held_out_step_s"))
+        mm, mp = max(r["measured_peak_bytes_per_stage"]), max(r["predicted_peak_bytes_per_stage"])
+        print(f"{r['name']:40s} {meas * 1e3:6.0f}ms {cells}   {mib(mm):>9s} {mib(mp):>9s} {mp / mm - 1:+5.0%}")
+    for kind, label in LABELS.items():
+        print(f"step time, {label:44s} MAPE {summary[f'{kind}_step_time_mape']:6.1%}, Spearman {summary[f'{kind}_step_time_spearman']:.2f}")
+    print(f"peak memory per rank (per stage){'':24s} MAPE {summary['memory_mape']:6.1%}   ({len(rows)} plans, {seconds:.0f} s)")
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "machine": harness.machine(), "model": model.describe(), "world_size": WORLD, "rounds": args.rounds,
+        "summary": summary, "calibration_from_probes": calibration.to_dict(), "plans": rows,
+        "probes": {name: {"plan": plan.to_dict(), "step_s_per_round": [r["step_time_s"] for r in runs[name]],
+                          "observations": [r["info"].get("observations", []) for r in runs[name]]} for name, plan in probes.items()},
+        "profile": profile_dict, "seconds": seconds,
+    }, indent=2) + "\n")
+    plot(rows, summary, out.with_suffix(".png"), model)
+    print(f"results written to {out} and {out.with_suffix('.png')}")
+
+
+LABELS = {
+    "predicted": "uncalibrated (profile only):",
+    "calibrated": "calibrated from the 3 probe plans:",
+    "held_out": "calibrated from every other plan (held out):",
+}
+
+
+def plot(rows: list[dict], summary: dict, path: Path, model: BenchModel) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.2))
+    measured = [r["measured_step_s"] * 1e3 for r in rows]
+    for (kind, label), marker in zip(LABELS.items(), "o^s"):
+        predicted = [r[f"{kind}_step_s"] * 1e3 for r in rows]
+        left.scatter(measured, predicted, marker=marker, s=22, label=(
+            f"{label[:-1]}: MAPE {summary[f'{kind}_step_time_mape']:.0%}, Spearman {summary[f'{kind}_step_time_spearman']:.2f}"))
+    for r, x in zip(rows, measured):
+        left.annotate(r["name"], (x, r["held_out_step_s"] * 1e3), fontsize=5, xytext=(3, 3), textcoords="offset points")
+    lo, hi = min(measured) * 0.4, max(measured) * 1.3
+    left.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+    left.set(xscale="log", yscale="log", xlabel="measured step time (ms)", ylabel="predicted step time (ms)",
+             title="Step time")
+    left.legend(fontsize=8)
+    mm = [m / 2**20 for r in rows for m in r["measured_peak_bytes_per_stage"]]
+    mp = [p / 2**20 for r in rows for p in r["predicted_peak_bytes_per_stage"]]
+    right.scatter(mm, mp, label=f"per stage: MAPE {summary['memory_mape']:.1%}")
+    lo, hi = min(mm) * 0.8, max(mm) * 1.2
+    right.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+    right.set(xlabel="measured peak memory per rank (MiB)", ylabel="predicted (MiB)", title="Peak memory")
+    right.legend(fontsize=8)
+    fig.suptitle(f"Cost model vs measurement, 4 CPU processes: {model.describe()}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

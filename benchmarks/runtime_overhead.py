@@ -1,0 +1,106 @@
+"""Runtime overhead: a uniform ZeRO-3 plan through GalvatronStrategy against the same model under Lightning's
+ModelParallelStrategy with FSDP2.
+
+Both shard every block and the rest of the model with FSDP2 (``fully_shard``, parameters resharded after
+forward) over all 4 CPU processes (gloo); same model (``harness.BenchModel``), data, global batch and
+optimizer. ``GalvatronStrategy`` gets the plan (no profiling or search); Lightning's strategy gets the
+hand-written ``configure_model`` of ``harness.FSDP2GPT``. The two alternate for ``--rounds`` rounds; the
+step-time ratio is taken per round and its median reported, with the ratio of peak memory per rank
+(allocator-level accounting, see ``harness.py``; measured in the first round). What Galvatron adds per
+step: its plan-aware batch handling, relocation hooks (none here: every block has the same layout),
+the summed-gradient convention (``set_force_sum_reduction_for_comms``) and its clipping plugin.
+
+    python benchmarks/runtime_overhead.py [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import harness
+from harness import RESULTS, BenchModel, FSDP2GPT, interleaved, make_module, measure_run, mib, model_parallel_fsdp2, worker_pool
+
+from lightning_galvatron import GalvatronStrategy
+from lightning_galvatron.plan import LayerStrategy as S
+from lightning_galvatron.plan import ParallelPlan
+
+WORLD = 4
+
+
+def run(kind: str, model: BenchModel, warmup: int, timed: int, memory: bool) -> dict:
+    if kind == "galvatron-zero3":
+        plan = ParallelPlan.uniform(WORLD, model.n_layer, S(dp_type="zero3"), global_batch_size=model.global_batch)
+        return measure_run(lambda: GalvatronStrategy(plan=plan, save_plan=False), model, warmup=warmup, timed=timed, memory=memory)
+    return measure_run(model_parallel_fsdp2, model, warmup=warmup, timed=timed, memory=memory, module_cls=lambda m: make_module(m, FSDP2GPT))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--timed-steps", type=int, default=8)
+    parser.add_argument("--output", default=str(RESULTS / "runtime_overhead.json"))
+    args = parser.parse_args()
+    model = BenchModel()
+    started = time.perf_counter()
+    kinds = ["galvatron-zero3", "lightning-model-parallel-fsdp2"]
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    with worker_pool(WORLD) as pool:
+        for r, kind in interleaved(kinds, args.rounds):
+            result = pool.run(run, kind, model, args.warmup_steps, args.timed_steps, r == 0, timeout=600)[0]
+            runs[kind].append(result)
+            print(f"round {r} {kind:32s} {result['step_time_s'] * 1e3:7.1f} ms", flush=True)
+    galvatron, lightning = (runs[k] for k in kinds)
+    per_round = [g["step_time_s"] / m["step_time_s"] for g, m in zip(galvatron, lightning)]
+    peaks = {k: max(runs[k][0]["peak_bytes_per_rank"]) for k in kinds}
+    summary = {
+        "step_time_ratio": statistics.median(per_round),
+        "step_time_ratio_per_round": per_round,
+        "step_time_s": {k: statistics.median(r["step_time_s"] for r in runs[k]) for k in kinds},
+        "peak_bytes_per_rank": peaks,
+        "memory_ratio": peaks["galvatron-zero3"] / peaks["lightning-model-parallel-fsdp2"],
+        "memory_source": galvatron[0]["memory_source"],
+    }
+    seconds = time.perf_counter() - started
+    print(f"\nRuntime overhead on {WORLD} CPU processes, uniform ZeRO-3, {model.describe()}, {args.rounds} rounds")
+    for k in kinds:
+        print(f"  {k:32s} step {summary['step_time_s'][k] * 1e3:7.1f} ms (median)   peak {mib(peaks[k])} per rank")
+    print(f"  step time ratio galvatron / lightning: {summary['step_time_ratio']:.3f} (per round: "
+          f"{', '.join(f'{x:.2f}' for x in per_round)});  memory ratio {summary['memory_ratio']:.3f}   ({seconds:.0f} s)")
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "machine": harness.machine(), "model": model.describe(), "world_size": WORLD, "rounds": args.rounds,
+        "summary": summary, "runs": runs, "seconds": seconds,
+    }, indent=2) + "\n")
+    plot(summary, runs, kinds, out.with_suffix(".png"), model)
+    print(f"results written to {out} and {out.with_suffix('.png')}")
+
+
+def plot(summary: dict, runs: dict, kinds: list[str], path: Path, model: BenchModel) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for k in kinds:
+        left.plot([r["step_time_s"] * 1e3 for r in runs[k]], marker="o", label=k)
+    left.set(xlabel="round", ylabel="median step time (ms)",
+             title=f"step time, ratio {summary['step_time_ratio']:.3f} (median of per-round ratios)")
+    left.legend(fontsize=8)
+    right.bar(kinds, [summary["peak_bytes_per_rank"][k] / 2**20 for k in kinds], color=["tab:green", "tab:blue"])
+    right.set(ylabel="peak memory per rank (MiB)", title=f"memory, ratio {summary['memory_ratio']:.3f}")
+    right.tick_params(axis="x", labelsize=8)
+    fig.suptitle(f"GalvatronStrategy (uniform ZeRO-3) vs ModelParallelStrategy + FSDP2: {model.describe()}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
