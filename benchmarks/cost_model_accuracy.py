@@ -182,13 +182,18 @@ def row(name: str, plan: ParallelPlan, runs: list[dict], profile: Profile, calib
         "predicted_step_s": plain.step_time_s,
         "calibrated_step_s": calibrated.step_time_s,
         "held_out_step_s": held_out.step_time_s,
-        "observations": [run["info"].get("observations", []) for run in runs],
+        "observations": [_without_plan(run["info"].get("observations", [])) for run in runs],
         "predicted_peak_bytes_per_stage": list(plain.peak_memory_bytes_per_stage),
         "measured_peak_bytes_per_stage": [max(peaks[s * n : (s + 1) * n]) for s in range(plan.pp)],
         "measured_peak_bytes_per_rank": peaks,
         "memory_source": next(run["memory_source"] for run in runs if run["memory_source"] != "none"),
-        "estimate": plain.to_dict(),
+        "predicted_stages": [s.to_dict() for s in plain.stages],
     }
+
+
+def _without_plan(observations: list[dict]) -> list[dict]:
+    """Runtime-profiler observations for the JSON, without the plan each repeats (the row has it)."""
+    return [{k: v for k, v in o.items() if k != "plan"} for o in observations]
 
 
 def summarise(rows: list[dict]) -> dict[str, float]:
@@ -223,9 +228,10 @@ def report(rows, model, args, seconds, profile_dict, calibration, probes, runs) 
         "machine": harness.machine(), "model": model.describe(), "world_size": WORLD, "rounds": args.rounds,
         "summary": summary, "calibration_from_probes": calibration.to_dict(), "plans": rows,
         "probes": {name: {"plan": plan.to_dict(), "step_s_per_round": [r["step_time_s"] for r in runs[name]],
-                          "observations": [r["info"].get("observations", []) for r in runs[name]]} for name, plan in probes.items()},
+                          "observations": [_without_plan(r["info"].get("observations", [])) for r in runs[name]]}
+                   for name, plan in probes.items()},
         "profile": profile_dict, "seconds": seconds,
-    }, indent=2) + "\n")
+    }, indent=1) + "\n")
     plot(rows, summary, out.with_suffix(".png"), model)
     print(f"results written to {out} and {out.with_suffix('.png')}")
 

@@ -134,3 +134,18 @@ def test_calibration_json_round_trip(tmp_path):
         Calibration(block={"warp_speed": 1.0})
     with pytest.raises(ValueError, match=">= 0"):
         Calibration(step_overhead_s=-1.0)
+
+
+def test_shared_cores_speed_up_pipeline_stages_only():
+    shared = Calibration(compute_slots_per_node=2)
+    assert shared.sharing_factor(pp=1, micro_batches=4, ranks_per_node=4) == 1.0
+    assert Calibration().sharing_factor(pp=4, micro_batches=4, ranks_per_node=4) == 1.0  # a device per rank
+    # GPipe/1F1B keep a stage busy m / (m + pp - 1) of the step: 4 ranks busy 4/7 of it share 2 cores.
+    assert shared.sharing_factor(pp=4, micro_batches=4, ranks_per_node=4) == pytest.approx(4 / 7)
+    assert shared.sharing_factor(pp=4, micro_batches=1, ranks_per_node=4) == pytest.approx(0.5)  # one busy rank: a whole core
+    profile = tiny_profile().with_num_blocks(8)
+    plan = ParallelPlan.uniform(4, 8, S(), pp=4, micro_batches=4, schedule="gpipe", global_batch_size=16)
+    busy = dataclasses.replace(TRUTH, compute_slots_per_node=None)
+    idle = dataclasses.replace(TRUTH, compute_slots_per_node=2)
+    assert evaluate(profile, plan, precision=PRECISION, calibration=idle).step_time_s < evaluate(
+        profile, plan, precision=PRECISION, calibration=busy).step_time_s

@@ -28,6 +28,7 @@ numbers as an upper bound there.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -212,7 +213,16 @@ class RuntimeProfiler:
             optimizer_tensors=len(local),
             optimizer_elements=sum(t.numel() for t in local),
             blocks=tuple(timings),
+            compute_slots=_cpu_cores() if self.device.type == "cpu" else None,
         )
+
+
+def _cpu_cores() -> int:
+    """Cores this process may run on (shared by the node's ranks on a CPU machine)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 __all__ = ["RuntimeProfiler"]

@@ -31,7 +31,9 @@ The embedding and head (everything outside the blocks in forward and backward, t
 their own compute scale and per-micro-batch time; the optimizer step costs ``c_tensor`` per parameter
 tensor plus ``c_element`` per parameter element a rank holds; every step adds a fixed ``step_overhead_s``
 (the training loop), and a pipeline adds ``pipeline_overhead_s`` per micro-batch and stage (the
-schedule's own work besides the transfers).
+schedule's own work besides the transfers). Where the ranks of a node share fewer cores than they are
+(several CPU processes per core), a pipeline's stages, idle during its fill and drain, leave cores to the
+busy ones: their work is scaled by :meth:`Calibration.sharing_factor`.
 
 This module is torch-free (numpy only), like the rest of the search.
 """
@@ -101,6 +103,8 @@ class Observation:
         optimizer_s: the optimizer step.
         optimizer_tensors, optimizer_elements: parameter tensors and elements the rank's optimizer updates.
         blocks: the rank's blocks.
+        compute_slots: ranks of a node that can compute at full speed at once (CPU cores available to the
+            processes of a node); ``None`` when every rank has a device of its own (GPUs).
     """
 
     plan: ParallelPlan
@@ -111,6 +115,7 @@ class Observation:
     optimizer_tensors: int
     optimizer_elements: int
     blocks: tuple[BlockTiming, ...] = ()
+    compute_slots: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -140,6 +145,8 @@ class Calibration:
         vocab_tensors: parameter tensors outside the blocks (embedding, head, final norm).
         step_overhead_s: fixed time per training step.
         pipeline_overhead_s: per micro-batch and stage of a pipeline.
+        compute_slots_per_node: ranks of a node that can compute at full speed at once, when fewer than the
+            ranks (processes sharing CPU cores): see :meth:`sharing_factor`. ``None``: devices are not shared.
         observations: how many block calls the fit used; residual: their relative RMS misfit.
     """
 
@@ -153,6 +160,7 @@ class Calibration:
     vocab_tensors: int = 0
     step_overhead_s: float = 0.0
     pipeline_overhead_s: float = 0.0
+    compute_slots_per_node: int | None = None
     observations: int = 0
     residual: float = 0.0
     source: str = ""
@@ -172,6 +180,21 @@ class Calibration:
         """Block coefficients in the order of :data:`BLOCK_TERMS`."""
         return np.array([self.block.get(t, IDENTITY_BLOCK.get(t, 0.0)) for t in BLOCK_TERMS])
 
+    def sharing_factor(self, pp: int, micro_batches: int, ranks_per_node: int) -> float:
+        """Time of a pipeline stage's work relative to the same work with every rank busy.
+
+        When the ranks of a node share fewer compute slots (cores) than they are, a rank computes at
+        ``min(1, slots / busy)`` of a slot's speed. The block terms are fitted (and apply) with every rank
+        busy; a pipeline keeps a stage busy only ``U = m / (m + pp - 1)`` of its step (fill and drain), so
+        on average ``ranks * U`` ranks compute at once and each runs faster by
+        ``min(1, slots / ranks) / min(1, slots / (ranks * U))``. 1 without a pipeline or without sharing.
+        """
+        slots = self.compute_slots_per_node
+        if pp <= 1 or slots is None or slots >= ranks_per_node:
+            return 1.0
+        busy = ranks_per_node * micro_batches / (micro_batches + pp - 1)
+        return min(1.0, slots / ranks_per_node) / min(1.0, slots / busy)
+
     def optimizer_time(self, tensors: Any, elements: Any) -> Any:
         return self.optimizer_s_per_tensor * tensors + self.optimizer_s_per_element * elements
 
@@ -184,7 +207,9 @@ class Calibration:
             f"+Megatron-SP {ms(b['megatron_sp'])}, +Ulysses {ms(b['ulysses'])}, +recompute {ms(b['recompute_call'])}); "
             f"embedding/head x{self.vocab_compute:.2f} + {ms(self.vocab_call_s)} per micro-batch; optimizer "
             f"{self.optimizer_s_per_tensor * 1e6:.0f} us/tensor + {self.optimizer_s_per_element * 1e9:.1f} ns/element; "
-            f"step {ms(self.step_overhead_s)}, pipeline {ms(self.pipeline_overhead_s)} per micro-batch and stage "
+            f"step {ms(self.step_overhead_s)}, pipeline {ms(self.pipeline_overhead_s)} per micro-batch and stage"
+            + (f"; {self.compute_slots_per_node} compute slots per node" if self.compute_slots_per_node else "")
+            + " "
             f"({self.observations} block calls, misfit {self.residual:.0%})"
         )
 
@@ -325,13 +350,18 @@ def fit_calibration(
     model = profile.model
     rows, targets = [], []
     tensors: dict[str, list[int]] = {}
+    slots = [o.compute_slots for o in observations if o.compute_slots is not None]
+    sharing = Calibration(compute_slots_per_node=int(statistics.median(slots)) if slots else None)
+    ranks_per_node = min(profile.hardware.devices_per_node, observations[0].plan.world_size)
     for obs in observations:
         parts = _analytic_parts(cm, obs.plan)
+        # Block terms hold with every rank busy: a pipeline's measurements are brought to that first.
+        busy = sharing.sharing_factor(obs.plan.pp, obs.plan.micro_batches, min(ranks_per_node, obs.plan.world_size))
         for timing in obs.blocks:
             forward, beta, analytic, relocation, strategy = parts.blocks[timing.index]
             features = block_features(np.array([forward]), beta, np.array([analytic]), _arrays([strategy]))[0]
             rows.append(features)
-            targets.append(max(timing.call_s - relocation, 0.0))
+            targets.append(max(timing.call_s / busy - relocation, 0.0))
             if timing.parameter_tensors:
                 tensors.setdefault(model.block_type(timing.index).name, []).append(timing.parameter_tensors)
     a, y = np.array(rows), np.array(targets)
@@ -378,6 +408,7 @@ def fit_calibration(
         optimizer_s_per_element=per_element,
         tensors_per_layer_type=tensors_per_type,
         vocab_tensors=max(int(statistics.median(vocab_tensors)), 0) if vocab_tensors else 0,
+        compute_slots_per_node=sharing.compute_slots_per_node,
         observations=len(y),
         residual=residual,
         source=source,
