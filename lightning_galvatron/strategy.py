@@ -27,8 +27,8 @@ from __future__ import annotations
 import atexit
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -347,8 +347,11 @@ class GalvatronStrategy(ModelParallelStrategy):
                 return user_step(micro_batch, *rest, **kwargs)
 
         scale = 1.0 / (self._applied.input_shards * self.plan.micro_batches * trainer.accumulate_grad_batches)
-        with recording_logs(module) as logs, self._step_context():  # loss_parallel covers backward too
+        gradients = self._applied.gradients
+        with recording_logs(module) as logs, self._step_context(), gradients.deferred():  # loss_parallel covers backward too
             outputs = self._runner.run(batch, step, loss_scale=scale, train=train)
+        if train and not gradients.is_deferred:  # once, after the last micro-batch (unless Lightning accumulates)
+            gradients.reduce()
         if hook == "predict_step":
             return move_data_to_device(self._runner.broadcast_from_last_stage(_join_batches(outputs)), self.root_device)
         losses = [float(loss.detach()) for loss in map(loss_of, outputs) if loss is not None]
@@ -368,6 +371,16 @@ class GalvatronStrategy(ModelParallelStrategy):
             call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
             call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
             call._call_lightning_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator:
+        """Lightning accumulates gradients (``accumulate_grad_batches``): the ddp layers sum theirs once, at the
+        window's last backward, as ``DistributedDataParallel.no_sync`` does."""
+        if self._applied is None:
+            yield
+            return
+        with self._applied.gradients.deferred():
+            yield
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         # Each data shard returns the mean over its own samples; gradients are summed over dp groups,

@@ -86,13 +86,14 @@ def test_model_states_per_dp_type():
         LayerStrategy(tp=2, sp="ulysses", dp_type="zero3"),  # weights whole, d = 4
     )
     full = P * (4 + 4 + 8)
-    expected = [full + 2 * P, full / 8 + 2 * P, full / 8, full / 2 / 4, full / 4]
+    # DDP: its fp32 gradient buckets and autocast's bf16 copy of the weights; ZeRO-2: the gathered bf16 weights.
+    expected = [full + 4 * P + 2 * P, full / 8 + 2 * P, full / 8, full / 2 / 4, full / 4]
     assert np.allclose(model_state_bytes(cm, sa, ctx, P), expected)
     # The runtime reduces gradients after every micro-batch, pipelined or not: they stay sharded.
     piped = StageContext(world_size=8, pp=2, global_batch=8, micro_batches=2)
     assert not accumulates_unsharded_gradients(2, 2) and not accumulates_unsharded_gradients(1, 4)
     states = model_state_bytes(cm, arrays(LayerStrategy(dp_type="zero3"), LayerStrategy()), piped, P)
-    assert np.allclose(states, [full / 4, full + 2 * P])
+    assert np.allclose(states, [full / 4, full + 4 * P + 2 * P])
 
 
 def test_activations_recompute_and_tp_without_sp():
@@ -146,14 +147,15 @@ def test_data_parallel_communication_and_step_extra():
     scatter = (3 / 4) * P * 4 / BW
     reduce = 2 * (3 / 4) * P * 4 / BW
     assert np.allclose(forward, [0, gather, gather])
-    assert np.allclose(backward, [reduce, scatter, gather + scatter])  # every micro-batch's backward reduces
-    assert np.allclose(per_step, [0, 0, 0])
+    # ZeRO: every micro-batch's backward reduce-scatters; DDP sums once per step, after the last micro-batch.
+    assert np.allclose(backward, [0, scatter, gather + scatter])
+    assert np.allclose(per_step, [reduce, 0, 0])
     costs = block_costs(cm, tiny_profile().model.layer_types[0], sa, ctx)
     f = 1e-3  # b = 4 / 4 = 1 sample at 1 ms per sample; backward 2f; overlap coefficient 1: overlap = max
     assert np.allclose(
-        costs.time, [f + max(2 * f, reduce), max(f, gather) + max(2 * f, scatter), max(f, gather) + max(2 * f, gather + scatter)]
+        costs.time, [f + 2 * f, max(f, gather) + max(2 * f, scatter), max(f, gather) + max(2 * f, gather + scatter)]
     )
-    assert np.allclose(costs.last_extra, [0.0, 0.0, 0.0])
+    assert np.allclose(costs.last_extra, [max(2 * f, reduce) - 2 * f, 0.0, 0.0])
 
 
 def test_pipeline_terms():

@@ -17,11 +17,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
 
 from lightning_galvatron.model.discovery import ModelStructure, model_class
 from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
+from lightning_galvatron.runtime.gradient_sync import GradientReducer
 from lightning_galvatron.runtime.mesh import Layout, MeshCache
 from lightning_galvatron.runtime.pipeline import PipelineRunner, StagePartition
 from lightning_galvatron.runtime.recompute import apply_recompute, is_recomputing
@@ -98,6 +99,7 @@ class AppliedPlan:
     plan: ParallelPlan
     input_shards: int  # data shards of the input layout: the loss of each is scaled by 1 / input_shards
     hooks: list[Any] = field(default_factory=list)
+    gradients: GradientReducer = field(default_factory=GradientReducer)  # sums the ddp layers' gradients
     runner: PipelineRunner | None = None  # drives micro-batches / the pipeline; None for one micro-batch, pp=1
     pipeline_group: dist.ProcessGroup | None = None
     partition: StagePartition | None = None
@@ -168,7 +170,7 @@ def apply_plan(
             tp_plan.localize(block, strategy.tp)
         if strategy.recompute:
             apply_recompute(block)
-        apply_data_parallel(block, strategy, _gradient_mesh(meshes, plan, strategy), mp_policy)
+        apply_data_parallel(block, strategy, _gradient_mesh(meshes, plan, strategy), mp_policy, applied.gradients)
     for end in ends:
         if end in local_blocks:
             applied.hooks.append(_relocate_output(all_blocks[end], layouts[end], vocab_layout, micro_batch, position, stage_group))
@@ -178,14 +180,16 @@ def apply_plan(
         apply_vocab_parallel(vocabulary.present_in(model), vocab_tp_mesh, parallel_loss)
     vocab_dp_mesh = meshes.dp_mesh(Layout.of(plan, plan.vocab))
     if applied.partition is None:
-        apply_data_parallel(model, plan.vocab, vocab_dp_mesh, mp_policy)
-        for name in entry_methods:
-            register_fsdp_forward_method(model, name)
+        apply_data_parallel(model, plan.vocab, vocab_dp_mesh, mp_policy, applied.gradients, outside_blocks=True)
+        if isinstance(model, FSDPModule):
+            for name in entry_methods:
+                register_fsdp_forward_method(model, name)
     else:
         # Pipelined: the step stops early on most stages, so no FSDP root wraps the whole step; each layer
         # outside the blocks is data-parallel on its own (hooked on its own forward calls).
         for module in applied.partition.vocabulary_modules:
-            apply_data_parallel(module, plan.vocab, vocab_dp_mesh, mp_policy)
+            apply_data_parallel(module, plan.vocab, vocab_dp_mesh, mp_policy, applied.gradients, outside_blocks=True)
+    applied.gradients.build()
 
     if plan.pp > 1 or plan.micro_batches > 1:
         applied.runner = PipelineRunner(

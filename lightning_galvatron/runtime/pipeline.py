@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.plan import ParallelPlan, PlanError
+from lightning_galvatron.runtime.gradient_sync import match_parameter_layout
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -481,6 +482,7 @@ class PipelineRunner:
         assert self.partition is not None
         for param in self.partition.tied:
             if param.grad is not None:
+                match_parameter_layout(param)  # the embedding's and the head's gradients may differ in layout
                 grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
                 dist.all_reduce(grad, group=self._tied_group)
 

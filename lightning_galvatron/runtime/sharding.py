@@ -1,14 +1,14 @@
-"""Data parallelism per block through FSDP2: DDP, ZeRO-2 and ZeRO-3.
+"""Data parallelism per layer: DDP, ZeRO-2 and ZeRO-3.
 
-All three dp types go through the FSDP2 family so that one mechanism holds every parameter as a
-``DTensor`` with unchanged names, shares mixed precision, and checkpoints through DCP:
-
-- ``zero3``: ``fully_shard(reshard_after_forward=True)``: parameters gathered for forward and again
-  for backward, gradients reduce-scattered.
+- ``zero3``: FSDP2 ``fully_shard(reshard_after_forward=True)``: parameters gathered for forward and
+  again for backward, gradients reduce-scattered.
 - ``zero2``: ``fully_shard(reshard_after_forward=False)``: parameters stay gathered from forward
   to the end of backward; gradients and optimizer states are sharded.
-- ``ddp``: ``replicate`` (FSDP2's replicated data parallelism): whole parameters on every replica,
-  gradients all-reduced.
+- ``ddp``: whole parameters on every replica, gradients summed in buckets overlapped with backward
+  by the :class:`~lightning_galvatron.runtime.gradient_sync.GradientReducer` (as DDP does; FSDP2's
+  ``replicate`` was measured much slower). FSDP modules around such a layer ignore its parameters.
+
+Names never change, sharded parameters are DTensors, and every kind checkpoints through DCP.
 
 Gradient convention: the loss of each data shard is scaled by ``1 / input_dp`` (the mean over the
 global batch) and gradients are **summed** over each block's own dp group, never averaged. A block
@@ -19,13 +19,13 @@ exactly the gradient of the global-batch mean; averaging would scale each block 
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_galvatron.plan import LayerStrategy
+from lightning_galvatron.runtime.gradient_sync import GradientReducer
 
 
 def apply_data_parallel(
@@ -33,20 +33,35 @@ def apply_data_parallel(
     strategy: LayerStrategy,
     dp_mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy,
+    reducer: GradientReducer,
+    outside_blocks: bool = False,
 ) -> None:
-    """Make ``module``'s parameters data-parallel over ``dp_mesh`` as ``strategy.dp_type`` says."""
+    """Make ``module``'s parameters data-parallel over ``dp_mesh`` as ``strategy.dp_type`` says.
+
+    Parameters that a nested FSDP module or ``reducer`` already holds are left to them, so the
+    layers outside the blocks (``outside_blocks``) can be applied last, on the root.
+    """
+    modules = module if isinstance(module, list) else [module]
     if strategy.dp_type == "ddp":
-        replicate(module, mesh=dp_mesh, mp_policy=mp_policy)
-    else:
-        fully_shard(
-            module,
-            mesh=dp_mesh,
-            reshard_after_forward=strategy.dp_type == "zero3",
-            mp_policy=mp_policy,
-            shard_placement_fn=shard_placement,
-        )
-    for m in module if isinstance(module, list) else [module]:
+        reducer.add((p for m in modules for p in _unclaimed_parameters(m, reducer)), dp_mesh.get_group(), reduce_last=outside_blocks)
+        return
+    ignored = {p for m in modules for p in m.parameters() if reducer.owns(p)}
+    fully_shard(
+        module,
+        mesh=dp_mesh,
+        reshard_after_forward=strategy.dp_type == "zero3",
+        mp_policy=mp_policy,
+        shard_placement_fn=shard_placement,
+        ignored_params=ignored or None,
+    )
+    for m in modules:
         use_sum_reduction(m)
+
+
+def _unclaimed_parameters(module: nn.Module, reducer: GradientReducer) -> list[nn.Parameter]:
+    """``module``'s parameters that neither a nested FSDP module nor ``reducer`` holds yet."""
+    claimed = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}
+    return [p for p in module.parameters() if id(p) not in claimed and not reducer.owns(p)]
 
 
 def shard_placement(param: nn.Parameter) -> Shard | None:

@@ -133,15 +133,14 @@ def accumulates_unsharded_gradients(pp: int, micro_batches: int) -> bool:
     return False
 
 
-def gathers_replicated_weights() -> bool:
-    """Whether DDP blocks hold an unsharded copy of their weights from forward to the end of backward.
+def ddp_gradient_buckets_bytes(weights: np.ndarray | float, grad_bytes: float) -> np.ndarray | float:
+    """Bytes of the flat buckets in which DDP layers sum their gradients.
 
-    The runtime's DDP is FSDP2's ``replicate``: like ZeRO-2 it "all-gathers" the replicated parameters
-    into an unsharded buffer for forward and keeps it until after backward, in every precision (measured:
-    two 4 MiB linears allocate 8 MiB more in forward under ``replicate`` than plain, as under ZeRO-2).
-    Kept as a function so that a runtime whose DDP computes on the parameters themselves can say so here.
+    The runtime's DDP (``runtime.gradient_sync``) copies each bucket of gradients into one flat tensor
+    for its all-reduce and writes the sum back at the end of backward, so a DDP block holds a second
+    copy of its gradients at that point (a layer without replicas reduces nothing).
     """
-    return True
+    return weights * grad_bytes
 
 
 def ranks_per_node(group_size: int, stride: int, devices_per_node: int, world_size: int) -> int:
@@ -306,10 +305,11 @@ def data_parallel_comm_times(cm: CostModel, sa: StrategyArrays, ctx: StageContex
     zero = sa.dp_code > 0
     forward_gather = np.where(zero, gather, 0.0)
     backward_gather = np.where(sa.dp_code == 2, gather, 0.0)
+    # DDP layers sum their gradients once per step, after the last micro-batch (``runtime.gradient_sync``).
     if accumulates_unsharded_gradients(ctx.pp, ctx.micro_batches):
         per_micro_batch, per_step = 0.0, np.where(zero, scatter, allreduce)
-    else:  # every micro-batch's backward reduces its gradients (FSDP2's replicate all-reduces as well)
-        per_micro_batch, per_step = np.where(zero, scatter, allreduce), np.zeros_like(scatter)
+    else:  # every micro-batch's backward reduce-scatters the ZeRO blocks' gradients
+        per_micro_batch, per_step = np.where(zero, scatter, 0.0), np.where(zero, 0.0, allreduce)
     return forward_gather, backward_gather + per_micro_batch, per_step
 
 
@@ -317,8 +317,9 @@ def model_state_bytes(cm: CostModel, sa: StrategyArrays, ctx: StageContext, para
     """Parameters, gradients and optimizer states one device holds for a block.
 
     With ``P`` the block's parameters on the device (``/g`` when Megatron splits the weights) and
-    ``S = P * (param + grad + optimizer bytes)``: DDP holds ``S`` plus the unsharded compute-dtype copy
-    of the weights its forward and backward run on (:func:`gathers_replicated_weights`); ZeRO-2 ``S/d``
+    ``S = P * (param + grad + optimizer bytes)``: DDP holds ``S`` plus its gradient buckets
+    (:func:`ddp_gradient_buckets_bytes`) and, when it computes in another dtype than it stores, the
+    compute-dtype copy of its weights (autocast's cache, kept for backward); ZeRO-2 ``S/d``
     plus the unsharded compute-dtype weights it keeps from forward through backward; ZeRO-3 ``S/d`` (its gathered weights are transient, see
     :func:`working_memory_bytes`). ZeRO blocks add unsharded gradients in the reduce dtype when
     they accumulate across micro-batches (:func:`accumulates_unsharded_gradients`).
@@ -330,7 +331,7 @@ def model_state_bytes(cm: CostModel, sa: StrategyArrays, ctx: StageContext, para
     weights = parameters / np.where(sa.splits_weights, g, 1)
     full = weights * (pr.param_bytes + pr.grad_bytes + cm.optimizer_bytes)
     working_copy = weights * pr.compute_bytes
-    ddp = full + (working_copy if gathers_replicated_weights() or pr.compute_bytes != pr.param_bytes else 0.0)
+    ddp = full + np.where(d > 1, ddp_gradient_buckets_bytes(weights, pr.grad_bytes), 0.0) + (working_copy if pr.compute_bytes != pr.param_bytes else 0.0)
     out = np.select([sa.dp_code == 0, sa.dp_code == 1], [ddp, full / d + working_copy], full / d)
     if accumulates_unsharded_gradients(ctx.pp, ctx.micro_batches):
         out = out + np.where(sa.dp_code > 0, weights * pr.reduce_bytes, 0.0)

@@ -79,8 +79,15 @@ class WorkerPool:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
         if not self.alive:
             raise RuntimeError("this worker pool was shut down")
-        for conn in self._conns:
-            conn.send((fn, args, kwargs))
+        try:
+            for conn in self._conns:
+                conn.send((fn, args, kwargs))
+            return self._collect(fn, timeout)
+        except (EOFError, OSError) as crash:  # a worker died (e.g. a native abort): the next request forks anew
+            self.shutdown()
+            raise DistributedFailure(f"a worker process died while running {fn.__name__}: {crash!r}") from crash
+
+    def _collect(self, fn: Callable[..., Any], timeout: float) -> list[Any]:
         results: list[Any] = [None] * self.world_size
         errors = []
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
