@@ -165,6 +165,9 @@ class GalvatronStrategy(ModelParallelStrategy):
 
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            assert self._applied is not None
+            for optimizer in self.optimizers:
+                optimizer.register_step_post_hook(lambda *_: self._applied.gradients.optimizer_stepped())
             if self._runner is not None:
                 if not self.lightning_module.automatic_optimization:
                     raise PlanError(

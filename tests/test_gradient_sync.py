@@ -84,3 +84,33 @@ def test_a_gradient_missing_on_some_ranks_is_summed_and_one_missing_everywhere_s
         assert torch.equal(result["used"], results[0]["used"])
         assert result["sometimes"] is not None and torch.equal(result["sometimes"], results[1]["sometimes"])
         assert result["never"] is None
+
+
+def _second_backward_before_the_step() -> tuple[bool, str]:
+    """A second synced backward before the optimizer step would sum the already summed gradients again: refused.
+    After the step, the next backward is fine again."""
+    rank = dist.get_rank()
+    model = _model()
+    reducer = GradientReducer()
+    for layer in model:
+        reducer.add(layer.parameters(), dist.group.WORLD)
+    reducer.build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.register_step_post_hook(lambda *_: reducer.optimizer_stepped())
+    _loss(model, rank, 0).backward()
+    message = ""
+    try:
+        _loss(model, rank, 1).backward()
+    except RuntimeError as error:
+        message = str(error)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    _loss(model, rank, 2).backward()  # a new step: no error
+    optimizer.step()
+    reducer.remove()
+    return bool(message), message
+
+
+def test_a_second_backward_before_the_optimizer_step_is_refused_with_what_to_do(pools):
+    for refused, message in pools(4).run(_second_backward_before_the_step):
+        assert refused and "call backward once" in message and "accumulate_grad_batches" in message

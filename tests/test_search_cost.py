@@ -86,14 +86,14 @@ def test_model_states_per_dp_type():
         LayerStrategy(tp=2, sp="ulysses", dp_type="zero3"),  # weights whole, d = 4
     )
     full = P * (4 + 4 + 8)
-    # DDP: its fp32 gradient buckets and autocast's bf16 copy of the weights; ZeRO-2: the gathered bf16 weights.
-    expected = [full + 4 * P + 2 * P, full / 8 + 2 * P, full / 8, full / 2 / 4, full / 4]
+    # DDP: autocast's bf16 copy of the weights; ZeRO-2: the gathered bf16 weights.
+    expected = [full + 2 * P, full / 8 + 2 * P, full / 8, full / 2 / 4, full / 4]
     assert np.allclose(model_state_bytes(cm, sa, ctx, P), expected)
     # The runtime reduces gradients after every micro-batch, pipelined or not: they stay sharded.
     piped = StageContext(world_size=8, pp=2, global_batch=8, micro_batches=2)
     assert not accumulates_unsharded_gradients(2, 2) and not accumulates_unsharded_gradients(1, 4)
     states = model_state_bytes(cm, arrays(LayerStrategy(dp_type="zero3"), LayerStrategy()), piped, P)
-    assert np.allclose(states, [full / 4, full + 4 * P + 2 * P])
+    assert np.allclose(states, [full / 4, full + 2 * P])
 
 
 def test_activations_recompute_and_tp_without_sp():

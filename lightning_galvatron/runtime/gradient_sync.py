@@ -114,6 +114,7 @@ class GradientReducer:
     _deferrals: int = 0
     _launched: int = 0  # buckets launched in this backward, in order
     _callback_queued: bool = False
+    _summed: bool = False  # gradients were summed and the optimizer has not stepped since
     _hooks: list = field(default_factory=list)
 
     # ------------------------------------------------------------------ registration (before training)
@@ -174,14 +175,36 @@ class GradientReducer:
 
     def reduce(self) -> None:
         """Sum every bucket now (after backward passes run under :meth:`deferred`)."""
-        for bucket in self._buckets[self._launched:]:
-            bucket.launch()
+        if self._launched == 0:
+            self._check_not_summed()
+        while self._launched < len(self._buckets):
+            self._launch_next()
         self._finish()
+
+    def _check_not_summed(self) -> None:
+        if self._summed and any(p.grad is not None for p in self.params):
+            raise RuntimeError(
+                "a second backward pass before the optimizer step: the gradients of ddp layers were already summed "
+                "over their replicas and would be summed again. Sum the losses and call backward once, let Lightning "
+                "accumulate (accumulate_grad_batches), or use dp_type='zero2'/'zero3' for these layers"
+            )
+
+    def _launch_next(self) -> None:
+        """Launch the next bucket in order; finish the one before the previous (at most two in flight)."""
+        if self._launched >= 2:
+            self._buckets[self._launched - 2].finish()
+        self._buckets[self._launched].launch()
+        self._launched += 1
+
+    def optimizer_stepped(self) -> None:
+        """The optimizer consumed the summed gradients (hook this on every optimizer's step)."""
+        self._summed = False
 
     def _on_gradient(self, param: nn.Parameter) -> None:
         if self.is_deferred:
             return
         if not self._callback_queued:
+            self._check_not_summed()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
         bucket = self._bucket_of[id(param)]
@@ -191,8 +214,7 @@ class GradientReducer:
             nxt = self._buckets[self._launched]
             if nxt.ready < len(nxt.params):
                 break
-            nxt.launch()
-            self._launched += 1
+            self._launch_next()
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
@@ -204,6 +226,7 @@ class GradientReducer:
                 bucket.finish()
             bucket.ready = 0
         self._launched = 0
+        self._summed = True
 
     def remove(self) -> None:
         for handle in self._hooks:

@@ -133,16 +133,6 @@ def accumulates_unsharded_gradients(pp: int, micro_batches: int) -> bool:
     return False
 
 
-def ddp_gradient_buckets_bytes(weights: np.ndarray | float, grad_bytes: float) -> np.ndarray | float:
-    """Bytes of the flat buckets in which DDP layers sum their gradients.
-
-    The runtime's DDP (``runtime.gradient_sync``) copies each bucket of gradients into one flat tensor
-    for its all-reduce and writes the sum back at the end of backward, so a DDP block holds a second
-    copy of its gradients at that point (a layer without replicas reduces nothing).
-    """
-    return weights * grad_bytes
-
-
 def ranks_per_node(group_size: int, stride: int, devices_per_node: int, world_size: int) -> int:
     """How many ranks of a group (members ``stride`` apart, aligned to nodes) share a node."""
     if world_size <= devices_per_node:
@@ -317,9 +307,9 @@ def model_state_bytes(cm: CostModel, sa: StrategyArrays, ctx: StageContext, para
     """Parameters, gradients and optimizer states one device holds for a block.
 
     With ``P`` the block's parameters on the device (``/g`` when Megatron splits the weights) and
-    ``S = P * (param + grad + optimizer bytes)``: DDP holds ``S`` plus its gradient buckets
-    (:func:`ddp_gradient_buckets_bytes`) and, when it computes in another dtype than it stores, the
-    compute-dtype copy of its weights (autocast's cache, kept for backward); ZeRO-2 ``S/d``
+    ``S = P * (param + grad + optimizer bytes)``: DDP holds ``S`` plus, when it computes in another dtype than
+    it stores, the compute-dtype copy of its weights (autocast's cache, kept for backward); its gradient
+    buckets are transient, at most two of ``runtime.gradient_sync.DEFAULT_BUCKET_BYTES`` in flight; ZeRO-2 ``S/d``
     plus the unsharded compute-dtype weights it keeps from forward through backward; ZeRO-3 ``S/d`` (its gathered weights are transient, see
     :func:`working_memory_bytes`). ZeRO blocks add unsharded gradients in the reduce dtype when
     they accumulate across micro-batches (:func:`accumulates_unsharded_gradients`).
@@ -331,7 +321,7 @@ def model_state_bytes(cm: CostModel, sa: StrategyArrays, ctx: StageContext, para
     weights = parameters / np.where(sa.splits_weights, g, 1)
     full = weights * (pr.param_bytes + pr.grad_bytes + cm.optimizer_bytes)
     working_copy = weights * pr.compute_bytes
-    ddp = full + np.where(d > 1, ddp_gradient_buckets_bytes(weights, pr.grad_bytes), 0.0) + (working_copy if pr.compute_bytes != pr.param_bytes else 0.0)
+    ddp = full + (working_copy if pr.compute_bytes != pr.param_bytes else 0.0)
     out = np.select([sa.dp_code == 0, sa.dp_code == 1], [ddp, full / d + working_copy], full / d)
     if accumulates_unsharded_gradients(ctx.pp, ctx.micro_batches):
         out = out + np.where(sa.dp_code > 0, weights * pr.reduce_bytes, 0.0)
