@@ -7,11 +7,13 @@ dispatches every update through DTensor and backward pays a collective per block
 stay as they are (plain tensors, or the DTensors tensor parallelism made on its own group), and their
 gradients are summed over each layer's dp group as DDP does it: flattened into buckets of about
 ``bucket_bytes`` in backward order, each launched asynchronously as soon as all its gradients are
-accumulated, and waited for at the end of backward.
+accumulated (at most two in flight, so the flat copies stay small), the last ones waited for at the end
+of backward.
 
 Gradients are **summed** (the runtime's convention, see ``sharding``). The sum is linear, so
 accumulation over micro-batches or over Lightning's ``accumulate_grad_batches`` reduces once, after
 the last backward of the window (:meth:`GradientReducer.deferred`, then :meth:`GradientReducer.reduce`).
+Summed gradients cannot be summed again: a second backward before the optimizer steps is refused.
 
 Every rank registers the same layers in the same order and launches its buckets strictly in that order,
 so the collectives of each group match across its ranks. A gradient missing on some rank (a parameter
@@ -138,17 +140,23 @@ class GradientReducer:
         """Bucket the registered parameters in backward order and hook them; call once, after every ``add``."""
         assert not self._buckets, "GradientReducer.build() was called twice"
         in_order = [unit for unit in reversed(self._pending) if not unit[2]] + [unit for unit in self._pending if unit[2]]
+        # Consecutive layers on the same group share buckets: one collective per ~bucket_bytes, not per layer.
+        current: list[nn.Parameter] = []
+        current_group: dist.ProcessGroup | None = None
+        size = 0
         for params, group, _ in in_order:
-            current: list[nn.Parameter] = []
-            size = 0
+            if current and group is not current_group:
+                self._buckets.append(_Bucket(current, current_group))
+                current, size = [], 0
+            current_group = group
             for p in reversed(params):
                 current.append(p)
                 size += _local(p).numel() * p.element_size()
                 if size >= self.bucket_bytes:
                     self._buckets.append(_Bucket(current, group))
                     current, size = [], 0
-            if current:
-                self._buckets.append(_Bucket(current, group))
+        if current:
+            self._buckets.append(_Bucket(current, current_group))
         for bucket in self._buckets:
             for p in bucket.params:
                 self._bucket_of[id(p)] = bucket
