@@ -71,7 +71,12 @@ class _Bucket:
             assert self.flat is not None
             self.work.wait()
             flat, offset = self.flat, 0
-            present = flat[-len(self.params):].tolist()
+            # Only a rank missing a gradient needs to know whether another rank had one (reading the counts
+            # would otherwise synchronise the host with the device for every bucket).
+            if any(p.grad is None for p in self.params):
+                present = flat[-len(self.params):].tolist()
+            else:
+                present = [1] * len(self.params)
             for p, count in zip(self.params, present):
                 local = _local(p)
                 n = local.numel()
