@@ -33,6 +33,7 @@ TRUTH = Calibration(
     },
     optimizer_s_per_tensor=5e-4,
     optimizer_s_per_element=2e-9,
+    optimizer_s_per_dtensor=1.5e-3,
     tensors_per_layer_type={"block": 12},
     vocab_tensors=3,
 )
@@ -53,20 +54,21 @@ def synthetic_observations(profile, truth: Calibration, plans, step_overhead: fl
         n = plan.devices_per_stage
         for rank in range(plan.world_size):
             stage = rank // n
-            timings, block_time, tensors, elements = [], 0.0, 0, 0
+            timings, block_time, tensors, dtensors, elements = [], 0.0, 0, 0, 0
             for i in plan.stage_layers(stage):
                 forward, beta, analytic, relocation, s = parts.blocks[i]
                 call = float(block_features(np.array([forward]), beta, np.array([analytic]), _arrays([s]))[0] @ truth.coefficients) + relocation
                 timings.append(BlockTiming(i, 0.4 * call, 0.6 * call, plan.micro_batches, parameter_tensors=12))
                 block_time += call * plan.micro_batches
                 tensors += 12
+                dtensors += 12 if s.dp_type != "ddp" or s.splits_weights else 0  # ZeRO shards, TP splits
                 weights = profile.model.layer_types[0].parameters / (s.tp if s.splits_weights else 1)
                 elements += weights / (n // s.tp) if s.dp_type != "ddp" else weights
             tensors += truth.vocab_tensors
-            optimizer = truth.optimizer_time(tensors, elements)
+            optimizer = float(truth.optimizer_time(tensors - dtensors, elements) + truth.optimizer_s_per_dtensor * dtensors)
             forward_backward = block_time  # the embedding/head of the tiny profile cost nothing measurable
             out.append(Observation(plan, rank, forward_backward + optimizer + step_overhead, forward_backward, optimizer,
-                                   tensors, int(elements), tuple(timings)))
+                                   tensors, int(elements), tuple(timings), optimizer_dtensors=dtensors))
     return out
 
 
@@ -99,14 +101,17 @@ def test_identity_calibration_is_the_uncalibrated_model(plan):
 
 def test_fit_recovers_the_machine_and_predicts_unseen_plans():
     profile = tiny_profile(alpha=1.3).with_num_blocks(8)
-    probes = [PROBE, PROBE.replace(micro_batches=4),
-              ParallelPlan(4, tuple(S(tp=min(s.tp, 2), sp=s.sp, dp_type=s.dp_type, recompute=s.recompute) for s in PROBE.layers),
-                           pp=2, micro_batches=4, global_batch_size=16)]
+    # The pipeline's stages differ in how many of their tensors are DTensors (plain: S() and Ulysses with DDP),
+    # so the optimizer's per-tensor costs can be told apart.
+    staged = (S(), S(tp=2, sp="ulysses"), S(dp_type="zero2"), S(dp_type="zero3", recompute=True), S(tp=2, dp_type="zero2"),
+              S(tp=2), S(tp=2, sp="megatron"), S(dp_type="zero3"))
+    probes = [PROBE, PROBE.replace(micro_batches=4), ParallelPlan(4, staged, pp=2, micro_batches=4, global_batch_size=16)]
     fitted = fit_calibration(profile, synthetic_observations(profile, TRUTH, probes), precision=PRECISION)
     assert fitted.residual < 1e-6
     for term in BLOCK_TERMS:
         assert fitted.block[term] == pytest.approx(TRUTH.block[term], rel=1e-4, abs=1e-9), term
     assert fitted.optimizer_s_per_tensor == pytest.approx(TRUTH.optimizer_s_per_tensor, rel=1e-4)
+    assert fitted.optimizer_s_per_dtensor == pytest.approx(TRUTH.optimizer_s_per_dtensor, rel=1e-4)
     assert fitted.optimizer_s_per_element == pytest.approx(TRUTH.optimizer_s_per_element, rel=1e-3)
     assert fitted.step_overhead_s == pytest.approx(0.02, rel=1e-6)
     assert fitted.pipeline_overhead_s == pytest.approx(0.0, abs=1e-9)

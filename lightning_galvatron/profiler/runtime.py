@@ -212,6 +212,7 @@ class RuntimeProfiler:
             optimizer_s=statistics.median(self._optimizer) if self._optimizer else 0.0,
             optimizer_tensors=len(local),
             optimizer_elements=sum(t.numel() for t in local),
+            optimizer_dtensors=sum(isinstance(p, DTensor) for p in self._parameters),
             blocks=tuple(timings),
             compute_slots=_cpu_cores() if self.device.type == "cpu" else None,
         )

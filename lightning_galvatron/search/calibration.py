@@ -102,6 +102,8 @@ class Observation:
         forward_backward_s: from the start of the step to the start of the optimizer step.
         optimizer_s: the optimizer step.
         optimizer_tensors, optimizer_elements: parameter tensors and elements the rank's optimizer updates.
+        optimizer_dtensors: how many of those tensors are DTensors (sharded or tensor-parallel), whose
+            every update goes through DTensor's dispatch.
         blocks: the rank's blocks.
         compute_slots: ranks of a node that can compute at full speed at once (CPU cores available to the
             processes of a node); ``None`` when every rank has a device of its own (GPUs).
@@ -115,6 +117,7 @@ class Observation:
     optimizer_tensors: int
     optimizer_elements: int
     blocks: tuple[BlockTiming, ...] = ()
+    optimizer_dtensors: int = 0
     compute_slots: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -141,6 +144,8 @@ class Calibration:
         vocab_compute, vocab_communication, vocab_call_s: the embedding and head per micro-batch: scale of
             their profiled compute and modelled communication, and a fixed time.
         optimizer_s_per_tensor, optimizer_s_per_element: the optimizer step per parameter tensor and element.
+        optimizer_s_per_dtensor: per parameter tensor instead, when it is a DTensor (sharded by ZeRO or split
+            by tensor parallelism); ``None`` (older calibrations): as a plain tensor.
         tensors_per_layer_type: parameter tensors of one block of each layer type (by name).
         vocab_tensors: parameter tensors outside the blocks (embedding, head, final norm).
         step_overhead_s: fixed time per training step.
@@ -156,6 +161,7 @@ class Calibration:
     vocab_call_s: float = 0.0
     optimizer_s_per_tensor: float = 0.0
     optimizer_s_per_element: float = 0.0
+    optimizer_s_per_dtensor: float | None = None
     tensors_per_layer_type: Mapping[str, int] = field(default_factory=dict)
     vocab_tensors: int = 0
     step_overhead_s: float = 0.0
@@ -169,7 +175,7 @@ class Calibration:
         unknown = set(self.block) - set(BLOCK_TERMS)
         if unknown:
             raise ValueError(f"unknown block terms {sorted(unknown)}; known: {BLOCK_TERMS}")
-        for name, value in [*self.block.items(), *((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.type == "float")]:
+        for name, value in [*self.block.items(), *((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.type == "float" or (f.type == "float | None" and getattr(self, f.name) is not None))]:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"calibration term {name} must be a finite number >= 0, got {value!r}")
         object.__setattr__(self, "block", dict(self.block))
@@ -195,8 +201,10 @@ class Calibration:
         busy = ranks_per_node * micro_batches / (micro_batches + pp - 1)
         return min(1.0, slots / ranks_per_node) / min(1.0, slots / busy)
 
-    def optimizer_time(self, tensors: Any, elements: Any) -> Any:
-        return self.optimizer_s_per_tensor * tensors + self.optimizer_s_per_element * elements
+    def optimizer_time(self, tensors: Any, elements: Any, dtensors: Any = False) -> Any:
+        """The optimizer step for ``tensors`` parameter tensors of ``elements`` elements (``dtensors``: DTensors)."""
+        per_dtensor = self.optimizer_s_per_tensor if self.optimizer_s_per_dtensor is None else self.optimizer_s_per_dtensor
+        return np.where(dtensors, per_dtensor, self.optimizer_s_per_tensor) * tensors + self.optimizer_s_per_element * elements
 
     def describe(self) -> str:
         ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
@@ -206,7 +214,8 @@ class Calibration:
             f"per block call {ms(b['call'])} (+ZeRO-2 {ms(b['zero2'])}, +ZeRO-3 {ms(b['zero3'])}, +TP {ms(b['tensor_parallel'])}, "
             f"+Megatron-SP {ms(b['megatron_sp'])}, +Ulysses {ms(b['ulysses'])}, +recompute {ms(b['recompute_call'])}); "
             f"embedding/head x{self.vocab_compute:.2f} + {ms(self.vocab_call_s)} per micro-batch; optimizer "
-            f"{self.optimizer_s_per_tensor * 1e6:.0f} us/tensor + {self.optimizer_s_per_element * 1e9:.1f} ns/element; "
+            f"{self.optimizer_s_per_tensor * 1e6:.0f} us/tensor ({(self.optimizer_s_per_dtensor or self.optimizer_s_per_tensor) * 1e6:.0f} "
+            f"us/DTensor) + {self.optimizer_s_per_element * 1e9:.1f} ns/element; "
             f"step {ms(self.step_overhead_s)}, pipeline {ms(self.pipeline_overhead_s)} per micro-batch and stage"
             + (f"; {self.compute_slots_per_node} compute slots per node" if self.compute_slots_per_node else "")
             + " "
@@ -388,14 +397,19 @@ def fit_calibration(
         wv = 1.0 / np.maximum(yv, 1e-6)
         vocab_compute, vocab_call = (float(x) for x in nonnegative_least_squares(av * wv[:, None], yv * wv))
 
-    # Optimizer: seconds per tensor and per element, over every rank.
+    # Optimizer: seconds per plain tensor, per DTensor and per element, over every rank.
     measured = [o for o in observations if o.optimizer_s > 0 and o.optimizer_tensors > 0]
     per_tensor = per_element = 0.0
+    per_dtensor = None
     if measured:
-        ao = np.array([[o.optimizer_tensors, o.optimizer_elements] for o in measured], dtype=float)
+        ao = np.array([[o.optimizer_tensors - o.optimizer_dtensors, o.optimizer_dtensors, o.optimizer_elements] for o in measured], dtype=float)
         yo = np.array([o.optimizer_s for o in measured])
         wo = 1.0 / yo
-        per_tensor, per_element = (float(x) for x in nonnegative_least_squares(ao * wo[:, None], yo * wo))
+        per_tensor, per_dtensor, per_element = (float(x) for x in nonnegative_least_squares(ao * wo[:, None], yo * wo))
+        if not ao[:, 0].any():  # only DTensors were seen: plain tensors cost no more than them
+            per_tensor = per_dtensor
+        if not ao[:, 1].any():
+            per_dtensor = None
     block_tensors = {
         obs.rank: sum(t.parameter_tensors for t in obs.blocks) for obs in observations if obs.plan.pp == 1 and obs.blocks
     }
@@ -406,6 +420,7 @@ def fit_calibration(
         vocab_call_s=vocab_call,
         optimizer_s_per_tensor=per_tensor,
         optimizer_s_per_element=per_element,
+        optimizer_s_per_dtensor=per_dtensor,
         tensors_per_layer_type=tensors_per_type,
         vocab_tensors=max(int(statistics.median(vocab_tensors)), 0) if vocab_tensors else 0,
         compute_slots_per_node=sharing.compute_slots_per_node,

@@ -416,7 +416,8 @@ def _costs(
             calibrated = block_features(forward, backward_to_forward, time, sa) @ cal.coefficients
         weights = parameters / np.where(sa.splits_weights, sa.tp, 1)
         elements = np.where(sa.dp_code > 0, weights / d, weights)
-        extra = (last - time) + cal.optimizer_time(parameter_tensors, elements)  # after the pipeline's flush
+        dtensors = (sa.dp_code > 0) | sa.splits_weights  # ZeRO shards and tensor-parallel splits: DTensors
+        extra = (last - time) + cal.optimizer_time(parameter_tensors, elements, dtensors)  # after the pipeline's flush
         ranks_per_node = min(cm.profile.hardware.devices_per_node, ctx.world_size)
         calibrated = calibrated * cal.sharing_factor(ctx.pp, ctx.micro_batches, ranks_per_node)
         time, last = calibrated, calibrated + extra
