@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_galvatron.plan import LayerStrategy
 from lightning_galvatron.profiles import LayerTypeProfile, LinearFit, Profile, bus_volume
 from lightning_galvatron.search.calibration import Calibration, block_features, load_calibration, vocab_time
 from lightning_galvatron.search.space import Layout, StrategyArrays
@@ -506,6 +507,26 @@ def working_memory_bytes(cm: CostModel, layers: Sequence[LayerTypeProfile], ctx:
         cm.activation_scale * samples * t.activation_bytes_per_sample.at(1) + t.parameters * cm.precision.compute_bytes
         for t in layers
     )
+
+
+def plan_working_memory_bytes(
+    cm: CostModel, blocks: Sequence[tuple[LayerTypeProfile, LayerStrategy]], ctx: StageContext
+) -> float:
+    """Transient memory of a given plan's stage: what :func:`working_memory_bytes` reserves, for the blocks that need it.
+
+    Only a recomputed block re-materialises a micro-batch of its activations during backward, and only a
+    ZeRO-3 block gathers its weights again for backward; other blocks' activations and weights are already
+    counted where they live (measured: reserving them for every block overstated DDP and pipeline stages by
+    a block's activations). The search keeps the strategy-independent bound so that its DP stays additive;
+    an estimate of a known plan uses this.
+    """
+    samples = ctx.samples_per_device
+    need = 0.0
+    for t, s in blocks:
+        recompute = cm.activation_scale * samples * t.activation_bytes_per_sample.at(1) if s.recompute else 0.0
+        gathered = t.parameters / (s.tp if s.splits_weights else 1) * cm.precision.compute_bytes if s.dp_type == "zero3" else 0.0
+        need = max(need, recompute + gathered)
+    return need
 
 
 def relocation_time(cm: CostModel, before: Layout, after: Layout, ctx: StageContext, hidden: int, seq: int) -> float:

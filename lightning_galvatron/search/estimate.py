@@ -15,9 +15,9 @@ from lightning_galvatron.search.cost import (
     Precision,
     StageContext,
     block_costs,
+    plan_working_memory_bytes,
     relocation_time,
     vocab_costs,
-    working_memory_bytes,
 )
 from lightning_galvatron.search.pipeline import in_flight_micro_batches, p2p_transfers, pipeline_step_time
 from lightning_galvatron.search.space import StrategyArrays, layout_of, megatron_degree_ok, ulysses_degree_ok
@@ -198,7 +198,7 @@ def evaluate(
                 vocab_bytes += float(c.memory(k)[0])
         time += p2p_transfers(pp, rank, v) * cm.p2p_time(ctx, model.hidden_size, model.seq_length) + cm.pipeline_overhead(pp)
         layers = plan.stage_layers(rank)
-        working = working_memory_bytes(cm, [model.layer_types[t] for t in sorted({model.blocks[i] for i in layers})], ctx)
+        working = plan_working_memory_bytes(cm, [(model.layer_types[model.blocks[i]], plan.layers[i]) for i in layers], ctx)
         stages.append(StageEstimate(rank, tuple(layers), k, time, states, acts, vocab_bytes, working, hw.memory_overhead_bytes))
     step = float(pipeline_step_time(np.array([s.time_per_micro_batch_s for s in stages]), m, v)) + cm.step_overhead()
     blocks.sort(key=lambda b: b.index)
