@@ -60,6 +60,12 @@ def test_fit_recovers_latency_and_bandwidth_and_survives_flat_noise():
     fit = _fit("all_reduce", layout, sizes, noisy)
     assert fit.time(sizes[-1]) == pytest.approx(noisy[-1], rel=0.5)
     assert fit.bandwidth_bytes_per_s < 1e12
+    # Flat times all the way (seen on a loaded machine): latency explains them, and the bandwidth is the
+    # lower bound the largest message proves, not an unbounded one.
+    flat = [8.3e-4] * len(sizes)
+    fit = _fit("all_to_all", GroupLayout("collective", 2, 1, 2), sizes, flat)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(bus_volume("all_to_all", 2) * sizes[-1] / 8.3e-4)
+    assert fit.latency_s == pytest.approx(8.3e-4)
 
 
 def _profile_on_rank(budget_s: float) -> dict:

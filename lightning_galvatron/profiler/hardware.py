@@ -336,21 +336,29 @@ def _fit(kind: str, layout: GroupLayout, sizes: Sequence[int], times: Sequence[f
     on a shared machine) can tilt it flat and claim an unbounded bandwidth. If the fit misses the
     largest message by more than half, the line through the smallest and largest message is used
     instead (or, if even that does not rise, the bandwidth the largest message proves: a lower bound).
+    When the times are flat the fit explains the largest message by latency alone (an unbounded
+    bandwidth); the lower bound is used then too.
     """
     fit = CollectiveFit.fit(kind, layout.group_size, layout.ranks_per_node, sizes, times)
-    if abs(fit.time(sizes[-1]) - times[-1]) <= 0.5 * times[-1]:
-        return fit
     volume = bus_volume(kind, layout.group_size)
+    transfer = volume * sizes[-1] / fit.bandwidth_bytes_per_s  # the fit's transfer time of the largest message
+    if abs(fit.time(sizes[-1]) - times[-1]) <= 0.5 * times[-1] and transfer >= 0.1 * times[-1]:
+        return fit
     rise = times[-1] - times[0]
-    if rise > 0:
+    if transfer < 0.1 * times[-1]:
+        # Flat times (noise hid the size dependence): the fit would claim a boundless bandwidth. The largest
+        # message proves a lower bound; pricing large messages by it errs on the slow side.
+        bandwidth, latency = volume * sizes[-1] / times[-1], min(times)
+    elif rise > 0:
         bandwidth = volume * (sizes[-1] - sizes[0]) / rise
         latency = max(times[0] - volume * sizes[0] / bandwidth, 0.0)
     else:
         bandwidth, latency = volume * sizes[-1] / times[-1], min(times)
-    (log.warning if dist.get_rank() == 0 else log.debug)(
-        "%s over %d ranks: the least-squares fit misses the largest message (%.3g s measured, %.3g s fitted): "
-        "using the line through the smallest and largest message (%.3g GB/s)",
-        kind, layout.group_size, times[-1], fit.time(sizes[-1]), bandwidth / 1e9,
+    first_rank = not dist.is_initialized() or dist.get_rank() == 0
+    (log.warning if first_rank else log.debug)(
+        "%s over %d ranks: the least-squares fit does not explain the largest message (%.3g s measured, %.3g s "
+        "fitted, %.3g s of it transfer): using %.3g GB/s from the smallest and largest message",
+        kind, layout.group_size, times[-1], fit.time(sizes[-1]), transfer, bandwidth / 1e9,
     )
     return CollectiveFit(kind, layout.group_size, layout.ranks_per_node, latency, bandwidth)
 
