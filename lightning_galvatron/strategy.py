@@ -379,10 +379,7 @@ class GalvatronStrategy(ModelParallelStrategy):
     def block_backward_sync(self) -> Generator:
         """Lightning accumulates gradients (``accumulate_grad_batches``): the ddp layers sum theirs once, at the
         window's last backward, as ``DistributedDataParallel.no_sync`` does."""
-        if self._applied is None:
-            yield
-            return
-        with self._applied.gradients.deferred():
+        with self._applied.gradients.deferred() if self._applied is not None else nullcontext():
             yield
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

@@ -64,6 +64,7 @@ from lightning_galvatron.model.tensor_parallel_plans import (
     tensor_parallel_plan,
 )
 from lightning_galvatron.profiles import DegreeTable, LayerTypeProfile, LinearFit, ModelProfile, VocabProfile
+from lightning_galvatron.runtime.mesh import local_tensor
 from lightning_galvatron.search.cost import resolve_precision
 
 log = logging.getLogger(__name__)
@@ -407,14 +408,8 @@ class SavedTensorCounter:
         self._hooks.__exit__(*exc)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
 def _storage_key(tensor: torch.Tensor) -> tuple:
-    local = _local(tensor)
+    local = local_tensor(tensor)
     try:
         return (local.device.type, local.device.index, local.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage: count it by identity
@@ -422,7 +417,7 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:
-    local = _local(tensor)
+    local = local_tensor(tensor)
     try:
         return local.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):

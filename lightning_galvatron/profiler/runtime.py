@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_galvatron.plan import ParallelPlan
+from lightning_galvatron.runtime.mesh import local_tensor
 from lightning_galvatron.runtime.recompute import is_recomputing
 from lightning_galvatron.search.calibration import BlockTiming, Observation
 
@@ -203,7 +204,7 @@ class RuntimeProfiler:
             )
         from torch.distributed.tensor import DTensor
 
-        local = [p._local_tensor if isinstance(p, DTensor) else p for p in self._parameters]
+        local = [local_tensor(p) for p in self._parameters]
         return Observation(
             plan=self.plan,
             rank=rank,

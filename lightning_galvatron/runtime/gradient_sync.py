@@ -32,11 +32,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_galvatron.runtime.mesh import local_tensor
+
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @dataclass
@@ -57,9 +55,9 @@ class _Bucket:
             return
         pieces, present = [], []
         for p in self.params:
-            local = _local(p).detach()
+            local = local_tensor(p).detach()
             grad = p.grad
-            pieces.append(_local(grad).reshape(-1) if grad is not None else local.new_zeros(local.numel()))
+            pieces.append(local_tensor(grad).reshape(-1) if grad is not None else local.new_zeros(local.numel()))
             present.append(grad is not None)
         pieces.append(torch.tensor(present, dtype=pieces[0].dtype, device=pieces[0].device))
         self.flat = torch.cat(pieces)
@@ -78,14 +76,14 @@ class _Bucket:
             else:
                 present = [1] * len(self.params)
             for p, count in zip(self.params, present):
-                local = _local(p)
+                local = local_tensor(p)
                 n = local.numel()
                 if count > 0:
                     summed = flat[offset:offset + n].view_as(local)
                     if p.grad is None:
                         p.grad = _like(p, summed.clone())
                     else:
-                        _local(p.grad).copy_(summed)
+                        local_tensor(p.grad).copy_(summed)
                 offset += n
         self.flat, self.work, self.ready, self.launched = None, None, 0, False
 
@@ -156,7 +154,7 @@ class GradientReducer:
             current_group = group
             for p in reversed(params):
                 current.append(p)
-                size += _local(p).numel() * p.element_size()
+                size += local_tensor(p).numel() * p.element_size()
                 if size >= self.bucket_bytes:
                     self._buckets.append(_Bucket(current, group))
                     current, size = [], 0
@@ -195,7 +193,7 @@ class GradientReducer:
         self._finish()
 
     def _check_not_summed(self) -> None:
-        if self._summed and any(p.grad is not None for p in self.params):
+        if self._summed and any(p.grad is not None for bucket in self._buckets for p in bucket.params):
             raise RuntimeError(
                 "a second backward pass before the optimizer step: the gradients of ddp layers were already summed "
                 "over their replicas and would be summed again. Sum the losses and call backward once, let Lightning "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan
 
@@ -94,3 +95,8 @@ class MeshCache:
 
     def __len__(self) -> int:
         return len(self._meshes)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (itself when it is not a DTensor), sharing its storage."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor

@@ -40,12 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.plan import ParallelPlan, PlanError
 from lightning_galvatron.runtime.gradient_sync import match_parameter_layout
+from lightning_galvatron.runtime.mesh import local_tensor
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -483,8 +483,7 @@ class PipelineRunner:
         for param in self.partition.tied:
             if param.grad is not None:
                 match_parameter_layout(param)  # the embedding's and the head's gradients may differ in layout
-                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                dist.all_reduce(grad, group=self._tied_group)
+                dist.all_reduce(local_tensor(param.grad), group=self._tied_group)
 
 
 class _ScaledLoss:

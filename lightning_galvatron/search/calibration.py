@@ -201,10 +201,14 @@ class Calibration:
         busy = ranks_per_node * micro_batches / (micro_batches + pp - 1)
         return min(1.0, slots / ranks_per_node) / min(1.0, slots / busy)
 
+    @property
+    def optimizer_s_per_dtensor_or_tensor(self) -> float:
+        return self.optimizer_s_per_tensor if self.optimizer_s_per_dtensor is None else self.optimizer_s_per_dtensor
+
     def optimizer_time(self, tensors: Any, elements: Any, dtensors: Any = False) -> Any:
         """The optimizer step for ``tensors`` parameter tensors of ``elements`` elements (``dtensors``: DTensors)."""
-        per_dtensor = self.optimizer_s_per_tensor if self.optimizer_s_per_dtensor is None else self.optimizer_s_per_dtensor
-        return np.where(dtensors, per_dtensor, self.optimizer_s_per_tensor) * tensors + self.optimizer_s_per_element * elements
+        per_tensor = np.where(dtensors, self.optimizer_s_per_dtensor_or_tensor, self.optimizer_s_per_tensor)
+        return per_tensor * tensors + self.optimizer_s_per_element * elements
 
     def describe(self) -> str:
         ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
@@ -214,7 +218,7 @@ class Calibration:
             f"per block call {ms(b['call'])} (+ZeRO-2 {ms(b['zero2'])}, +ZeRO-3 {ms(b['zero3'])}, +TP {ms(b['tensor_parallel'])}, "
             f"+Megatron-SP {ms(b['megatron_sp'])}, +Ulysses {ms(b['ulysses'])}, +recompute {ms(b['recompute_call'])}); "
             f"embedding/head x{self.vocab_compute:.2f} + {ms(self.vocab_call_s)} per micro-batch; optimizer "
-            f"{self.optimizer_s_per_tensor * 1e6:.0f} us/tensor ({(self.optimizer_s_per_dtensor or self.optimizer_s_per_tensor) * 1e6:.0f} "
+            f"{self.optimizer_s_per_tensor * 1e6:.0f} us/tensor ({self.optimizer_s_per_dtensor_or_tensor * 1e6:.0f} "
             f"us/DTensor) + {self.optimizer_s_per_element * 1e9:.1f} ns/element; "
             f"step {ms(self.step_overhead_s)}, pipeline {ms(self.pipeline_overhead_s)} per micro-batch and stage"
             + (f"; {self.compute_slots_per_node} compute slots per node" if self.compute_slots_per_node else "")

@@ -500,13 +500,9 @@ def working_memory_bytes(cm: CostModel, layers: Sequence[LayerTypeProfile], ctx:
     ``B/(m*n)`` samples of degree-1 activations plus its whole weights in the compute dtype: an
     upper bound for every strategy, so the search cannot trade it away and plans compare fairly.
     """
-    if not layers:
-        return 0.0
-    samples = ctx.samples_per_device
-    return max(
-        cm.activation_scale * samples * t.activation_bytes_per_sample.at(1) + t.parameters * cm.precision.compute_bytes
-        for t in layers
-    )
+    # The most any strategy needs: a recomputed ZeRO-3 block without tensor parallelism.
+    costliest = LayerStrategy(dp_type="zero3", recompute=True)
+    return plan_working_memory_bytes(cm, [(t, costliest) for t in layers], ctx)
 
 
 def plan_working_memory_bytes(
