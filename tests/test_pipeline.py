@@ -13,7 +13,14 @@ from lightning_galvatron.checkpoint import consolidate
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from tests.helpers.hf_models import hf_gpt2
-from tests.helpers.training import assert_close_runs, run_distributed, run_single, tiny_gpt
+from tests.helpers.training import (
+    assert_close_runs,
+    assert_parameters_moved_alike,
+    rounding_noise_gradients,
+    run_distributed,
+    run_single,
+    tiny_gpt,
+)
 from tests.test_parity_data_parallel import FP32_TOL
 
 pytestmark = pytest.mark.timeout(900)
@@ -135,8 +142,10 @@ def test_resume_under_another_plan(pools, tmp_path, save_plan, resume_plan):
     torch.testing.assert_close(
         torch.tensor(first.losses + resumed.losses), torch.tensor(uninterrupted.losses), atol=1e-5, rtol=0
     )
-    for name, value in uninterrupted.state.items():
-        torch.testing.assert_close(resumed.state[name], value, atol=1e-4, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert_parameters_moved_alike(
+        resumed.state, uninterrupted.state, uninterrupted.initial, FP32_TOL["param_rtol"], FP32_TOL["param_mean_rtol"],
+        skip=rounding_noise_gradients(uninterrupted.grads),
+    )
 
     # The sharded checkpoint becomes one file for the plain model.
     model_file = consolidate(checkpoint, tmp_path / "model.pt")
