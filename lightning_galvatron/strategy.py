@@ -53,7 +53,7 @@ from lightning_galvatron.autoplan import SearchSettings, optimizer_kind, plan_au
 from lightning_galvatron.data import rebatch, shard_batch_size
 from lightning_galvatron.display import plan_table, render
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
-from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
+from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan_or_reason
 from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
 from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_flag, precision_plugin_for
 from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan, check_runtime_support, input_shard
@@ -237,11 +237,9 @@ class GalvatronStrategy(ModelParallelStrategy):
         example = move_data_to_device(next(iter(loader)), self.root_device)
         global_batch = self._global_batch_size or loader.batch_size * self.world_size
         for block_type, example_block in {type(b).__name__: b for b in structure.blocks}.items():
-            if tensor_parallel_plan(example_block) is None:
-                rank_zero_info(
-                    f"Galvatron: {block_type} has no tensor-parallel plan, so its blocks are planned with tp=1 "
-                    "(declare one with lightning_galvatron.register_tensor_parallel_plan)"
-                )
+            reason = tensor_parallel_plan_or_reason(example_block)
+            if isinstance(reason, str):
+                rank_zero_info(f"Galvatron: {block_type} blocks are planned with tp=1: {reason}")
         auto = plan_automatically(
             module,
             structure,
