@@ -189,7 +189,7 @@ def apply_plan(
 
     if vocabulary is not None and plan.vocab.tp > 1:
         vocab_tp_mesh = meshes.tp_mesh(Layout.of(plan, plan.vocab))
-        apply_vocab_parallel(vocabulary.present_in(model), vocab_tp_mesh, parallel_loss)
+        apply_vocab_parallel(vocabulary.present_in(model), vocab_tp_mesh, parallel_loss, root=model)
     vocab_dp_mesh = meshes.dp_mesh(Layout.of(plan, plan.vocab))
     if applied.partition is None:
         apply_data_parallel(model, plan.vocab, vocab_dp_mesh, mp_policy, applied.gradients, outside_blocks=True)
@@ -292,8 +292,18 @@ class _BlockOutputs:
         return block.register_forward_hook(hook)
 
     def of(self, index: int):  # noqa: ANN201
-        """A test: was this tensor an output of block ``index`` in its latest call?"""
-        return lambda value: any(ref() is value for ref in self._outputs.get(index, ()))
+        """A test: was this tensor an output of block ``index`` in its latest call? (The same tensor, or an alias of
+        it: FSDP2 hands a block the inputs that need gradients through an autograd function of its own.)"""
+        return lambda value: any(_same_tensor(ref(), value) for ref in self._outputs.get(index, ()))
+
+
+def _same_tensor(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    if a is None or a is b:
+        return a is b
+    return (
+        a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+    )
 
 
 def _relocate_inputs(
@@ -340,6 +350,16 @@ def _relocate_inputs(
         slots = [*((i, a) for i, a in enumerate(args) if i != hidden_index), *kwargs.items()]
         slots = [(name, v) for name, v in slots if not (hidden_index is None and name == "hidden_states")]
         from_previous = {name for name, v in slots if carried is not None and isinstance(v, torch.Tensor) and carried(v)}
+        if batch_only_previous != batch_only_target:
+            # A tensor the previous block returned for every sample at once ([1, ...], T5's position bias without a
+            # mask) is used by other samples here: its gradient must flow back per sample, so it travels per sample.
+            slots = [
+                (name, v.expand(previous_batch, *v.shape[1:]) if name in from_previous and v.requires_grad
+                 and v.shape[0] == 1 < previous_batch else v)
+                for name, v in slots
+            ]
+            args = tuple(dict(slots).get(i, a) for i, a in enumerate(args))
+            kwargs = {k: dict(slots).get(k, v) for k, v in kwargs.items()}
         per_sample = {
             name for name, v in slots
             if _is_per_sample(name, _unfolded(v, folded.get(name)), previous_batch if name in from_previous else extras_batch, seq, module)

@@ -31,6 +31,7 @@ tied embedding and head) live on both end stages; their gradients are summed acr
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -88,23 +89,25 @@ def _vocabulary_modules(structure: ModelStructure) -> tuple[list[tuple[str, nn.M
 
 
 class _FirstStageOnly(nn.Module):
-    """Parameter-free stand-in for a layer before the blocks, on stages that discard its output."""
+    """Parameter-free stand-in for a layer before the blocks, on stages that discard its output.
+
+    It returns zeros of the shape and dtype the layer would return, found by running a copy of the layer on
+    the meta device (no memory): layers with their own signatures (OPT's learned positions take the
+    attention mask) fit the code around them as the original does.
+    """
 
     def __init__(self, original: nn.Module) -> None:
         super().__init__()
-        self.kind = type(original).__name__
-        if isinstance(original, nn.Embedding):
-            self.features: int | None = original.embedding_dim
-        elif isinstance(original, nn.Linear):
-            self.features = original.out_features
-        else:
-            self.features = None  # shape-preserving (norms, scalings)
+        memo = {id(t): torch.empty_like(t, device="meta") for t in (*original.parameters(), *original.buffers())}
+        memo |= {id(p): nn.Parameter(memo[id(p)], requires_grad=p.requires_grad) for p in original.parameters()}
+        self._shape_of = [copy.deepcopy(original, memo)]  # in a list: not a submodule, so it holds no parameters
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.features is None:
-            return x
-        shape = (*x.shape, self.features) if self.kind == "Embedding" else (*x.shape[:-1], self.features)
-        return torch.zeros(shape, device=x.device, dtype=torch.get_default_dtype())
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        on_meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        out = self._shape_of[0](*on_meta[0], **on_meta[1])
+        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, out)
 
 
 class _LastStageOnly(nn.Module):
@@ -121,6 +124,13 @@ class _LastStageOnly(nn.Module):
         )
 
 
+def _outermost(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The modules not inside another one of the list (a stand-in for a module stands in for its children too,
+    e.g. BERT's ``cls.predictions`` holds a bias and ``transform.dense``)."""
+    names = [name for name, _ in modules]
+    return [(name, m) for name, m in modules if not any(name.startswith(other + ".") for other in names)]
+
+
 def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
     setattr(root.get_submodule(parent_name) if parent_name else root, attr, module)
@@ -132,6 +142,10 @@ class _BlockCall:
 
     def __init__(self, block: nn.Module, receive: torch.Tensor | None, hand_over: torch.dtype | None) -> None:
         self.block, self.receive, self.hand_over = block, receive, hand_over
+
+    def __getattr__(self, name: str) -> Any:
+        # The loop may read the block's configuration (Qwen2: ``decoder_layer.attention_type``).
+        return getattr(self.block, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.receive is not None:
@@ -250,7 +264,9 @@ class StagePartition:
             if id(p) in before_params and id(p) in after_params
         ]
         # The layers outside the blocks that this stage runs, grouped for data parallelism by the caller.
-        self.vocabulary_modules = [m for _, m in (before if self.is_first else []) + (after if self.is_last else [])]
+        self.vocabulary_modules = [
+            m for _, m in _outermost((before if self.is_first else []) + (after if self.is_last else []))
+        ]
 
         # Remove the blocks of other stages, by key so that the remaining names do not change.
         local = set(self.local_blocks)
@@ -270,10 +286,10 @@ class StagePartition:
             container = block_list.container
             container.__class__ = _gated_class(type(container), self.gate)
         if not self.is_first:
-            for name, module in before:
+            for name, module in _outermost(before):
                 _replace(structure.root, name, _FirstStageOnly(module))
         if not self.is_last:
-            for name, _ in after:
+            for name, _ in _outermost(after):
                 _replace(structure.root, name, _LastStageOnly(name))
 
     @property

@@ -182,11 +182,14 @@ class RowwiseConv1D(ParallelStyle):
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             partial = _conv1d_forward(x, module.weight.to_local(), None)
-            if self.sequence_parallel:
-                out = reduce_scatter_sequence(partial, device_mesh)
+            if module.bias is None:
+                bias = None
+            elif self.sequence_parallel:  # each rank adds it to its own positions: the gradient is summed
+                bias = _CopyToGroup.apply(module.bias.to_local(), group)
             else:
-                out = _ReduceFromGroup.apply(partial, group)
-            return out + module.bias.to_local() if module.bias is not None else out
+                bias = module.bias.to_local()
+            out = reduce_scatter_sequence(partial, device_mesh) if self.sequence_parallel else _ReduceFromGroup.apply(partial, group)
+            return out + bias if bias is not None else out
 
         module.forward = forward  # type: ignore[method-assign]
         return module
@@ -269,9 +272,16 @@ def head_slice(dim: int, heads: int) -> Callable[[torch.Tensor, int, int], torch
 def all_gather_heads(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     """Every rank's heads of ``x`` (split along ``dim``) joined; backward keeps this rank's part of the full
     gradient (every copy of the result carries it)."""
-    if x.shape[dim] == 1 and dim != 0:
-        return x
     return DTensor.from_local(x, mesh, [Shard(dim)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+
+class CopyOutput(ParallelStyle):
+    """Return a copy of the module's output: DTensor's local outputs are views that the model may not modify in
+    place (Falcon adds its attention output to its MLP's with ``+=``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(lambda mod, args, output: output.clone())
+        return module
 
 
 class ColwiseEmbedding(ParallelStyle):

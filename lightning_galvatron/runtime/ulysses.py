@@ -179,6 +179,11 @@ def apply_ulysses(block: nn.Module, group: dist.ProcessGroup, position_inputs: M
     def ulysses_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         hidden = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
         local, width = hidden.shape[1], hidden.shape[-1]
+        if local < 2:
+            raise RuntimeError(
+                f"Ulysses degree {g} leaves each rank {local} position of the sequence: attention code takes a single "
+                "query position for a decoding step (no causal mask); use a degree of at most half the sequence"
+            )
         names = _argument_names(signature, len(args))
         args = tuple(
             _cut(a, positions[key], local, g, rank, key) if a is not hidden and (key := _key(i, names, positions)) is not None else a

@@ -17,11 +17,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_galvatron.model.tensor_parallel_plans import (
-    HF_POSITION_INPUTS,
-    NO_ULYSSES,
-    BlockTensorParallelPlan,
-)
+from lightning_galvatron.model.tensor_parallel_plans import HF_POSITION_INPUTS, BlockTensorParallelPlan
 from lightning_galvatron.runtime.tensor_parallel import GatherSequence, RowwiseConv1D
 
 
@@ -65,7 +61,7 @@ def megatron_plan(
             Megatron-SP gathers; a column layer named here gathers itself.
         sequence_dims: the sequence dimension where it is not 1 (a block that flattens batch and sequence
             before its MLP, like OPT, shards dimension 0 there; any per-token order works).
-        extra: other styles (per-head inputs, embeddings), composed after a gather on the same module.
+        extra: other styles (per-head inputs, outputs to copy), applied after any other style of the same module.
         ulysses, megatron_sp: ``True``, or the reason the block cannot run it.
     """
     dims = dict(sequence_dims or {})
@@ -90,13 +86,11 @@ def megatron_plan(
         if sequence_parallel:
             for name in norms:
                 out[name] = SequenceParallel(sequence_dim=dims.get(name, 1), use_local_output=True)
-        for name, style in extra.items():
-            gather = sequence_parallel and name in gathers
-            out[name] = Compose(GatherSequence(), style) if gather else style
-        if sequence_parallel:
             for name in gathers:
-                if name not in columns and name not in extra:
+                if name not in columns:
                     out[name] = GatherSequence()
+        for name, style in extra.items():
+            out[name] = Compose(out[name], style) if name in out else style
         return out
 
     return BlockTensorParallelPlan(
@@ -120,8 +114,8 @@ def hf_sdpa(module: nn.Module) -> bool | str:
     if implementation == "sdpa":
         return True
     return (
-        f"{NO_ULYSSES[:-1]}: its attention implementation is {implementation!r}; Ulysses needs "
-        "attn_implementation='sdpa'"
+        f"its attention implementation is {implementation!r}: Ulysses needs one that calls "
+        "F.scaled_dot_product_attention (attn_implementation='sdpa', where the model has it)"
     )
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_galvatron.model.families._common import hf_sdpa, local_heads, megatron_plan
 from lightning_galvatron.model.tensor_parallel_plans import BlockTensorParallelPlan, register_tensor_parallel_plan
-from lightning_galvatron.runtime.tensor_parallel import ColwiseFused, SliceHeads
+from lightning_galvatron.runtime.tensor_parallel import ColwiseFused, CopyOutput, SliceHeads
 
 
 def alibi_heads(heads: int) -> SliceHeads:
@@ -56,7 +56,8 @@ def falcon_plan(block: nn.Module) -> BlockTensorParallelPlan:
         norms=norms,
         gathers=["self_attention", "mlp"],
         divisible=sizes,
-        extra={"self_attention": alibi_heads(heads)} if config.alibi else None,
+        # The block adds the attention output to the MLP's in place.
+        extra={"mlp.dense_4h_to_h": CopyOutput()} | ({"self_attention": alibi_heads(heads)} if config.alibi else {}),
         localize=localize,
         ulysses=hf_sdpa(block) if not config.alibi else "ALiBi biases are per key position of the whole sequence",
         folded_inputs={"alibi": heads} if config.alibi else None,
