@@ -103,6 +103,8 @@ def _matrix(pools, cache_dir: str, name: str) -> tuple[RunResult, dict[str, RunR
         batch = BATCH.get(name, 8)
         expected = run_single(model=family(name), global_batch=batch, evaluate=True)
         results = pools(4).run(run_cases, cases(name), family(name), batch, cache_dir, evaluate=True, timeout=600)[0]
+        if any(isinstance(r, str) and not r.startswith("PlanError") for r in results.values()):
+            pools(4).shutdown()  # a failed case may leave ranks out of step: the next family gets a fresh pool
         _RESULTS[name] = expected, results
     return _RESULTS[name]
 
@@ -113,7 +115,19 @@ def profile_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("profiles"))
 
 
+#: Families whose layers outside the blocks are registered in another order than they run (OPT's
+#: ``final_layer_norm``, LitGPT's ``lm_head``, both before the blocks): a pipeline stage keeps the wrong ones.
+#: The pipeline-order fix is another helper's part of issue 12 (branch ``pipeline-device``).
+PIPELINE_ORDER = {"opt", "litgpt"}
+PIPELINE_ORDER_REASON = (
+    "pipeline stages assume layers registered in the order they run; {name} registers a layer that runs after "
+    "the blocks before them (owner: the pipeline-order fix of issue 12, branch pipeline-device)"
+)
+
+
 def _marks(name: str, case: str) -> list:
+    if name in PIPELINE_ORDER and case.startswith("pp_"):
+        return [pytest.mark.xfail(strict=True, reason=PIPELINE_ORDER_REASON.format(name=name))]
     return []
 
 
@@ -129,7 +143,12 @@ def test_family_matches_one_process(pools, profile_cache, name, case):
         assert re.search(refusal, outcome), outcome
         return
     assert not isinstance(outcome, str), outcome
-    assert_close_runs(outcome, expected, **FP32_TOL)
-    assert_same_evaluation(outcome, expected, FP32_TOL["loss_tol"], PREDICTION_TOL)
+    try:
+        assert_close_runs(outcome, expected, **FP32_TOL)
+        assert_same_evaluation(outcome, expected, FP32_TOL["loss_tol"], PREDICTION_TOL)
+    except AssertionError:
+        if name in PIPELINE_ORDER and case.startswith("auto") and outcome.plan.pp > 1:  # the search chose a pipeline
+            pytest.xfail(PIPELINE_ORDER_REASON.format(name=name))
+        raise
     if case == "auto_tight":  # pure DDP does not fit the budget
         assert outcome.plan != ParallelPlan.uniform(4, outcome.plan.num_layers, S(), global_batch_size=outcome.plan.global_batch_size)

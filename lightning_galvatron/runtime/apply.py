@@ -171,6 +171,7 @@ def apply_plan(
             extras_source=vocab_layout,
             carried=outputs.of(index - 1) if index not in starts else None,
             folded=tp_plan.folded_inputs if tp_plan is not None else {},
+            positions=tp_plan.position_inputs if tp_plan is not None else {},
         )
         applied.hooks.append(outputs.record(block, index))
         layout = Layout.of(plan, strategy)
@@ -317,6 +318,7 @@ def _relocate_inputs(
     extras_source: ActivationLayout,
     carried: Any = None,
     folded: Mapping[str, int] | None = None,
+    positions: Mapping[str | int, int] | None = None,
 ) -> list[Any]:
     """Forward pre-hook: bring the block's inputs to the ``target`` layout.
 
@@ -324,7 +326,8 @@ def _relocate_inputs(
     batch and sequence; other tensors whose first dimension is the local batch (masks, position
     tables, memory) move from ``extras_source`` (the vocabulary layout) along the batch only -- or from
     the previous block's layout when ``carried(tensor)`` says the previous block returned them.
-    ``folded`` names inputs whose first dimension is the batch times a factor (an ALiBi bias per head).
+    ``folded`` names inputs whose first dimension is the batch times a factor (an ALiBi bias per head);
+    ``positions`` those with one entry per position, batch-major (position ids).
     Registered before recomputation so that recompute replays from already relocated inputs.
     """
     # Other inputs (masks, positions, an encoder's memory) are made outside the blocks and handed to every
@@ -333,6 +336,7 @@ def _relocate_inputs(
     batch_only_target = ActivationLayout(target.layout)
     batch_only_previous = ActivationLayout(source.layout)
     folded = dict(folded or {})
+    positions = dict(positions or {})
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if is_recomputing(module):
@@ -360,9 +364,13 @@ def _relocate_inputs(
             ]
             args = tuple(dict(slots).get(i, a) for i, a in enumerate(args))
             kwargs = {k: dict(slots).get(k, v) for k, v in kwargs.items()}
-        per_sample = {
+        moves = {name: batch_only_previous if name in from_previous else batch_only_source for name, _ in slots}
+        per_sample = {  # only where something moves: an input that stays where it is needs no reading
             name for name, v in slots
-            if _is_per_sample(name, _unfolded(v, folded.get(name)), previous_batch if name in from_previous else extras_batch, seq, module)
+            if moves[name] != batch_only_target and _is_per_sample(
+                name, _unfolded(v, folded.get(name)), previous_batch if name in from_previous else extras_batch, seq,
+                module, batch_major=name in positions,
+            )
         }
         if _extras_cross_ranks(batch_only_source, batch_only_target, micro_batch.size) or from_previous & per_sample:
             _agree_on_per_sample_inputs(module, [name in per_sample for name, _ in slots], group)
@@ -371,8 +379,7 @@ def _relocate_inputs(
             if name == "hidden":
                 return relocate(value, source, target, micro_batch.size, position, group)
             if name in per_sample:
-                origin = batch_only_previous if name in from_previous else batch_only_source
-                moved = relocate(_unfolded(value, folded.get(name)), origin, batch_only_target, micro_batch.size, position, group)
+                moved = relocate(_unfolded(value, folded.get(name)), moves[name], batch_only_target, micro_batch.size, position, group)
                 return moved.flatten(0, 1) if name in folded else moved
             return value
 
@@ -390,16 +397,17 @@ def _unfolded(value: Any, factor: int | None) -> Any:
     return value.view(value.shape[0] // factor, factor, *value.shape[1:])
 
 
-def _is_per_sample(name: Any, value: Any, batch: int, seq: int, block: nn.Module) -> bool:
+def _is_per_sample(name: Any, value: Any, batch: int, seq: int, block: nn.Module, batch_major: bool = False) -> bool:
     """Whether a block input other than the hidden states holds one row per sample (and so moves with them).
 
     Batch-major tensors do (masks ``[b, ...]``, position tables ``[b, s, ...]``, an encoder's memory); a
-    ``[seq, seq]`` mask over positions does not -- unless its name says it pads samples. With as many
-    samples per shard as positions, a positional ``[seq, seq]`` input cannot be told apart: refuse.
+    ``[seq, seq]`` mask over positions does not -- unless its name says it pads samples, or the block's plan
+    says it is a batch-major per-position input (``batch_major``: position ids ``[b or 1, s]``). With as many
+    samples per shard as positions, a positional ``[seq, seq]`` input cannot be told apart otherwise: refuse.
     """
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[0] != batch:
         return False
-    if value.dim() == 2 and value.shape[1] == seq and batch == seq and "padding" not in str(name):
+    if value.dim() == 2 and value.shape[1] == seq and batch == seq and "padding" not in str(name) and not batch_major:
         raise PlanError(
             f"{model_class(block).__name__} received a [{seq}, {seq}] input ({name!r}) while each data shard holds "
             f"{batch} samples of {seq} positions: it could be a mask over positions or one row per sample. Pass a "

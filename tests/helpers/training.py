@@ -316,15 +316,14 @@ def run_cases(cases: dict[str, dict[str, Any]], model: Callable[[], L.LightningM
 
     A case ``{"auto": "ample"}`` trains with ``plan="auto"`` and the default memory budget, ``{"auto": "tight"}``
     with a budget between pure ZeRO-3's and pure DDP's (see :func:`budget_between_zero3_and_ddp`); profiles are
-    cached in ``cache_dir``. A case the strategy refuses gives its error message instead of a result, and so
-    does one that fails (as text, so that the other cases still run and the test names what broke).
+    cached in ``cache_dir``. A case the strategy refuses gives its error message instead of a result; one that
+    fails gives its traceback, and the cases after it are not run (its ranks may have stopped in different places,
+    so what follows would only wait for the others): the caller should then start a fresh pool.
     """
     out: dict[str, RunResult | str] = {}
-    import time
     for name, case in cases.items():
         if name in out:
             continue
-        started = time.perf_counter()
         case = dict(case)
         auto = case.pop("auto", None)
         try:
@@ -336,11 +335,8 @@ def run_cases(cases: dict[str, dict[str, Any]], model: Callable[[], L.LightningM
             out[name] = f"PlanError: {error}"
         except Exception:  # noqa: BLE001 - reported by the test of this case
             out[name] = f"failed: {traceback.format_exc()}"
-            open(f"/tmp/scratch/err_{name}_{dist.get_rank()}.txt", "w").write(out[name])
             # Ranks may have stopped in different places: what follows would only wait for the others.
             out |= {later: f"not run: {name} failed before it" for later in cases if later not in out}
-        if dist.get_rank() == 0 or isinstance(out[name], str):
-            print(f"TIMING {name} {time.perf_counter() - started:.2f} rank {dist.get_rank()} {out[name][:2500] if isinstance(out[name], str) else ''}", flush=True)
     return out
 
 
