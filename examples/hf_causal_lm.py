@@ -54,8 +54,6 @@ class CausalLMFineTune(L.LightningModule):
         else:
             fields = dict(config or TINY_LLAMA)
             self.model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**fields))
-        self.model.config.use_cache = False
-        self.model.config._attn_implementation = "sdpa"
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch

@@ -10,6 +10,7 @@ curve matches DDP's. This module rebuilds the DataLoader with that batch size.
 
 from __future__ import annotations
 
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from torch.utils.data import BatchSampler, DataLoader
 
@@ -23,9 +24,28 @@ def shard_batch_size(global_batch_size: int, num_shards: int) -> int:
     return global_batch_size // num_shards
 
 
+def loader_batch_size(dataloader: object) -> int | None:
+    """Samples per batch of a DataLoader, also of Lightning's prediction loaders (which batch through a
+    wrapper around the user's ``BatchSampler`` that records the indices)."""
+    size = getattr(dataloader, "batch_size", None)
+    if size is None and isinstance(getattr(dataloader, "batch_sampler", None), _IndexBatchSamplerWrapper):
+        size = getattr(dataloader.batch_sampler._batch_sampler, "batch_size", None)
+    return size
+
+
 def rebatch(dataloader: object, batch_size: int) -> object:
-    """A copy of ``dataloader`` that yields ``batch_size`` samples per batch, same sampler and options."""
-    if not isinstance(dataloader, DataLoader) or dataloader.batch_size == batch_size:
+    """A copy of ``dataloader`` that yields ``batch_size`` samples per batch, same sampler and options.
+
+    Lightning's prediction loader is its own fresh copy whose index-recording wrapper holds the batch
+    sampler: the wrapper is given a batch sampler of the new size (the loader cannot be re-made with it).
+    """
+    if not isinstance(dataloader, DataLoader) or loader_batch_size(dataloader) == batch_size:
+        return dataloader
+    wrapper = dataloader.batch_sampler
+    if isinstance(wrapper, _IndexBatchSamplerWrapper) and type(wrapper._batch_sampler) is BatchSampler:
+        inner = wrapper._batch_sampler
+        wrapper._batch_sampler = BatchSampler(inner.sampler, batch_size, inner.drop_last)
+        wrapper.batch_size = batch_size
         return dataloader
     if dataloader.batch_size is None or type(dataloader.batch_sampler) not in (BatchSampler, type(None)):
         raise ValueError(

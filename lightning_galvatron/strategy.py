@@ -52,7 +52,7 @@ from torch.optim import Optimizer
 from lightning_galvatron import _registry
 from lightning_galvatron.autoplan import SearchSettings, optimizer_kind, plan_automatically
 from lightning_galvatron.checkpoint import load_whole_parameters
-from lightning_galvatron.data import rebatch, shard_batch_size
+from lightning_galvatron.data import loader_batch_size, rebatch, shard_batch_size
 from lightning_galvatron.display import plan_table, render
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
 from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
@@ -61,7 +61,7 @@ from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
 from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_flag, precision_plugin_for
 from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan, check_runtime_support, input_shard
 from lightning_galvatron.runtime.mesh import MeshCache
-from lightning_galvatron.runtime.pipeline import PipelineRunner, loss_of
+from lightning_galvatron.runtime.pipeline import PipelineRunner, join_micro_batches, loss_of
 from lightning_galvatron.runtime.sync import agree_across_ranks, broadcast_module_states
 from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 from lightning_galvatron.step_logs import recording_logs, replay_logs
@@ -256,13 +256,14 @@ class GalvatronStrategy(ModelParallelStrategy):
                 "`lightning-galvatron search`)"
             )
         loader = _first_dataloader(trainer)
-        if getattr(loader, "batch_size", None) is None:
+        per_device = loader_batch_size(loader)
+        if per_device is None:
             raise PlanError(
                 'plan="auto" needs a DataLoader with a batch_size to profile with and to size the global batch; '
                 "pass a plan, or global_batch_size= with a DataLoader that has batch_size"
             )
         example = move_data_to_device(_example_batch(loader), self.root_device)
-        global_batch = self._global_batch_size or loader.batch_size * self.world_size
+        global_batch = self._global_batch_size or per_device * self.world_size
         for block_type, example_block in {type(b).__name__: b for b in structure.blocks}.items():
             if tensor_parallel_plan(example_block) is None:
                 rank_zero_info(
@@ -309,7 +310,7 @@ class GalvatronStrategy(ModelParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         plan = self._require_plan()
         num_shards, _ = input_shard(plan, self.global_rank)
-        per_device = getattr(dataloader, "batch_size", None)
+        per_device = loader_batch_size(dataloader)
         if per_device is None:
             return dataloader
         ddp_batch = per_device * self.world_size
@@ -388,7 +389,8 @@ class GalvatronStrategy(ModelParallelStrategy):
         if train and not gradients.is_deferred:  # once, after the last micro-batch (unless Lightning accumulates)
             gradients.reduce()
         if hook == "predict_step":
-            return move_data_to_device(self._runner.broadcast_from_last_stage(_join_batches(outputs)), self.root_device)
+            joined = join_micro_batches(outputs) if outputs else None  # the last stage's (empty elsewhere)
+            return move_data_to_device(self._runner.broadcast_from_last_stage(joined), self.root_device)
         losses = [float(loss.detach()) for loss in map(loss_of, outputs) if loss is not None]
         summary = (sum(losses) / len(losses) if losses else None, logs.averaged())
         loss, records = self._runner.broadcast_from_last_stage(summary)
@@ -440,13 +442,6 @@ class GalvatronStrategy(ModelParallelStrategy):
         if self.plan is None:
             raise RuntimeError("the Galvatron plan is resolved in setup(); it is not available yet")
         return self.plan
-
-
-def _join_batches(outputs: list[Any]) -> Any:
-    """Micro-batch predictions as one batch (tensors concatenated along dim 0, on the CPU to travel)."""
-    if outputs and all(isinstance(o, Tensor) for o in outputs):
-        return torch.cat([o.detach().cpu() for o in outputs])
-    return outputs if len(outputs) != 1 else outputs[0]
 
 
 def _first_dataloader(trainer: Any) -> Any:

@@ -57,6 +57,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from lightning_galvatron.model.call_state import without_kv_caches
 from lightning_galvatron.model.discovery import ModelStructure, model_class
 from lightning_galvatron.model.tensor_parallel_plans import (
     BlockTensorParallelPlan,
@@ -319,7 +320,7 @@ def _capture(
     for i in firsts:
 
         def pre(mod: nn.Module, args: tuple, kwargs: dict, i: int = i) -> None:
-            calls.setdefault(i, _BlockCall(_detach(args), _detach(kwargs)))
+            calls.setdefault(i, _BlockCall(*without_kv_caches(_detach(args), _detach(kwargs))))  # re-run later
 
         def post(mod: nn.Module, args: tuple, kwargs: dict, output: Any, i: int = i) -> None:
             if calls[i].output is None:

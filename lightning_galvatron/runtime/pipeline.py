@@ -46,6 +46,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from lightning_galvatron.model.call_state import is_kv_cache
 from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.model.outside_layers import (
     OutsideLayers,
@@ -569,6 +570,37 @@ def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
         )
     parts = [leaf.chunk(micro_batches) if isinstance(leaf, torch.Tensor) else [leaf] * micro_batches for leaf in leaves]
     return [tree_unflatten([p[i] for p in parts], spec) for i in range(micro_batches)]
+
+
+def join_micro_batches(outputs: list[Any]) -> Any:
+    """The step outputs of the micro-batches of one batch as the output of the whole batch, on the CPU.
+
+    Outputs are joined leaf by leaf in their common structure (tensors, tuples, dicts, Hugging Face
+    ``ModelOutput``): tensors with a batch dimension are concatenated along it, scalars averaged (the
+    micro-batches are equal in size, so a mean over the batch is the mean of the micro-batch means),
+    equal non-tensor leaves kept. A KV cache belongs to one call of the model and becomes ``None``.
+    Outputs of different structures are returned as the list they are.
+    """
+    if len(outputs) == 1:
+        return tree_map(lambda x: None if is_kv_cache(x) else x, _to_cpu(outputs[0]))
+    flat = [tree_flatten(_to_cpu(out)) for out in outputs]
+    spec = flat[0][1]
+    if any(str(s) != str(spec) for _, s in flat[1:]):
+        return outputs
+    joined = []
+    for leaves in zip(*(leaves for leaves, _ in flat)):
+        first = leaves[0]
+        if isinstance(first, torch.Tensor):
+            joined.append(torch.cat(leaves) if first.dim() else torch.stack(leaves).float().mean().to(first.dtype))
+        elif is_kv_cache(first):
+            joined.append(None)
+        else:
+            joined.append(first if all(leaf == first for leaf in leaves[1:]) else list(leaves))
+    return tree_unflatten(joined, spec)
+
+
+def _to_cpu(out: Any) -> Any:
+    return tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, out)
 
 
 def _sequence_length(batch: Any) -> int:

@@ -3,20 +3,34 @@
 ``torch.distributed._composable.checkpoint`` is used rather than ``checkpoint_wrapper`` because it
 hooks the module in place: parameter names (FQNs) stay unchanged, so checkpoints load across plans
 and into the plain model.
+
+The recomputation calls the block again with the arguments of its forward. A KV cache among them
+(Hugging Face models pass one at their defaults) already holds what the forward appended, so the
+re-run gets ``None`` instead (see :mod:`lightning_galvatron.model.call_state`), as Hugging Face's
+own gradient checkpointing switches the cache off.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 from torch.distributed._composable import checkpoint
+
+from lightning_galvatron.model.call_state import without_kv_caches
 
 
 def apply_recompute(block: nn.Module) -> None:
     """Keep only the block's inputs in forward; recompute its activations during backward."""
     checkpoint(block)
+    block.register_forward_pre_hook(_no_kv_cache_when_recomputing, with_kwargs=True)
 
 
 def is_recomputing(block: nn.Module) -> bool:
     """Whether ``block`` is being re-run during backward (its checkpoint hooks are switched off then)."""
     state = checkpoint.state(block)
     return state is not None and not state.enable_hook
+
+
+def _no_kv_cache_when_recomputing(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict[str, Any]] | None:
+    return without_kv_caches(args, kwargs) if is_recomputing(block) else None

@@ -1,4 +1,7 @@
-"""Hugging Face models built from small configs (nothing is downloaded), as LightningModules."""
+"""Hugging Face models built from small configs (nothing is downloaded), as LightningModules.
+
+Every setting not about size is the model's default (the KV cache included), except dropout: 0 for parity.
+"""
 
 from __future__ import annotations
 
@@ -19,19 +22,18 @@ class HFCausalLM(L.LightningModule):
         if family == "gpt2":
             config = transformers.GPT2Config(
                 vocab_size=vocab_size, n_positions=seq_length, n_embd=hidden, n_layer=layers, n_head=heads,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
             )
             self.model = transformers.GPT2LMHeadModel(config)
         elif family == "llama":
             config = transformers.LlamaConfig(
                 vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=seq_length,
-                use_cache=False, tie_word_embeddings=False,
+                tie_word_embeddings=False,
             )
             self.model = transformers.LlamaForCausalLM(config)
         else:
             raise ValueError(family)
-        self.model.config._attn_implementation = "sdpa"
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
         inputs, targets = batch
@@ -39,6 +41,15 @@ class HFCausalLM(L.LightningModule):
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         self.log("train_loss", loss, sync_dist=True)
         return loss
+
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        inputs, targets = batch
+        logits = self.model(input_ids=inputs).logits
+        self.log("val_loss", F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        inputs, _ = batch
+        return self.model(input_ids=inputs)  # a ModelOutput: logits and, at the defaults, a KV cache
 
     def configure_optimizers(self):  # noqa: ANN201
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)

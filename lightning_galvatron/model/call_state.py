@@ -1,0 +1,33 @@
+"""Per-call state that models hand to their blocks: key/value caches.
+
+Hugging Face models create a KV cache object for every forward call at their default config
+(``use_cache=True``, in training too) and pass it to each block (``past_key_values=``), which
+appends its keys and values to it. The object belongs to one call of the model: a block run a
+second time with it -- re-run by the profiler at other batch sizes, or recomputed in backward --
+would append again and attend over twice the keys. Where blocks are re-run, the cache is replaced
+by ``None``: on a cache that was empty for this block (a training step's), the block computes the
+same thing without one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def is_kv_cache(value: Any) -> bool:
+    """A key/value cache object (Hugging Face's ``Cache`` API: ``update`` and ``get_seq_length``)."""
+    return (
+        not isinstance(value, torch.Tensor)
+        and callable(getattr(value, "update", None))
+        and callable(getattr(value, "get_seq_length", None))
+    )
+
+
+def without_kv_caches(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` of a block call with every KV cache replaced by ``None``."""
+    return (
+        tuple(None if is_kv_cache(a) else a for a in args),
+        {k: None if is_kv_cache(v) else v for k, v in kwargs.items()},
+    )
