@@ -136,8 +136,9 @@ def plan_automatically(
                 calibration=settings.calibration,
                 baselines=world_size > 1,  # on one device every uniform plan is the same
             )
+            devices = f"{world_size} device{'s' if world_size > 1 else ''}"
             title = (
-                f"Galvatron plan for {world_size} device{'s' if world_size > 1 else ''}, {format_bytes(budget)} per device, "
+                f"Galvatron plan for {devices}, {format_bytes(budget)} per device, "
                 f"global batch {result.global_batch_size}"
             )
             outcome = (result.plan.to_dict(), describe_search(result, title), None)

@@ -435,7 +435,8 @@ class GalvatronStrategy(ModelParallelStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         # No sharded or split parameter (DDP everywhere, or one device): Lightning's loader expects DTensors.
         path = self.broadcast(checkpoint_path)
-        return load_whole_parameters(path, self.model, self.optimizers, self.lightning_module.strict_loading, weights_only)
+        strict = self.lightning_module.strict_loading
+        return load_whole_parameters(path, self.model, self.optimizers, strict, weights_only)
 
     # ------------------------------------------------------------------ helpers
     def _require_plan(self) -> ParallelPlan:

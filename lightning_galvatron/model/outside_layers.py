@@ -37,7 +37,9 @@ from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.plan import PlanError
 
 BEFORE, BETWEEN, INSIDE, AFTER = "before", "between", "inside", "after"
-_WHERE = {BEFORE: "before the blocks", BETWEEN: "between the blocks", INSIDE: "inside a block", AFTER: "after the blocks"}
+_WHERE = {
+    BEFORE: "before the blocks", BETWEEN: "between the blocks", INSIDE: "inside a block", AFTER: "after the blocks"
+}
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,9 @@ def block_output_hidden(output: Any) -> torch.Tensor:
         return output
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
-    raise PlanError(f"a block returned {type(output).__name__}; expected the hidden states (or a tuple starting with them)")
+    raise PlanError(
+        f"a block returned {type(output).__name__}; expected the hidden states (or a tuple starting with them)"
+    )
 
 
 def parameter_holders(structure: ModelStructure) -> dict[str, nn.Module]:
@@ -190,9 +194,9 @@ class _Tracer(TorchFunctionMode):
             where, hidden = hidden_states_of(args, kwargs)
             if index > 0 and hidden is not self.previous_output:
                 self.found.append(
-                    f"{name} does not receive the hidden states {self.block_names[index - 1]} returned (the step changes "
-                    "them between the blocks); a pipeline hands each block's output to the next unchanged: move that "
-                    "work into the blocks, or use pp=1"
+                    f"{name} does not receive the hidden states {self.block_names[index - 1]} returned (the step "
+                    "changes them between the blocks); a pipeline hands each block's output to the next unchanged: "
+                    "move that work into the blocks, or use pp=1"
                 )
             for key, value in [*enumerate(args), *kwargs.items()]:
                 if key != where and any(_differentiable(t) for t in tree_flatten(value)[0]):
@@ -238,9 +242,9 @@ class _Tracer(TorchFunctionMode):
                 )
             if {BEFORE, AFTER} <= phases:
                 found.append(
-                    f"{name} runs both before and after the blocks; a pipeline keeps the layers before them on the first "
-                    "stage and those after them on the last: use two modules (they may share a weight, as a tied "
-                    "embedding and head do), or pp=1"
+                    f"{name} runs both before and after the blocks; a pipeline keeps the layers before them on the "
+                    "first stage and those after them on the last: use two modules (they may share a weight, as a "
+                    "tied embedding and head do), or pp=1"
                 )
         for label, phase, owner in dict.fromkeys(self.uses):
             found.append(
@@ -249,10 +253,11 @@ class _Tracer(TorchFunctionMode):
                 "module whose weight is tied to it (an nn.Linear head sharing the embedding's weight)"
             )
         found += self._leaks([t for t in outputs if _differentiable(t)])
-        for name, module in self.holders.items():  # a module and its submodule on different sides of the blocks
-            for child_name in self.holders:
-                if child_name.startswith(f"{name}.") and self._side(name, module) != self._side(child_name, self.holders[child_name]):
-                    found.append(f"{name} and its submodule {child_name} run on different sides of the blocks; use pp=1")
+        sides = self._sides()
+        for name in self.holders:  # a module and its submodule on different sides of the blocks
+            for child in self.holders:
+                if child.startswith(f"{name}.") and sides[name] != sides[child]:
+                    found.append(f"{name} and its submodule {child} run on different sides of the blocks; use pp=1")
         return list(dict.fromkeys(found))
 
     def _leaks(self, outputs: list[torch.Tensor]) -> list[str]:
@@ -292,10 +297,14 @@ class _Tracer(TorchFunctionMode):
                 return BEFORE
         return AFTER
 
+    def _sides(self) -> dict[str, str]:
+        return {name: self._side(name, module) for name, module in self.holders.items()}
+
     def outside_layers(self) -> OutsideLayers:
-        sides = {name: self._side(name, m) for name, m in self.holders.items()}
+        sides = self._sides()
         return OutsideLayers(
-            before=tuple(n for n, s in sides.items() if s == BEFORE), after=tuple(n for n, s in sides.items() if s == AFTER)
+            before=tuple(n for n, s in sides.items() if s == BEFORE),
+            after=tuple(n for n, s in sides.items() if s == AFTER),
         )
 
 

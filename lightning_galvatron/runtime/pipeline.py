@@ -113,7 +113,8 @@ class _FirstStageOnly(nn.Module):
         device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
         to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
         shapes = self._shapes[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
-        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, shapes)
+        zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return tree_map(zeros, shapes)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -144,7 +145,8 @@ class _LastStageOnly(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             raise _AbsentAttribute(
-                f"{self.__dict__.get('_name')} lives on the last pipeline stage only; {name!r} was read on another stage"
+                f"{self.__dict__.get('_name')} lives on the last pipeline stage only; {name!r} was read on another "
+                "stage"
             ) from None
 
 
@@ -167,7 +169,9 @@ def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
 class _BlockCall:
     """What the user's loop calls instead of a block while a chunk runs."""
 
-    def __init__(self, gate: _Gate, block: nn.Module, receive: torch.Tensor | None, hand_over: torch.dtype | None) -> None:
+    def __init__(
+        self, gate: _Gate, block: nn.Module, receive: torch.Tensor | None, hand_over: torch.dtype | None
+    ) -> None:
         self.gate, self.block, self.receive, self.hand_over = gate, block, receive, hand_over
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -233,8 +237,8 @@ class _AbsentBlock:
             return _AbsentBlock(value, self._key, path)
         if isinstance(value, torch.Tensor) or inspect.ismethod(value):
             raise _AbsentAttribute(
-                f"block {self._key} lives on another pipeline stage; its {path!r} is not on this one (its configuration "
-                "can be read, its tensors and methods cannot)"
+                f"block {self._key} lives on another pipeline stage; its {path!r} is not on this one (its "
+                "configuration can be read, its tensors and methods cannot)"
             )
         return value
 
@@ -272,7 +276,12 @@ class StagePartition:
     """
 
     def __init__(
-        self, structure: ModelStructure, plan: ParallelPlan, rank: int, boundary_dtype: torch.dtype, outside: OutsideLayers
+        self,
+        structure: ModelStructure,
+        plan: ParallelPlan,
+        rank: int,
+        boundary_dtype: torch.dtype,
+        outside: OutsideLayers,
     ) -> None:
         if structure.num_blocks != plan.num_layers:
             raise PlanError(f"the plan has {plan.num_layers} layer strategies but the model has {structure.num_blocks} blocks")

@@ -79,7 +79,9 @@ class LitGPTLM(_TokenLM):
         from litgpt import Config
         from litgpt.model import GPT
 
-        config = Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=4, n_head=HEADS, n_embd=HIDDEN)
+        config = Config(
+            block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=4, n_head=HEADS, n_embd=HIDDEN
+        )
         self.net = GPT(config)
         self.net.apply(self.net._init_weights)
 

@@ -25,7 +25,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
@@ -79,10 +85,12 @@ def groups(plan: ParallelPlan, strategy: LayerStrategy, rank: int) -> tuple[tupl
     return tuple(first + position % dp + j * dp for j in range(tp)), tuple(range(start, start + dp))
 
 
-def _split_parameters(style: ParallelStyle, layer: nn.Module) -> set[str]:
+def _split_parameters(style: ParallelStyle, layer: nn.Module) -> set[str] | None:
     """Which of ``layer``'s parameters a style splits over the tensor-parallel group (the others stay whole): what
     each style promises -- a fused projection's bias, a row-wise layer's bias and ``nn.MultiheadAttention``'s
-    fused bias and output bias are kept whole on every rank."""
+    fused bias and output bias are kept whole on every rank. ``None`` for a style this check does not know."""
+    if isinstance(style, (SequenceParallel, PrepareModuleInput)):  # they move activations only
+        return set()
     if isinstance(style, ColwiseParallel):
         names = {"weight", "bias"}
     elif isinstance(style, (RowwiseParallel, RowwiseConv1D)):
@@ -91,18 +99,24 @@ def _split_parameters(style: ParallelStyle, layer: nn.Module) -> set[str]:
         names = {"weight", "bias"} if style.parts == 1 else {"weight"}
     elif isinstance(style, ParallelMultiheadAttention):
         names = {"in_proj_weight", "out_proj.weight"}
-    else:  # sequence parallelism and input preparation move activations only
-        names = set()
+    else:
+        return None
     return {n for n, _ in layer.named_parameters()} & names
 
 
-def _split_by_tensor_parallelism(block: nn.Module, prefix: str, sequence_parallel: bool) -> set[str]:
-    """Names of the parameters the block's tensor-parallel plan splits."""
+def _split_by_tensor_parallelism(block: nn.Module, prefix: str, sequence_parallel: bool) -> tuple[set[str], set[str]]:
+    """Names of the parameters the block's tensor-parallel plan splits, and of those under styles this check
+    does not know (their split is taken as found; its group is still checked)."""
     plan = tensor_parallel_plan(block)
-    styles = plan.styles(sequence_parallel) if plan is not None else {}
-    return {
-        f"{prefix}.{path}.{name}" for path, style in styles.items() for name in _split_parameters(style, block.get_submodule(path))
-    }
+    split, unknown = set(), set()
+    for path, style in (plan.styles(sequence_parallel) if plan is not None else {}).items():
+        layer = block.get_submodule(path)
+        names = _split_parameters(style, layer)
+        if names is None:
+            unknown |= {f"{prefix}.{path}.{n}" for n, _ in layer.named_parameters()}
+        else:
+            split |= {f"{prefix}.{path}.{n}" for n in names}
+    return split, unknown
 
 
 def assert_plan_applied(strategy: Any, reference: Callable[[], nn.Module]) -> None:
@@ -126,56 +140,62 @@ def assert_plan_applied(strategy: Any, reference: Callable[[], nn.Module]) -> No
         if not condition:
             errors.append(message)
 
-    def check_parameter(name: str, rank: int, strategy_: LayerStrategy, split: bool) -> None:
+    def check_parameter(name: str, rank: int, layer: LayerStrategy, split: bool | None) -> None:
         d = described[rank]["params"][name]
-        tp_group, dp_group = groups(plan, strategy_, rank)
-        ulysses = strategy_.sp == "ulysses"
+        split = "tp" in d["sharded"] if split is None else split
+        tp_group, dp_group = groups(plan, layer, rank)
+        ulysses = layer.sp == "ulysses"
         gradient_group = tuple(range(rank // n * n, rank // n * n + n)) if ulysses else dp_group
         expected = {}
         if split and not ulysses and len(tp_group) > 1:
             expected["tp"] = tp_group
-        if strategy_.dp_type != "ddp" and len(gradient_group) > 1:
+        if layer.dp_type != "ddp" and len(gradient_group) > 1:
             expected["dp"] = gradient_group
         actual = {dim: ranks for dim, ranks in d["sharded"].items() if len(ranks) > 1}
-        expect(d["shape"] == shapes[name], f"rank {rank} {name}: global shape {d['shape']}, the model's is {shapes[name]}")
-        expect(actual == expected, f"rank {rank} {name}: sharded over {actual}, the plan says {expected}")
+        where = f"rank {rank} {name}"
+        expect(d["shape"] == shapes[name], f"{where}: global shape {d['shape']}, the model's is {shapes[name]}")
+        expect(actual == expected, f"{where}: sharded over {actual}, the plan says {expected}")
         for dim, ranks in d["replicated"].items():
-            expect(dim != "tp" or ranks == tp_group, f"rank {rank} {name}: replicated over tp ranks {ranks}, not {tp_group}")
-        ddp = gradient_group if strategy_.dp_type == "ddp" and len(gradient_group) > 1 else None
-        expect(d["ddp"] == ddp, f"rank {rank} {name}: DDP gradients summed over {d['ddp']}, the plan says {ddp}")
+            expect(dim != "tp" or ranks == tp_group, f"{where}: replicated over tp ranks {ranks}, not {tp_group}")
+        ddp = gradient_group if layer.dp_type == "ddp" and len(gradient_group) > 1 else None
+        expect(d["ddp"] == ddp, f"{where}: DDP gradients summed over {d['ddp']}, the plan says {ddp}")
         holders = set(expected.get("tp", (rank,))) | set(expected.get("dp", (rank,)))
         if "tp" in expected and "dp" in expected:  # a 2-D shard: one copy over the tp x dp grid
-            holders = {r for t in expected["tp"] for r in groups(plan, strategy_, t)[1]}
+            holders = {r for t in expected["tp"] for r in groups(plan, layer, t)[1]}
         total = sum(described[r]["params"][name]["local_numel"] for r in holders)
         numel = _numel(shapes[name])
-        expect(total == numel, f"{name}: the shards on ranks {sorted(holders)} hold {total} elements, the tensor {numel}")
+        expect(total == numel, f"{name}: the shards on ranks {sorted(holders)} hold {total} elements, not {numel}")
 
     # Blocks: on the ranks of their stage only, split and synchronised as their strategies say.
     in_blocks = set()
     for index, (block_name, block) in enumerate(zip(structure.block_names, structure.blocks)):
-        strategy_ = plan.layers[index]
+        layer = plan.layers[index]
         stage = stage_of_block[index]
-        split = _split_by_tensor_parallelism(block, block_name, strategy_.sp == "megatron") if strategy_.tp > 1 else set()
+        split, unknown = set(), set()
+        if layer.tp > 1:
+            split, unknown = _split_by_tensor_parallelism(block, block_name, layer.sp == "megatron")
         names = [f"{block_name}.{n}" for n, _ in block.named_parameters()]
         in_blocks.update(names)
         for rank in range(plan.world_size):
             held = block_name in described[rank]["blocks"]
-            expect(held == (rank // n == stage), f"rank {rank} {'holds' if held else 'lacks'} {block_name} (stage {stage})")
+            verb = "holds" if held else "lacks"
+            expect(held == (rank // n == stage), f"rank {rank} {verb} {block_name} of stage {stage}")
             if not held:
                 continue
             b = described[rank]["blocks"][block_name]
-            expect(b["recompute"] == strategy_.recompute, f"rank {rank} {block_name}: recompute {b['recompute']}")
-            ulysses = groups(plan, strategy_, rank)[0] if strategy_.sp == "ulysses" else None
-            expect(b["ulysses"] == ulysses, f"rank {rank} {block_name}: Ulysses group {b['ulysses']}, the plan says {ulysses}")
+            where = f"rank {rank} {block_name}"
+            expect(b["recompute"] == layer.recompute, f"{where}: recompute {b['recompute']}")
+            ulysses = groups(plan, layer, rank)[0] if layer.sp == "ulysses" else None
+            expect(b["ulysses"] == ulysses, f"{where}: Ulysses group {b['ulysses']}, the plan says {ulysses}")
             for name in names:
-                check_parameter(name, rank, strategy_, name in split)
+                check_parameter(name, rank, layer, None if name in unknown else name in split)
 
     # The layers outside the blocks: on at least one rank (pipelines: the end stages), as the vocab strategy says.
     vocabulary = find_vocabulary_layers(structure) if plan.vocab.tp > 1 else None
     split_tensors = []  # the embedding's rows, the head's output rows (weight and bias)
     if vocabulary is not None:
         for layer in (vocabulary.embedding, vocabulary.head):
-            split_tensors += [p for p in (getattr(layer, "weight", None), getattr(layer, "bias", None)) if p is not None]
+            split_tensors += [getattr(layer, n) for n in ("weight", "bias") if getattr(layer, n, None) is not None]
     split = {n for n, p in model.named_parameters(remove_duplicate=False) if any(p is t for t in split_tensors)}
     for name in shapes.keys() - in_blocks:
         holders = [r for r in range(plan.world_size) if name in described[r]["params"]]
