@@ -50,6 +50,7 @@ from torch.optim import Optimizer
 
 from lightning_galvatron import _registry
 from lightning_galvatron.autoplan import SearchSettings, optimizer_kind, plan_automatically
+from lightning_galvatron.checkpoint import load_checkpoint
 from lightning_galvatron.data import loader_batch_size, rebatch, shard_batch_size
 from lightning_galvatron.display import plan_table, render
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
@@ -190,6 +191,12 @@ class GalvatronStrategy(ModelParallelStrategy):
             self.plan = self._load_plan()
             rank_zero_info(render(plan_table(self.plan, self.structure.block_names)))
         check_runtime_support(self.plan, self.structure)
+        if self.plan.pp > 1 and not self._save_distributed_checkpoint:
+            raise PlanError(
+                f"save_distributed_checkpoint=False gathers the model on rank 0, which holds only pipeline stage 0 of "
+                f"this pp={self.plan.pp} plan: use sharded checkpoints (the default; `lightning-galvatron consolidate` "
+                "makes one file of them) or a plan with pp=1"
+            )
         if self._save_plan:
             directory = _output_dir(trainer)  # collective (Lightning broadcasts the log directory)
             if self.global_rank == 0:
@@ -395,6 +402,15 @@ class GalvatronStrategy(ModelParallelStrategy):
         if self.plan is not None:
             checkpoint["galvatron"] = {"plan": self.plan.to_dict()}
         super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # Lightning's loader needs a DTensor parameter (a plan of plain DDP blocks has none) and restores the
+        # optimizer's hyper-parameters only where the saving rank held the same parameters; ours loads any plan.
+        assert self.model is not None and self.lightning_module is not None
+        path = Path(self.broadcast(checkpoint_path))  # every rank loads what rank 0 was given
+        return load_checkpoint(
+            path, self.model, self.optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only
+        )
 
     # ------------------------------------------------------------------ helpers
     def _require_plan(self) -> ParallelPlan:
