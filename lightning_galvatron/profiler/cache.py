@@ -151,13 +151,13 @@ class ProfileCache:
             )
             return None
         if fingerprint is not None and profile.fingerprint != fingerprint:
-            stored = profile.fingerprint or {}
-            differ = sorted(k for k in {*fingerprint, *stored} if stored.get(k) != fingerprint.get(k))
-            warnings.warn(
-                f"ignoring the cached profile {path}: it was measured on another model or cluster (its fingerprint "
-                f"differs in {', '.join(differ)}); profiling again and overwriting it",
-                stacklevel=2,
-            )
+            stored = profile.fingerprint
+            if stored is None:
+                reason = "it does not say what it was measured on (no fingerprint)"
+            else:
+                differ = sorted(k for k in {*fingerprint, *stored} if stored.get(k) != fingerprint.get(k))
+                reason = f"it was measured on another model or cluster (its fingerprint differs in {', '.join(differ)})"
+            warnings.warn(f"ignoring the cached profile {path}: {reason}; profiling again and overwriting it", stacklevel=2)
             return None
         return profile
 

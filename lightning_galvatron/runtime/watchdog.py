@@ -113,13 +113,15 @@ class RankMonitor:
 
     _generation = 0  # monitors made in this process so far: the same on every rank, so it names the run
 
-    def __init__(self, rank: int, world_size: int, settings: WatchdogSettings, store: Any) -> None:
+    def __init__(self, rank: int, world_size: int, settings: WatchdogSettings, store: Any, run: int | None = None) -> None:
+        """``run`` names the job's run in the store (default: how many monitors this process has made, which every
+        rank counts alike)."""
         RankMonitor._generation += 1
         self.rank, self.world_size, self.settings = rank, world_size, settings
         self._store = store
         self._store_lock = threading.Lock()
         self._store_gone: Exception | None = None
-        self._prefix = f"{_PREFIX}/{RankMonitor._generation}"
+        self._prefix = f"{_PREFIX}/{RankMonitor._generation if run is None else run}"
         self._host = socket.gethostname()
         self._progress = 0
         self._where = "setting up"
@@ -346,7 +348,10 @@ class RankMonitor:
                 continue
             record = seen.record
             allowed = max(limit, record.limit_s if record is not None else 0.0)
-            if record is None or record.state == "running":
+            if record is None:  # never started its monitor
+                if now - seen.beat_changed > allowed:
+                    missing.add(r)
+            elif record.state == "running":
                 if now - seen.beat_changed > allowed:
                     missing.add(r)
                 elif record.progress < lead and now - seen.progress_changed > allowed:
