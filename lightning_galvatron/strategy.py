@@ -1,8 +1,11 @@
 """``GalvatronStrategy``: the Lightning glue. Read it as "what happens at which Lightning hook".
 
-- ``_configure_launcher`` (main process, before any worker starts): check the precision and
-  install the plugin that clips by the global norm across meshes.
-- ``setup_environment`` (every worker): initialise the process group; meshes are made lazily.
+- ``__init__``: check every argument (:mod:`lightning_galvatron.arguments`), before anything is launched.
+- ``_configure_launcher`` (main process, before any worker starts): check the precision, the plan's
+  world size and the memory budget against the devices, and install the plugin that clips by the
+  global norm across meshes.
+- ``setup_environment`` (every worker): initialise the process group and start the rank monitor
+  (:mod:`lightning_galvatron.runtime.watchdog`); meshes are made lazily.
 - ``setup``: find the model's blocks, get the plan (given, or with ``plan="auto"`` profiled and
   searched by :mod:`lightning_galvatron.autoplan`), broadcast rank 0's weights, apply the plan (the
   runtime does the work), create the optimizers.
@@ -15,8 +18,10 @@
   the gradients between the step and its backward. Logs are recorded per micro-batch, handed from
   the last stage to all ranks and replayed (:mod:`lightning_galvatron.step_logs`).
 - ``backward``: scale the loss to the global-batch mean (gradients are summed over dp groups).
-- ``save_checkpoint`` / ``load_checkpoint``: sharded DCP checkpoints (from ``ModelParallelStrategy``),
-  with the plan recorded in the metadata.
+- ``training_step`` / ``optimizer_step``: also tell the rank monitor where this rank is (an assignment).
+- ``save_checkpoint`` / ``load_checkpoint``: sharded DCP checkpoints (saved by ``ModelParallelStrategy``,
+  with the plan recorded in the metadata; loaded by :mod:`lightning_galvatron.checkpoint` into any plan).
+- ``on_exception`` / ``teardown``: one rank prints the error (or names the rank that died); stop the monitor.
 
 No parallelism maths lives here: plans in :mod:`lightning_galvatron.plan`, execution in
 :mod:`lightning_galvatron.runtime`.

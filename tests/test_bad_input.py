@@ -150,8 +150,8 @@ def test_checkpoint_directories_a_killed_save_leaves_are_named(tmp_path):
     interrupted.mkdir()
     (interrupted / "__0_0.distcp").write_bytes(b"partial")
     for path, message in [
-        (interrupted, r"checkpoint directory '.*step=32\.ckpt' is incomplete: it holds 1 shard file\(s\) but has no "
-                      r"\.metadata file, which DCP writes last -- the save that wrote it was interrupted"),
+        (interrupted, (r"checkpoint directory '.*step=32\.ckpt' is incomplete: it holds 1 shard file\(s\) but has no "
+                       r"\.metadata file, which DCP writes last -- the save that wrote it was interrupted")),
         (tmp_path / "nowhere.ckpt", r"checkpoint '.*nowhere\.ckpt' does not exist"),
     ]:
         with pytest.raises(CheckpointError, match=message):
@@ -195,8 +195,8 @@ def test_cli_evaluate_names_the_file_and_the_option(capsys, tmp_path):
     for argv, message in [
         (["--plan", files["list.json"]], r"plan file '.*list\.json' must hold a JSON object"),
         (["--plan", str(tmp_path / "six.json"), "--global-batch-size", "8"],
-         r"plan file '.*six\.json' \(evaluated on the profile '.*'\): the plan has 6 layer strategies but the profiled "
-         r"model has 32 blocks"),
+         (r"plan file '.*six\.json' \(evaluated on the profile '.*'\): the plan has 6 layer strategies but the "
+          r"profiled model has 32 blocks")),
         (["--plan", str(tmp_path / "no_batch.json")],
          r"plan file '.*no_batch\.json' .*: it does not fix its global batch size: pass --global-batch-size"),
     ]:

@@ -365,10 +365,13 @@ class RankMonitor:
         running = [s.record for s in self._seen if s.record is not None and s.record.state == "running"]
         in_one_step = len(running) == self.world_size and all(r.in_step and r.progress == lead for r in running)
         if in_one_step and waited > limit:
-            return (
+            report = (
                 f"Galvatron watchdog: no rank has finished {self._where} in {limit:.0f} s ({reason}); every rank is "
                 "inside it, waiting for the others: a collective that not every rank calls, or a rank stuck in its "
-                "own computation. Ending the job.",
+                "own computation. Ending the job."
+            )
+            return (
+                report,
                 set(),
             )
         return None
@@ -408,12 +411,12 @@ class RankMonitor:
         state = "is gone" if self._store_gone is not None else f"has not answered for {limit:.0f} s ({reason})"
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts it, not rank 0
         host = "torchrun's agent on the first node" if agent else "rank 0's process"
-        return (
+        report = (
             f"Galvatron watchdog: the job's rendezvous store ({os.environ.get('MASTER_ADDR')}:"
             f"{os.environ.get('MASTER_PORT')}) {state} ({_one_line(err)}): {host}, which hosts it, is stopped or "
-            "gone. Ending the job.",
-            {0} if self.rank != 0 and not agent else set(),
+            "gone. Ending the job."
         )
+        return report, {0} if self.rank != 0 and not agent else set()
 
     def _end(self, report: str, at_fault: set[int]) -> None:
         """Print (the lowest rank not at fault; every rank in debug mode), kill the stuck ranks on this host, exit."""
