@@ -46,6 +46,11 @@ def check_sharded_checkpoint(path: str | os.PathLike) -> Any:
         raise CheckpointError(f"checkpoint {str(path)!r} is a file, not a sharded (DCP) checkpoint directory")
     if not (path / DCP_INDEX_FILE).is_file():
         shards = sorted(p.name for p in path.glob("*.distcp"))
+        if not shards and not (path / METADATA_FILE).is_file():
+            raise CheckpointError(
+                f"{str(path)!r} is not a sharded (DCP) checkpoint directory: it has no {DCP_INDEX_FILE}, no shard files "
+                f"and no {METADATA_FILE}"
+            )
         found = f"it holds {len(shards)} shard file(s) but" if shards else "it"
         raise CheckpointError(
             f"checkpoint directory {str(path)!r} is incomplete: {found} has no {DCP_INDEX_FILE} file, which DCP writes "

@@ -158,6 +158,9 @@ def test_checkpoint_directories_a_killed_save_leaves_are_named(tmp_path):
             load_checkpoint(path, model)
         with pytest.raises(CheckpointError, match=message):
             consolidate(path, tmp_path / "model.pt")
+    with pytest.raises(CheckpointError, match=r"'.*' is not a sharded \(DCP\) checkpoint directory: it has no "
+                                              r"\.metadata, no shard files and no meta\.pt"):
+        load_checkpoint(tmp_path, model)  # a directory, but no checkpoint
     (interrupted / ".metadata").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=r"cannot read '.*step=32\.ckpt/\.metadata'"):
         load_checkpoint(interrupted, model)
