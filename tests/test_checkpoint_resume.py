@@ -29,8 +29,9 @@ from tests.helpers.training import (
     assert_parameters_moved_alike,
     gather_full_state,
     rounding_noise_gradients,
+    run_distributed,
 )
-from tests.test_parity_data_parallel import FP32_TOL
+from tests.test_parity_data_parallel import FP32_TOL, MIXED_DP_PLAN
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -149,3 +150,25 @@ def test_resume_into_the_automatic_plan_on_one_device(pools, tmp_path):
     cache, checkpoint = str(tmp_path / "cache"), str(tmp_path / "ddp2.ckpt")
     pools(2).run(_fit, ParallelPlan.uniform(2, 4, S()), cache, train_samples=64, max_epochs=1, save_path=checkpoint)
     pools(1).run(_fit, "auto", cache, train_samples=64, max_epochs=2, ckpt_path=checkpoint)
+
+
+def test_full_checkpoint_files_resume_into_plans_without_a_pipeline(pools, tmp_path):
+    """``save_distributed_checkpoint=False``: one file on rank 0, resumed by parameter name into another plan; a
+    pipeline stage cannot place its position-keyed optimizer states, and saving one under a pipeline would keep only
+    stage 0, so both are refused with the reason."""
+    epochs, checkpoint = dict(max_steps=-1, num_samples=16), str(tmp_path / "full.ckpt")
+    ddp = ParallelPlan.uniform(4, 4, S())
+    uninterrupted = pools(4).run(run_distributed, ddp, max_epochs=2, **epochs)[0]
+    full = dict(save_distributed_checkpoint=False)
+    first = pools(4).run(run_distributed, ddp, max_epochs=1, save_path=checkpoint, strategy_kwargs=full, **epochs)[0]
+    assert Path(checkpoint).is_file()
+    resumed = pools(4).run(run_distributed, MIXED_DP_PLAN, max_epochs=2, ckpt_path=checkpoint, **epochs)[0]
+    torch.testing.assert_close(
+        torch.tensor(first.losses + resumed.losses), torch.tensor(uninterrupted.losses), atol=1e-5, rtol=0
+    )
+    with pytest.raises(AssertionError, match=r"CheckpointError: '.*full\.ckpt' is a full checkpoint file .*; resume it "
+                                             r"with a plan without pipeline stages \(pp=1\)"):
+        pools(4).run(run_distributed, DDP_PIPELINE, max_epochs=2, ckpt_path=checkpoint, **epochs)
+    with pytest.raises(AssertionError, match=r"PlanError: save_distributed_checkpoint=False gathers the model on rank 0, "
+                                             r"which holds only pipeline stage 0 of this pp=2 plan"):
+        pools(4).run(run_distributed, DDP_PIPELINE, max_epochs=1, strategy_kwargs=full, **epochs)
