@@ -27,7 +27,7 @@ The layout of a group is described by ``ranks_per_node``: how many of its ranks 
 
 Shape of the JSON (version 1; every key is a field of the dataclass of the same name)::
 
-    {"format": "lightning_galvatron.profile", "version": 1, "source": "...",
+    {"format": "lightning_galvatron.profile", "version": 1, "source": "...", "fingerprint": {...} (optional),
      "model": {"name": "llama2-7b", "hidden_size": 4096, "seq_length": 2048, "activation_dtype_bytes": 2,
                "layer_types": [{"name": "decoder", "parameters": 202383360, "hidden_size": 4096,
                                 "num_heads": 32, "ffn_hidden_size": 11008, "seq_length": 2048,
@@ -59,6 +59,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lightning_galvatron.jsonfile import read_json_object
 
 PROFILE_FORMAT = "lightning_galvatron.profile"
 PROFILE_VERSION = 1
@@ -560,15 +562,19 @@ class Profile:
     model: ModelProfile
     hardware: HardwareProfile
     source: str = ""
+    fingerprint: Mapping[str, Any] | None = None  # what it was measured on (profiler.cache.fingerprint); optional
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": PROFILE_FORMAT,
             "version": PROFILE_VERSION,
             "source": self.source,
             "model": self.model.to_dict(),
             "hardware": self.hardware.to_dict(),
         }
+        if self.fingerprint is not None:
+            out["fingerprint"] = dict(self.fingerprint)
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> Profile:
@@ -586,16 +592,22 @@ class Profile:
             raise ProfileError(
                 f"profile format version {version} is newer than this lightning_galvatron understands ({PROFILE_VERSION}); upgrade the package"
             )
-        unknown = set(data) - {"format", "version", "source", "model", "hardware"}
+        unknown = set(data) - {"format", "version", "source", "model", "hardware", "fingerprint"}
         if unknown:
-            raise ProfileError(f"unknown profile keys {sorted(unknown)}; known: format, version, source, model, hardware")
+            raise ProfileError(
+                f"unknown profile keys {sorted(unknown)}; known: format, version, source, model, hardware, fingerprint"
+            )
         for key in ("model", "hardware"):
             if key not in data:
                 raise ProfileError(f"the profile lacks its {key!r} section")
+        fingerprint = data.get("fingerprint")
+        if fingerprint is not None and not isinstance(fingerprint, Mapping):
+            raise ProfileError(f"the profile's fingerprint must be a JSON object, got {type(fingerprint).__name__}")
         return cls(
             model=ModelProfile.from_dict(data["model"]),
             hardware=HardwareProfile.from_dict(data["hardware"]),
             source=str(data.get("source", "")),
+            fingerprint=None if fingerprint is None else dict(fingerprint),
         )
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -613,14 +625,11 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Profile:
+        data = read_json_object(path, "profile file", ProfileError)
         try:
-            text = Path(path).read_text()
-        except FileNotFoundError:
-            raise ProfileError(f"profile file {str(path)!r} does not exist") from None
-        try:
-            return cls.from_json(text)
+            return cls.from_dict(data)
         except ProfileError as err:
-            raise ProfileError(f"{path}: {err}") from None
+            raise ProfileError(f"profile file {str(path)!r}: {err}") from None
 
     def with_num_blocks(self, num_blocks: int) -> Profile:
         return dataclasses.replace(self, model=self.model.with_num_blocks(num_blocks))

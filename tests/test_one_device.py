@@ -1,5 +1,6 @@
 """One device (issue 12, symptom 5): ``plan="auto"`` plans without a hardware profile, explicit plans for another
-world size are refused, and fit, validate, test, predict and checkpoints work as on one process.
+world size are refused, and fit, validate, test and predict work as on one process (checkpoints on one device:
+tests/test_checkpoint_resume.py).
 
 Lightning's ``ModelParallelStrategy`` (which ``GalvatronStrategy`` extends) creates a process group of
 one rank for ``devices=1``; these tests run in a forked worker of a one-rank pool, so the test process
@@ -28,9 +29,7 @@ from lightning_galvatron.search import evaluate, search
 from tests.helpers.pipeline_models import lm_head_first_gpt
 from tests.helpers.training import (
     assert_close_runs,
-    assert_parameters_moved_alike,
     dataset,
-    rounding_noise_gradients,
     run_distributed,
     run_single,
 )
@@ -94,27 +93,6 @@ def test_auto_plan_on_one_device_saves_memory_and_matches_one_process(pools, tmp
     assert out["result"].val_loss == pytest.approx(expected.val_loss, abs=1e-5)
     assert out["result"].test_loss == pytest.approx(expected.test_loss, abs=1e-5)
     torch.testing.assert_close(out["result"].predictions, expected.predictions, atol=1e-5, rtol=0)
-
-
-ONE_DEVICE = ParallelPlan(world_size=1, layers=(S(recompute=True), S(), S(recompute=True), S()), micro_batches=2)
-
-
-@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "one_file"])
-def test_checkpoint_on_one_device_resumes_exactly(pools, tmp_path, sharded):
-    """Lightning's ModelParallelStrategy loads only models with DTensor parameters; one device has none."""
-    epochs = dict(max_steps=-1, num_samples=16, strategy_kwargs=dict(save_distributed_checkpoint=sharded))
-    uninterrupted = run_single(max_epochs=2, max_steps=-1, num_samples=16)
-    checkpoint = str(tmp_path / "epoch1.ckpt")
-    first = pools(1).run(run_distributed, ONE_DEVICE, max_epochs=1, save_path=checkpoint, **epochs)[0]
-    assert Path(checkpoint).is_dir() == sharded
-    resumed = pools(1).run(run_distributed, ONE_DEVICE, max_epochs=2, ckpt_path=checkpoint, **epochs)[0]
-    torch.testing.assert_close(
-        torch.tensor(first.losses + resumed.losses), torch.tensor(uninterrupted.losses), atol=1e-5, rtol=0
-    )
-    assert_parameters_moved_alike(
-        resumed.state, uninterrupted.state, uninterrupted.initial, FP32_TOL["param_rtol"], FP32_TOL["param_mean_rtol"],
-        skip=rounding_noise_gradients(uninterrupted.grads),
-    )
 
 
 def test_plan_for_another_world_size_names_both_sizes(pools):
