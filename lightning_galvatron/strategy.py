@@ -267,6 +267,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         """Pipelines: which layers outside the blocks the step runs before them and which after, observed once on
         a real batch (registration order does not tell); the same answer, or the same error, on every rank."""
         assert self.structure is not None
+        self._progress("setup: tracing the step for the pipeline")
         step = _STEP_OF[trainer.state.fn]
         batch = _example_batch(_first_dataloader(trainer))
         return agree_across_ranks(
