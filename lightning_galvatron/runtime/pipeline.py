@@ -87,8 +87,26 @@ class _AbsentAttribute(PipelineUsageError, AttributeError):
     ``hasattr`` still answers ``False``)."""
 
 
-class _FirstStageOnly(nn.Module):
-    """Parameter-free stand-in for a layer before the blocks, on stages that discard its output.
+class _StandIn(nn.Module):
+    """A parameter-free module in the place of a layer that lives on another stage (``home``)."""
+
+    def __init__(self, name: str, stage: int, home: str) -> None:
+        super().__init__()
+        self._name, self._stage, self._home = name, stage, home
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            own = self.__dict__
+            raise _AbsentAttribute(
+                f"{own.get('_name')} lives on the {own.get('_home')} pipeline stage only; {name!r} was read on stage "
+                f"{own.get('_stage')}"
+            ) from None
+
+
+class _FirstStageOnly(_StandIn):
+    """Stand-in for a layer before the blocks, on stages that discard its output.
 
     It returns zeros of the shape and dtype the real layer would return (computed by a copy of the
     layer on the meta device, which holds no memory), and refuses to run after the blocks started:
@@ -96,8 +114,8 @@ class _FirstStageOnly(nn.Module):
     """
 
     def __init__(self, original: nn.Module, name: str, stage: int, gate: _Gate) -> None:
-        super().__init__()
-        self._name, self._stage, self._gate = name, stage, gate
+        super().__init__(name, stage, "first")
+        self._gate = gate
         meta = {id(t): _on_meta(t) for t in (*original.parameters(), *original.buffers())}
         self._shapes = [copy.deepcopy(original, meta)]  # a list: not registered (no parameters, no state)
 
@@ -116,38 +134,19 @@ class _FirstStageOnly(nn.Module):
         zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return tree_map(zeros, shapes)
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            raise _AbsentAttribute(
-                f"{self.__dict__.get('_name')} lives on the first pipeline stage only; {name!r} was read on stage "
-                f"{self.__dict__.get('_stage')}"
-            ) from None
 
-
-class _LastStageOnly(nn.Module):
+class _LastStageOnly(_StandIn):
     """Stand-in for a layer after the blocks on stages that never reach it."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self._name = name
+    def __init__(self, name: str, stage: int) -> None:
+        super().__init__(name, stage, "last")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineUsageError(
             f"{self._name} runs after the Transformer blocks (as traced on the step before training), so with pipeline "
-            "parallelism it lives on the last stage only; it was called on another stage (does this step use it "
-            "before the blocks?)"
+            f"parallelism it lives on the last stage only; it was called on stage {self._stage} (does this step use "
+            "it before the blocks?)"
         )
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            raise _AbsentAttribute(
-                f"{self.__dict__.get('_name')} lives on the last pipeline stage only; {name!r} was read on another "
-                "stage"
-            ) from None
 
 
 def _on_meta(t: torch.Tensor) -> torch.Tensor:
@@ -334,7 +333,7 @@ class StagePartition:
                 _replace(structure.root, name, _FirstStageOnly(holders[name], name, self.stage, self.gate))
         if not self.is_last:
             for name in _outermost(outside.after):
-                _replace(structure.root, name, _LastStageOnly(name))
+                _replace(structure.root, name, _LastStageOnly(name, self.stage))
 
     @property
     def has_tied_weights(self) -> bool:
