@@ -98,7 +98,8 @@ def test_a_stopped_rank_ends_the_job_with_its_name(tmp_path):
     assert f"Galvatron watchdog: no progress for {STEP_TIMEOUT_S:.0f} s (watchdog step_timeout_s)." in text, text[-3000:]
     assert "rank 1: missing -- no heartbeat (stopped, or hung without releasing Python); last seen in training step" in text
     assert f"(pid {pids[1]} on " in text
-    assert "rank 0: waiting in training step" in text and "Ending the job." in text
+    # Rank 0 waits for rank 1 in the step's collectives, or right after its step if rank 1 stopped between steps.
+    assert re.search(r"rank 0: waiting in (after )?training step", text) and "Ending the job." in text, text[-3000:]
     assert text.count("Galvatron watchdog:") == 1 and "Traceback" not in text
 
 
