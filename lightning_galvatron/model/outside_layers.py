@@ -113,7 +113,7 @@ def trace_outside_layers(module: nn.Module, structure: ModelStructure, step: str
                 f"training, to see which layers run before and after the blocks; it failed: {type(error).__name__}: "
                 f"{error}"
             ) from error
-        problems = tracer.problems(outputs=[*tree_flatten(out)[0], *logged])
+    problems = tracer.problems(outputs=[*tree_flatten(out)[0], *logged])  # autograd's graph outlives the hooks
     if problems:
         raise PlanError(_message(problems))
     return tracer.outside_layers()
