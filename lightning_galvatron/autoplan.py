@@ -145,7 +145,11 @@ def plan_automatically(
     settings: SearchSettings,
     optimizer: str = "adamw",
 ) -> AutoPlan:
-    """Profile (all ranks), search (rank 0), broadcast. Raises the same :class:`PlanError` on every rank."""
+    """Profile (all ranks), search (rank 0), broadcast. Raises the same :class:`PlanError` on every rank.
+
+    On one device nothing communicates: the hardware profile holds only the device's memory, and the search
+    chooses recomputation and micro-batches (gradient accumulation inside the step) to fit the budget.
+    """
     from lightning_galvatron.profiler import profile
     from lightning_galvatron.search import search
     from lightning_galvatron.search.report import describe_search
@@ -184,9 +188,11 @@ def plan_automatically(
                 search_batch_size=settings.search_batch_size,
                 max_global_batch_size=settings.max_global_batch_size,
                 calibration=settings.calibration,
+                baselines=world_size > 1,  # on one device every uniform plan is the same
             )
+            devices = f"{world_size} device{'s' if world_size > 1 else ''}"
             title = (
-                f"Galvatron plan for {world_size} devices, {format_bytes(budget)} per device, "
+                f"Galvatron plan for {devices}, {format_bytes(budget)} per device, "
                 f"global batch {result.global_batch_size}"
             )
             outcome = (result.plan.to_dict(), describe_search(result, title), None)

@@ -315,10 +315,7 @@ class ParallelPlan:
             raise PlanError("a plan needs 'layers': one strategy per Transformer block")
         kwargs = {k: v for k, v in data.items() if k not in ("format", "version", "layers", "vocab")}
         if world_size is not None and kwargs.get("world_size", world_size) != world_size:
-            raise PlanError(
-                f"the plan is for world_size={kwargs['world_size']} but {world_size} devices are running; "
-                "search a new plan or launch with the plan's world size"
-            )
+            raise world_size_mismatch(kwargs["world_size"], world_size)
         kwargs.setdefault("world_size", world_size)
         if kwargs["world_size"] is None:
             raise PlanError("the plan does not say its world_size")
@@ -467,11 +464,16 @@ def load_plan(source: ParallelPlan | Mapping[str, Any] | str | os.PathLike, worl
     else:
         raise PlanError(f"plan must be a ParallelPlan, a dict or a path to a JSON file, got {type(source).__name__}")
     if world_size is not None and plan.world_size != world_size:
-        raise PlanError(
-            f"the plan is for world_size={plan.world_size} but {world_size} devices are running; "
-            "search a new plan or launch with the plan's world size"
-        )
+        raise world_size_mismatch(plan.world_size, world_size)
     return plan
+
+
+def world_size_mismatch(planned: int, running: int) -> PlanError:
+    return PlanError(
+        f"the plan is for world_size={planned} but {running} device{'s are' if running > 1 else ' is'} running; "
+        f"launch with {planned} devices, or use plan='auto' (or `lightning-galvatron search --world-size {running}`) "
+        f"for a plan for {running}"
+    )
 
 
 def check_plan_source(source: ParallelPlan | Mapping[str, Any] | str | os.PathLike) -> None:

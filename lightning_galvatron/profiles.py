@@ -457,7 +457,7 @@ class HardwareProfile:
         devices_per_node: devices that share a node (and its fast interconnect).
         overlap_coefficient: slowdown ``alpha >= 1`` when computation and communication overlap:
             overlapped time is ``max(x, y) + (alpha - 1) * min(x, y)``.
-        collectives: the measured :class:`CollectiveFit` entries.
+        collectives: the measured :class:`CollectiveFit` entries; none for one device (nothing communicates).
         device_memory_bytes: memory of one device, if known (the budget is given separately).
         memory_overhead_bytes: fixed memory per device the model does not account for (CUDA
             context, allocator caches, communication buffers).
@@ -475,7 +475,7 @@ class HardwareProfile:
         _positive_int("hardware.devices_per_node", self.devices_per_node)
         if not (self.overlap_coefficient >= 1.0 and math.isfinite(self.overlap_coefficient)):
             raise ProfileError(f"hardware.overlap_coefficient must be >= 1, got {self.overlap_coefficient!r}")
-        if not any(c.kind == "all_reduce" for c in self.collectives):
+        if self.collectives and not any(c.kind == "all_reduce" for c in self.collectives):
             raise ProfileError("hardware.collectives needs at least one all_reduce entry (the fallback for the others)")
         keys = [(c.kind, c.group_size, c.ranks_per_node) for c in self.collectives]
         duplicates = sorted({k for k in keys if keys.count(k) > 1})
@@ -546,6 +546,11 @@ def lookup_collective(entries: Iterable[CollectiveFit], kind: str, group_size: i
             return (dg, dk) if intra else (dk, dg)
 
         return min(side, key=distance)
+    if not entries:
+        raise ProfileError(
+            f"the hardware profile measured no collectives (it was made on one device), so it cannot price {kind} over "
+            f"{group_size} devices; profile the hardware on the cluster the plan is for"
+        )
     raise ProfileError(f"the hardware profile has no {kind} or all_reduce measurement")
 
 

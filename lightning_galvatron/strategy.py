@@ -62,18 +62,25 @@ from lightning_galvatron.data import loader_batch_size, rebatch, shard_batch_siz
 from lightning_galvatron.display import plan_table, render
 from lightning_galvatron.errors import leave_to_reporting_rank
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
+from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
 from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
 from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
 from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_flag, precision_plugin_for
 from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan, check_runtime_support, input_shard
 from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.runtime.pipeline import PipelineRunner, join_micro_batches, loss_of
-from lightning_galvatron.runtime.sync import broadcast_module_states
+from lightning_galvatron.runtime.sync import agree_across_ranks, broadcast_module_states
 from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 from lightning_galvatron.runtime.watchdog import RankMonitor, WatchdogSettings
 from lightning_galvatron.step_logs import recording_logs, replay_logs
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+_STEP_OF = {
+    TrainerFn.FITTING: "training_step",
+    TrainerFn.VALIDATING: "validation_step",
+    TrainerFn.TESTING: "test_step",
+    TrainerFn.PREDICTING: "predict_step",
+}
 
 
 class GalvatronStrategy(ModelParallelStrategy):
@@ -221,6 +228,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         check_runtime_support(self.plan, self.structure)  # before the plan is printed or applied
         if self._plan_source != "auto":
             rank_zero_info(render(plan_table(self.plan, self.structure.block_names)))
+        outside = self._trace_outside_layers(trainer) if self.plan.pp > 1 else None
         self._progress("setup: applying the plan")
         if self.plan.pp > 1 and not self._save_distributed_checkpoint:
             raise PlanError(
@@ -245,6 +253,7 @@ class GalvatronStrategy(ModelParallelStrategy):
             entry_methods=[name for name in _STEP_METHODS if is_overridden(name, module)],
             parallel_loss=self._uses_parallel_loss,
             boundary_dtype=boundary_dtype(precision_flag(self.precision_plugin)),
+            outside_layers=outside,
         )
         _materialize_distributed_module(self.model, self.root_device)
         self._parallelised = self.model
@@ -253,6 +262,18 @@ class GalvatronStrategy(ModelParallelStrategy):
         self.precision_plugin.pipeline_group = self._applied.pipeline_group
         if partition is not None and partition.is_last and not partition.is_first:
             self.precision_plugin.norm_excluded = {id(p) for p in partition.tied}  # counted on the first stage
+
+    def _trace_outside_layers(self, trainer: Any) -> OutsideLayers:
+        """Pipelines: which layers outside the blocks the step runs before them and which after, observed once on
+        a real batch (registration order does not tell); the same answer, or the same error, on every rank."""
+        assert self.structure is not None
+        self._progress("setup: tracing the step for the pipeline")
+        step = _STEP_OF[trainer.state.fn]
+        batch = _example_batch(_first_dataloader(trainer))
+        return agree_across_ranks(
+            lambda: trace_outside_layers(self.lightning_module, self.structure, step, batch),
+            "which layers run before and after the blocks",
+        )
 
     def _load_plan(self, world_size: int) -> ParallelPlan:
         plan = load_plan(self._plan_source, world_size=world_size)
@@ -270,14 +291,25 @@ class GalvatronStrategy(ModelParallelStrategy):
                 "`lightning-galvatron search`)"
             )
         loader = _first_dataloader(trainer)
-        example = move_data_to_device(next(iter(loader)), self.root_device)
-        global_batch = self._global_batch_size or loader.batch_size * self.world_size
+        per_device = loader_batch_size(loader)
+        if per_device is None:
+            raise PlanError(
+                'plan="auto" needs a DataLoader with a batch_size to profile with and to size the global batch; '
+                "pass a plan, or global_batch_size= with a DataLoader that has batch_size"
+            )
+        example = move_data_to_device(_example_batch(loader), self.root_device)
+        global_batch = self._global_batch_size or per_device * self.world_size
         for block_type, example_block in {type(b).__name__: b for b in structure.blocks}.items():
             if tensor_parallel_plan(example_block) is None:
                 rank_zero_info(
                     f"Galvatron: {block_type} has no tensor-parallel plan, so its blocks are planned with tp=1 "
                     "(declare one with lightning_galvatron.register_tensor_parallel_plan)"
                 )
+        if self.world_size == 1:
+            rank_zero_info(
+                "Galvatron: one device: nothing communicates, so no hardware profile is measured; the plan chooses "
+                "recomputation and micro-batches to fit the memory budget"
+            )
         auto = plan_automatically(
             module,
             structure,
@@ -523,12 +555,14 @@ def _first_dataloader(trainer: Any) -> Any:
     loaders = loop._data_source.dataloader()
     while isinstance(loaders, (list, tuple, dict)):
         loaders = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders[0]
-    if getattr(loaders, "batch_size", None) is None:
-        raise PlanError(
-            'plan="auto" needs a DataLoader with a batch_size to profile with and to size the global batch; '
-            "pass a plan, or global_batch_size= with a DataLoader that has batch_size"
-        )
     return loaders
+
+
+def _example_batch(loader: Any) -> Any:
+    """The loader's first batch, without moving the random state training will use (a shuffling sampler draws
+    its seed from it)."""
+    with torch.random.fork_rng():
+        return next(iter(loader))
 
 
 def _configured_optimizer(module: Any) -> Optimizer | None:

@@ -142,10 +142,6 @@ def _initial_state() -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in GPTModule(**EXAMPLE_MODEL).state_dict().items()}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="plan='auto' on one device: the hardware profiler needs 2 ranks (being made to work under issue 12)",
-)
 def test_resume_into_the_automatic_plan_on_one_device(pools, tmp_path):
     cache, checkpoint = str(tmp_path / "cache"), str(tmp_path / "ddp2.ckpt")
     pools(2).run(_fit, ParallelPlan.uniform(2, 4, S()), cache, train_samples=64, max_epochs=1, save_path=checkpoint)

@@ -9,6 +9,8 @@ while the block runs, a ``TorchFunctionMode`` intercepts ``F.scaled_dot_product_
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -79,9 +81,18 @@ class _UlyssesAttention(TorchFunctionMode):
         return heads_to_sequence(func(q, k, v, **values), self.group)
 
 
+_GROUPS: weakref.WeakKeyDictionary[nn.Module, dist.ProcessGroup] = weakref.WeakKeyDictionary()
+
+
+def ulysses_group(block: nn.Module) -> dist.ProcessGroup | None:
+    """The group ``block``'s sequence is split over, if it runs Ulysses."""
+    return _GROUPS.get(block)
+
+
 def apply_ulysses(block: nn.Module, group: dist.ProcessGroup) -> None:
     """Run ``block`` with its sequence split over ``group`` (weights stay whole)."""
     forward = block.forward
+    _GROUPS[block] = group
 
     def ulysses_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         mode = _UlyssesAttention(group)

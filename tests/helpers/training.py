@@ -8,6 +8,7 @@ reference uses that sampler with one replica).
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from examples.gpt import ArithmeticText, GPTModule
 from lightning_galvatron import GalvatronStrategy
+from tests.helpers.plan_check import assert_plan_applied
 
 SEQ = 8
 TINY_GPT = dict(vocab_size=16, seq_length=SEQ, n_layer=4, n_head=4, n_embd=32, learning_rate=1e-2)
@@ -35,6 +37,8 @@ class RunResult:
     grads: dict[str, torch.Tensor] | None = None  # full gradients of the first step, before clipping
     param_dtypes: set[torch.dtype] = field(default_factory=set)  # as trained, before gathering
     val_loss: float | None = None
+    test_loss: float | None = None  # with evaluate=True
+    predictions: torch.Tensor | None = None  # with evaluate=True: predict_step's outputs joined
 
 
 class _LossRecorder(L.Callback):
@@ -92,6 +96,7 @@ def run_single(
     precision: str = "32-true",
     model_kwargs: dict | None = None,
     validate: bool = False,
+    evaluate: bool = False,
     **trainer_kwargs: Any,
 ) -> RunResult:
     module = model() if model is not None else tiny_gpt(**(model_kwargs or {}))
@@ -103,8 +108,10 @@ def run_single(
     result = RunResult(
         losses=recorder.losses, state=_float_copy(module.state_dict()), grads=recorder.grads, initial=initial
     )
-    if validate:
+    if validate or evaluate:
         result.val_loss = _validation_loss(trainer, module, global_batch)
+    if evaluate:
+        _test_and_predict(trainer, module, global_batch, result)
     return result
 
 
@@ -116,34 +123,53 @@ def run_distributed(
     precision: str = "32-true",
     model_kwargs: dict | None = None,
     validate: bool = False,
+    evaluate: bool = False,
     ckpt_path: str | None = None,
     save_path: str | None = None,
     strategy_kwargs: dict | None = None,
     model: Callable[[], L.LightningModule] | None = None,
+    check_plan: bool = True,
     **trainer_kwargs: Any,
 ) -> RunResult:
-    """Train on all ranks of the pool; the DataLoader has DDP's per-device batch size."""
+    """Train on all ranks of the pool; the DataLoader has DDP's per-device batch size.
+
+    With ``check_plan`` (and the Galvatron strategy) every rank's parameters, blocks and groups are checked
+    against the plan after ``fit`` (:func:`~tests.helpers.plan_check.assert_plan_applied`).
+    """
     world = dist.get_world_size()
-    module = model() if model is not None else tiny_gpt(**(model_kwargs or {}))
+    factory = model if model is not None else functools.partial(tiny_gpt, **(model_kwargs or {}))
+    module = factory()
     initial = _float_copy(module.state_dict()) if dist.get_rank() == 0 else None
     loader = DataLoader(dataset(num_samples), batch_size=global_batch // world, shuffle=True)
     if strategy is None:
         strategy = GalvatronStrategy(plan=plan if plan is not None else "auto", **(strategy_kwargs or {}))
     trainer, recorder = _trainer(strategy, world, precision, **trainer_kwargs)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
+    if check_plan and isinstance(trainer.strategy, GalvatronStrategy):
+        assert_plan_applied(trainer.strategy, factory)
     if save_path is not None:
         trainer.save_checkpoint(save_path)
     result = RunResult(losses=_mean_over_ranks(recorder.losses), grads=_merge_over_ranks(recorder.grads), initial=initial)
     result.param_dtypes = {p.dtype for p in trainer.lightning_module.parameters()}
     result.state = gather_full_state(trainer.lightning_module)
-    if validate:
+    if validate or evaluate:
         result.val_loss = _validation_loss(trainer, module, global_batch // world)
+    if evaluate:
+        _test_and_predict(trainer, module, global_batch // world, result)
     return result
 
 
 def _validation_loss(trainer: L.Trainer, module: GPTModule, batch_size: int) -> float:
     metrics = trainer.validate(module, DataLoader(ArithmeticText(16, SEQ, seed=1), batch_size=batch_size), verbose=False)
     return float(metrics[0]["val_loss"])
+
+
+def _test_and_predict(trainer: L.Trainer, module: L.LightningModule, batch_size: int, result: RunResult) -> None:
+    """``test_loss`` and the predictions on 16 held-out samples (``validate=True`` adds the validation loss:
+    with ``evaluate=True`` the run covers fit, validate, test and predict)."""
+    loader = DataLoader(ArithmeticText(16, SEQ, seed=1), batch_size=batch_size)
+    result.test_loss = float(trainer.test(module, loader, verbose=False)[0]["test_loss"])
+    result.predictions = torch.cat([p.detach().float().cpu() for p in trainer.predict(module, loader)])
 
 
 def _mean_over_ranks(values: list[float]) -> list[float]:
