@@ -59,7 +59,7 @@ from lightning_galvatron.arguments import check_strategy_arguments
 from lightning_galvatron.autoplan import SearchSettings, check_memory_budget, optimizer_kind, plan_automatically
 from lightning_galvatron.checkpoint import load_checkpoint
 from lightning_galvatron.data import loader_batch_size, rebatch, shard_batch_size
-from lightning_galvatron.display import plan_table, render
+from lightning_galvatron.display import plan_table
 from lightning_galvatron.errors import leave_to_reporting_rank
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
 from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
@@ -227,7 +227,7 @@ class GalvatronStrategy(ModelParallelStrategy):
             self.plan = self._load_plan(self.world_size)
         check_runtime_support(self.plan, self.structure)  # before the plan is printed or applied
         if self._plan_source != "auto":
-            rank_zero_info(render(plan_table(self.plan, self.structure.block_names)))
+            rank_zero_info(plan_table(self.plan, self.structure.block_names))
         outside = self._trace_outside_layers(trainer) if self.plan.pp > 1 else None
         self._progress("setup: applying the plan")
         if self.plan.pp > 1 and not self._save_distributed_checkpoint:
