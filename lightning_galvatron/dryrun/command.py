@@ -54,7 +54,7 @@ def run_dry_run(args: Any) -> int:
             ranks = [int(r) for r in str(ranks).split(",") if r.strip()]
         except ValueError:
             raise ValueError(f"--ranks {args.ranks!r}: expected 'sample', 'all' or comma-separated ranks") from None
-    source = ModelSource.from_hf_config(args.hf_config) if args.hf_config else ModelSource.from_class(args.model, args.model_args, args.layers)
+    source = ModelSource.from_hf_config(args.hf_config, args.layers) if args.hf_config else ModelSource.from_class(args.model, args.model_args, args.layers)
     search_options = {
         key: value
         for key, value in {"max_tp": args.max_tp, "max_pp": args.max_pp, "disable": args.disable, "schedules": args.schedules}.items()

@@ -86,7 +86,7 @@ class ModelSource:
     layers: str | Sequence[str] | None = None
 
     @classmethod
-    def from_hf_config(cls, config: str | Path | Mapping[str, Any]) -> ModelSource:
+    def from_hf_config(cls, config: str | Path | Mapping[str, Any], layers: str | Sequence[str] | None = None) -> ModelSource:
         from lightning_galvatron.estimator import architecture_from_config_file
         from lightning_galvatron.search.analytic import architecture_from_hf_config
 
@@ -109,7 +109,7 @@ class ModelSource:
         def build() -> L.LightningModule:
             return CausalLMModule(hf_causal_lm(data))
 
-        return cls(label, build, architecture)
+        return cls(label, build, architecture, layers)
 
     @classmethod
     def from_class(cls, path: str, init_args: Mapping[str, Any] | None = None, layers: str | Sequence[str] | None = None) -> ModelSource:

@@ -225,6 +225,27 @@ def dry_run(
     return DryRunReport(source.label, resolved, precision, seq, results, estimate, order, time.perf_counter() - started, notes)
 
 
+def shortened_plan(plan: ParallelPlan) -> ParallelPlan:
+    """``plan`` with every run of equal consecutive block strategies inside a pipeline chunk cut to one block.
+
+    Stages, chunks, schedule, micro-batches, the vocabulary strategy and every change of strategy between
+    neighbouring blocks stay; only repeats go. The blocks of such a run issue the same operations on the
+    same groups one after the other, so proving the collective order of the shortened plan on a model with
+    as many blocks proves it for every length of the runs -- at a fraction of the cost: what the full-world
+    proofs of long models use (with a narrow copy of the model: the order does not depend on tensor sizes).
+    """
+    layers: list = []
+    partition: list[int] = []
+    for chunk in range(plan.pp * plan.virtual_stages):
+        kept: list = []
+        for index in plan.chunk_layers(chunk):
+            if not kept or kept[-1] != plan.layers[index]:
+                kept.append(plan.layers[index])
+        layers.extend(kept)
+        partition.append(len(kept))
+    return plan.replace(layers=tuple(layers), partition=tuple(partition))
+
+
 def _predict(plan: ParallelPlan, architecture: Any, seq: int, hardware: Any, reference: Any, profile: Any,
              precision: str, optimizer: str) -> Any:
     """The cost model's estimate of ``plan``: from a full profile, or an analytic one scaled from ``hardware``."""

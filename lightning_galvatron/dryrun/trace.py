@@ -171,6 +171,8 @@ class Recording(TorchDispatchMode):
             return False if args[0].dtype == torch.bool else 1.0 if args[0].is_floating_point() else 1
         if func.namespace in _NAMESPACES:
             self._record(func, args, kwargs)
+            if func is torch.ops.c10d.alltoall_base_.default:
+                args = _nonempty_all_to_all_input(args)
         return func(*args, **kwargs)
 
     def _record(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -258,6 +260,16 @@ class Recording(TorchDispatchMode):
             "gather_object": gather_object,
             "scatter_object_list": scatter_object_list,
         }
+
+
+def _nonempty_all_to_all_input(args: tuple) -> tuple:
+    """An uneven all-to-all in which this rank sends nothing but receives: the fake backend fills what a rank
+    receives from its own input (it has no peers) and refuses an empty one; give it one placeholder row."""
+    output, source, group, output_splits, input_splits, *rest = args
+    if source.numel() or not sum(output_splits) or isinstance(source, FakeTensor):
+        return args
+    row = source.new_zeros((1, *source.shape[1:]))
+    return (output, row, group, output_splits, [1] + [0] * (len(input_splits) - 1), *rest)
 
 
 def _flatten(values: Any) -> Iterator[Any]:
