@@ -245,3 +245,27 @@ def test_dry_run_command_searches_a_plan(tmp_path: Path, capsys: pytest.CaptureF
     text = capsys.readouterr().out
     assert code == 0, text
     assert "on 16 ranks (1 simulated)" in text and "measured peak" in text
+
+
+def test_the_model_profiler_counts_fake_tensors_like_real_ones() -> None:
+    """Saved tensors are told apart by storage, not data pointer: the profiler counts a model on fake tensors (a 7B
+    model without its memory, as ``benchmarks/dry_run_memory.py`` does) exactly as on real ones."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_galvatron.dryrun.models import token_batch
+    from lightning_galvatron.model.discovery import find_blocks
+    from lightning_galvatron.profiler.model import profile_model
+
+    source = narrow_llama(2)
+    torch.manual_seed(0)
+    real = source.build()
+    with torch.device("meta"):
+        fake = source.build()
+    counted = profile_model(real, find_blocks(real, source.layers), token_batch(2, 16), batch_sizes=(1, 2), degrees=(1, 2))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu"))
+        fake_counted = profile_model(fake, find_blocks(fake, source.layers), token_batch(2, 16), batch_sizes=(1, 2), degrees=(1, 2))
+    assert fake_counted.layer_types[0].activation_bytes_per_sample == counted.layer_types[0].activation_bytes_per_sample
+    assert fake_counted.vocab.head_activation_bytes_per_sample == counted.vocab.head_activation_bytes_per_sample
+    assert not fake_counted.vocab.tied and counted.layer_types[0].activation_bytes_per_sample.at(1) > 0
