@@ -67,9 +67,10 @@ def run_ranks(
             rank, process, _ = running.pop(conn)
             try:
                 results[rank] = conn.recv()
+                process.join()
             except EOFError:
+                process.join()
                 results[rank] = RankResult(rank, -1, error=f"the process of rank {rank} died (exit code {process.exitcode})")
-            process.join()
             if progress is not None:
                 progress(results[rank])
         for conn, (rank, process, started) in list(running.items()):

@@ -109,9 +109,11 @@ def simulate_rank(job: RankJob, rank: int) -> RankResult:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")  # Lightning's "self.log() without a Trainer" and friends, once per rank
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)  # DTensor's advice, once per rank
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
     recording = Recording(rank, plan.world_size, keep_stacks=job.keep_stacks)
     try:
+        if dist.is_initialized():  # inherited from the parent (a Trainer ran there): this process is another rank
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
         _run(job, rank, recording, result)
     except Exception:  # noqa: BLE001 - reported per rank
         result.error = traceback.format_exc()
@@ -124,7 +126,8 @@ def simulate_rank(job: RankJob, rank: int) -> RankResult:
             counts.setdefault(e.phase, {}).setdefault(e.kind, 0)
             counts[e.phase][e.kind] += 1
         result.operations = counts
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return result
 
 
