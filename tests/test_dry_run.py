@@ -148,7 +148,8 @@ def test_llama2_7b_heterogeneous_plan_order_is_proven_for_all_64_ranks() -> None
 def test_llama2_7b_sampled_ranks_apply_step_and_measure_memory_at_64() -> None:
     """The real config (fake tensors): one rank of each stage applies the 32-block plan and runs a training step,
     a validation step and a checkpoint's state dicts; measured memory is reported next to the cost model's."""
-    plan = llama_64_plan()
+    plan = ParallelPlan.load(Path(__file__).parents[1] / "configs" / "llama2_7b_64gpu_plan.json")  # the README's
+    assert plan == llama_64_plan()
     ranks = [0, 21, 42, 63]
     report = dry_run(ModelSource.from_hf_config(DATA / "llama2-7b-config.json"), plan, ranks=ranks, seq_length=2048,
                      hardware=A100, workers=2)
