@@ -181,6 +181,7 @@ def memory_section(config: ModelConfig, device: str, profiles: dict[str, Any], t
 
     import lightning.pytorch as L
     import torch
+    import torch.distributed as dist
 
     from benchmarks.harness import StepProbe
     from examples.gpt import GPTModule
@@ -190,6 +191,7 @@ def memory_section(config: ModelConfig, device: str, profiles: dict[str, Any], t
 
     accelerator = "gpu" if device == "cuda" else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    initialised = dist.is_initialized()  # the Trainers below share one process group; it is ours to remove
     memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None
     hardware = one_device_hardware(name, memory)
     rows = []
@@ -215,6 +217,8 @@ def memory_section(config: ModelConfig, device: str, profiles: dict[str, Any], t
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
+    if not initialised and dist.is_initialized():
+        dist.destroy_process_group()
     return rows
 
 

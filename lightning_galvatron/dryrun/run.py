@@ -1,6 +1,5 @@
 """``dry_run``: resolve the model, the plan and the prediction, simulate the ranks, report."""
 
-
 from __future__ import annotations
 
 import time
