@@ -10,7 +10,9 @@ Subcommands:
 * ``import-galvatron DIR --hidden-size H --seq-length S -o profile.json`` -- convert the reference
   system's profile files;
 * ``estimate --hf-config CONFIG.json --world-size N --memory-per-device 80GB --hardware PROFILE`` -- will
-  a model fit a cluster you do not have, and how (an analytic profile scaled from measured blocks).
+  a model fit a cluster you do not have, and how (an analytic profile scaled from measured blocks);
+* ``dry-run --hf-config CONFIG.json --world-size N --plan PLAN`` -- apply and step a plan as sampled (or all)
+  ranks of the cluster, on fake tensors: memory, groups and the collective-order proof.
 
 Adding a subcommand: write ``_cmd_<name>(args) -> int`` and a ``_register_<name>(subparsers)``
 decorated with :func:`subcommand` that adds its parser and sets ``func=_cmd_<name>``.
@@ -373,6 +375,30 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     from lightning_galvatron.estimator import run_estimate
 
     return run_estimate(args)
+
+
+# ---------------------------------------------------------------------------------------------- dry-run
+@subcommand
+def _register_dry_run(subparsers: Any) -> None:
+    from lightning_galvatron.dryrun.command import add_arguments
+
+    p = subparsers.add_parser(
+        "dry-run",
+        help="apply and step a plan as any rank of any world size on fake tensors: memory, groups, collective order",
+        description="Act as ranks of a cluster you do not have (torch's fake process-group backend, fake tensors): "
+        "apply the plan as training would and run one step of training, validation and a checkpoint save; report "
+        "per rank the blocks and parameters it holds, its process groups and its peak memory by category next to "
+        "the cost model's prediction. With --ranks all, also prove that every member of every group issues the "
+        "same collectives in the same order. Exit status 0 when every rank succeeded (and the order holds).",
+    )
+    add_arguments(p)
+    p.set_defaults(func=_cmd_dry_run)
+
+
+def _cmd_dry_run(args: argparse.Namespace) -> int:
+    from lightning_galvatron.dryrun.command import run_dry_run
+
+    return run_dry_run(args)
 
 
 if __name__ == "__main__":

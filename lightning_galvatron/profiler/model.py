@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -409,10 +410,11 @@ class SavedTensorCounter:
         self._hooks.__exit__(*exc)
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple:
+def _storage_key(tensor: torch.Tensor) -> Any:
+    """The storage's identity (not its data pointer: fake tensors have none, so a dry run can count them too)."""
     local = local_tensor(tensor)
     try:
-        return (local.device.type, local.device.index, local.untyped_storage().data_ptr())
+        return StorageWeakRef(local.untyped_storage())
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage: count it by identity
         return ("object", id(local))
 
