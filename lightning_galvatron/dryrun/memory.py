@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
-from typing_extensions import Self
 
 CATEGORIES = {
     _MemRefType.PARAM: "parameters",
@@ -42,7 +41,7 @@ class StepMemoryTracker(MemTracker):
         super().__init__()
         self._module, self._optimizer = module, optimizer
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> StepMemoryTracker:
         self._track_module_params_and_buffers(self._module, install_grad_hooks=True)
         if self._optimizer is not None:
             self._track_optimizer_states(_MemRefType.OPT, self._optimizer)

@@ -49,6 +49,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from lightning_galvatron.dryrun.memory import StepMemoryTracker
 from lightning_galvatron.dryrun.trace import Recording
 from lightning_galvatron.model.discovery import find_blocks
+from lightning_galvatron.model.outside_layers import trace_outside_layers
 from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_plugin_for
 from lightning_galvatron.runtime.apply import apply_plan
 from lightning_galvatron.runtime.mesh import Layout, MeshCache, local_tensor
@@ -141,6 +142,12 @@ def _run(job: RankJob, rank: int, recording: Any, result: RankResult) -> None:
         module = plugin.convert_module(module)
         with fake:
             _materialize(module, job.real_tensors)
+            # Which layers outside the blocks run before them and which after, as the strategy traces it.
+            outside = (
+                trace_outside_layers(module, structure, "training_step", job.make_batch(1, job.seq_length))
+                if plan.pp > 1
+                else None
+            )
         # The plan is applied outside the fake mode (ops on the fake weights stay fake): DeviceMesh and
         # DTensor compute rank layouts from index tensors they make themselves, which must hold real values.
         broadcast_module_states(module)
@@ -149,6 +156,7 @@ def _run(job: RankJob, rank: int, recording: Any, result: RankResult) -> None:
             module, structure, plan, meshes, mixed_precision_policy(job.precision),
             entry_methods=[name for name in _STEP_METHODS if is_overridden(name, module)],
             boundary_dtype=boundary_dtype(job.precision),
+            outside_layers=outside,
         )
     result.blocks, result.outside_blocks = _holdings(module, blocks, names, plan, applied)
     result.groups = _groups(recording, meshes, plan, rank)
