@@ -12,7 +12,7 @@ from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 
 _install()
 
-__all__ = ["GalvatronStrategy", "LayerStrategy", "ParallelPlan", "PlanError", "register_tensor_parallel_plan"]
+__all__ = ["GalvatronStrategy", "LayerStrategy", "ParallelPlan", "PlanError", "dry_run", "register_tensor_parallel_plan"]
 __version__ = "0.1.0"
 
 
@@ -22,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from lightning_galvatron.strategy import GalvatronStrategy
 
         return GalvatronStrategy
+    if name == "dry_run":
+        from lightning_galvatron.dryrun.run import dry_run
+
+        return dry_run
     if name == "register_tensor_parallel_plan":
         from lightning_galvatron.model.tensor_parallel_plans import register_tensor_parallel_plan
 

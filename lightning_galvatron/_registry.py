@@ -19,6 +19,7 @@ import inspect
 import sys
 import types
 from collections.abc import Callable
+from typing import Any
 
 # Modules that import Lightning, in dependency order.
 _GLUE_MODULES = ("precision", "data", "strategy")
@@ -70,7 +71,29 @@ def register_lightning() -> type | None:
 
     if "galvatron" not in StrategyRegistry:
         StrategyRegistry.register("galvatron", GalvatronStrategy, description=_DESCRIPTION)
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    from lightning_galvatron.precision import check_precision
+
+    _check_our_precision_first(_AcceleratorConnector, GalvatronStrategy, check_precision)
     return GalvatronStrategy
+
+
+def _check_our_precision_first(connector: type, strategy: type, check: Callable[[str], None]) -> None:
+    """Have the Trainer refuse a precision we do not run with our message, before Lightning's own check (which, for
+    any ``ModelParallelStrategy``, speaks of ``Fabric(...)`` and suggests ``16-true``). Only our strategy's checks
+    change; the connector validates every other strategy as before."""
+    original = connector._validate_precision_choice
+    if getattr(original, "_galvatron_strategy", None) is strategy:
+        return
+
+    def validate_precision_choice(self: Any) -> None:
+        if isinstance(getattr(self, "strategy", None), strategy) or isinstance(self._strategy_flag, strategy):
+            check(self._precision_flag)
+        original(self)
+
+    validate_precision_choice._galvatron_strategy = strategy  # type: ignore[attr-defined]
+    connector._validate_precision_choice = validate_precision_choice
 
 
 def register_pytorch_lightning() -> type | None:
@@ -82,6 +105,10 @@ def register_pytorch_lightning() -> type | None:
 
     if "galvatron" not in StrategyRegistry:
         StrategyRegistry.register("galvatron", strategy_module.GalvatronStrategy, description=_DESCRIPTION)
+    from pytorch_lightning.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    precision_module = sys.modules[f"{_MIRROR_PACKAGE}.precision"]
+    _check_our_precision_first(_AcceleratorConnector, strategy_module.GalvatronStrategy, precision_module.check_precision)
     return strategy_module.GalvatronStrategy
 
 

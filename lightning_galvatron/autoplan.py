@@ -31,7 +31,11 @@ CPU_MEMORY_SHARE = 0.8
 
 @dataclass(frozen=True)
 class SearchSettings:
-    """What ``GalvatronStrategy`` passes on to the search (see its arguments)."""
+    """What ``GalvatronStrategy`` passes on to the search (see its arguments), checked when it is made.
+
+    The strategy makes these in its constructor, so a wrong limit or budget stops the program before any
+    process is launched or anything is profiled; the rules are the search's own (:class:`SearchOptions`).
+    """
 
     memory_budget: int | str | None = None
     max_tp: int | None = None
@@ -42,6 +46,41 @@ class SearchSettings:
     max_global_batch_size: int | None = None
     profile_cache: bool | str | os.PathLike = True
     calibration: Any = None  # a Calibration, its dict or JSON file: price plans with the calibrated cost model
+
+    def __post_init__(self) -> None:
+        from lightning_galvatron.search.calibration import load_calibration
+        from lightning_galvatron.search.space import SearchOptions
+
+        # A single name is a list of one (YAML users write `disable: zero3`).
+        for name in ("disable", "schedules"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, (value,))
+            elif value is not None:
+                object.__setattr__(self, name, tuple(value))
+        if self.memory_budget is not None:
+            try:
+                budget = parse_bytes(self.memory_budget)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"memory_budget: {err}") from None
+            if budget <= 0:
+                raise ValueError(f"memory_budget must be a positive size such as '24GB', got {self.memory_budget!r}")
+        SearchOptions(
+            max_tp=self.max_tp,
+            max_pp=self.max_pp,
+            disable=frozenset(self.disable),
+            schedules=self.schedules or SearchOptions().schedules,
+        )
+        value = self.max_global_batch_size
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"max_global_batch_size must be a positive integer or None, got {value!r}")
+        if not isinstance(self.profile_cache, (bool, str, os.PathLike)):
+            raise ValueError(f"profile_cache must be True, False or a directory, got {self.profile_cache!r}")
+        object.__setattr__(self, "calibration", load_calibration(self.calibration))
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        return None if self.memory_budget is None else parse_bytes(self.memory_budget)
 
 
 @dataclass
@@ -54,13 +93,32 @@ class AutoPlan:
     profile_cached: bool = False
 
 
-def default_memory_budget(device: torch.device, processes_per_node: int) -> int:
-    """The device's memory less a reserve on CUDA; a share of the machine's memory per process on CPU."""
+def device_memory(device: torch.device, processes_per_node: int) -> tuple[int, str]:
+    """The memory one process can have at most, and where that figure comes from (for messages)."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        return int(total * (1 - CUDA_MEMORY_RESERVE))
+        return total, f"{torch.cuda.get_device_name(device)} has {format_bytes(total)}"
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(physical * CPU_MEMORY_SHARE / max(processes_per_node, 1))
+    share = physical // max(processes_per_node, 1)
+    return share, f"this machine's {format_bytes(physical)} shared by {processes_per_node} processes is {format_bytes(share)} each"
+
+
+def default_memory_budget(device: torch.device, processes_per_node: int) -> int:
+    """The device's memory less a reserve on CUDA; a share of the machine's memory per process on CPU."""
+    total, _ = device_memory(device, processes_per_node)
+    return int(total * (1 - CUDA_MEMORY_RESERVE if device.type == "cuda" else CPU_MEMORY_SHARE))
+
+
+def check_memory_budget(budget: int, device: torch.device, processes_per_node: int) -> None:
+    """Refuse a budget above what a device (on CPU: the machine's share per process) has: plans made for it
+    would be sized for memory that is not there."""
+    total, where = device_memory(device, processes_per_node)
+    if budget > total:
+        raise ValueError(
+            f"memory_budget={format_bytes(budget)} is more than a device has ({where}): a plan made for it would not "
+            f"fit; give at most {format_bytes(total)}, or leave memory_budget out for the default "
+            f"({format_bytes(default_memory_budget(device, processes_per_node))})"
+        )
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer | None) -> str:
@@ -87,7 +145,11 @@ def plan_automatically(
     settings: SearchSettings,
     optimizer: str = "adamw",
 ) -> AutoPlan:
-    """Profile (all ranks), search (rank 0), broadcast. Raises the same :class:`PlanError` on every rank."""
+    """Profile (all ranks), search (rank 0), broadcast. Raises the same :class:`PlanError` on every rank.
+
+    On one device nothing communicates: the hardware profile holds only the device's memory, and the search
+    chooses recomputation and micro-batches (gradient accumulation inside the step) to fit the budget.
+    """
     from lightning_galvatron.profiler import profile
     from lightning_galvatron.search import search
     from lightning_galvatron.search.report import describe_search
@@ -106,11 +168,7 @@ def plan_automatically(
         info=cache_info,
     )
     profiled = time.perf_counter()
-    budget = (
-        parse_bytes(settings.memory_budget)
-        if settings.memory_budget is not None
-        else default_memory_budget(device, devices_per_node)
-    )
+    budget = settings.memory_budget_bytes or default_memory_budget(device, devices_per_node)
     # Pipelines cannot carry an encoder's output to decoder stages (see runtime.pipeline).
     max_pp = 1 if len(structure.block_lists) > 1 else settings.max_pp
     outcome: tuple[dict | None, str, str | None] = (None, "", None)
@@ -130,9 +188,11 @@ def plan_automatically(
                 search_batch_size=settings.search_batch_size,
                 max_global_batch_size=settings.max_global_batch_size,
                 calibration=settings.calibration,
+                baselines=world_size > 1,  # on one device every uniform plan is the same
             )
+            devices = f"{world_size} device{'s' if world_size > 1 else ''}"
             title = (
-                f"Galvatron plan for {world_size} devices, {format_bytes(budget)} per device, "
+                f"Galvatron plan for {devices}, {format_bytes(budget)} per device, "
                 f"global batch {result.global_batch_size}"
             )
             outcome = (result.plan.to_dict(), describe_search(result, title), None)

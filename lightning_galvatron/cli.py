@@ -10,7 +10,9 @@ Subcommands:
 * ``import-galvatron DIR --hidden-size H --seq-length S -o profile.json`` -- convert the reference
   system's profile files;
 * ``estimate --hf-config CONFIG.json --world-size N --memory-per-device 80GB --hardware PROFILE`` -- will
-  a model fit a cluster you do not have, and how (an analytic profile scaled from measured blocks).
+  a model fit a cluster you do not have, and how (an analytic profile scaled from measured blocks);
+* ``dry-run --hf-config CONFIG.json --world-size N --plan PLAN`` -- apply and step a plan as sampled (or all)
+  ranks of the cluster, on fake tensors: memory, groups and the collective-order proof.
 
 Adding a subcommand: write ``_cmd_<name>(args) -> int`` and a ``_register_<name>(subparsers)``
 decorated with :func:`subcommand` that adds its parser and sets ``func=_cmd_<name>``.
@@ -64,6 +66,14 @@ def _byte_size(text: str) -> int:
         return parse_bytes(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _memory_size(text: str) -> int:
+    """A device's memory or budget: a byte size above zero."""
+    size = _byte_size(text)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"a device's memory must be more than 0 bytes, got {text!r}")
+    return size
 
 
 def _optimizer(text: str) -> str | float:
@@ -144,7 +154,7 @@ def _register_search(subparsers: Any) -> None:
     p = subparsers.add_parser("search", help="search the best hybrid plan for a cluster (offline)")
     p.add_argument("profile", help="profile JSON (our format; see import-galvatron)")
     p.add_argument("--world-size", type=int, required=True, help="number of devices")
-    p.add_argument("--memory-per-device", type=_byte_size, help="memory budget per device, e.g. 36GB or 40GiB (default: the profile's device memory)")
+    p.add_argument("--memory-per-device", type=_memory_size, help="memory budget per device, e.g. 36GB or 40GiB (default: the profile's device memory)")
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the world size)")
     p.add_argument("--search-batch-size", action="store_true", help="also search the global batch size for throughput")
     p.add_argument("--max-global-batch-size", type=int, help="largest batch tried by --search-batch-size (default: 8 x world size)")
@@ -164,7 +174,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     from lightning_galvatron.search.engine import search
 
     profile = Profile.load(args.profile)
-    budget = args.memory_per_device or profile.hardware.device_memory_bytes
+    budget = args.memory_per_device if args.memory_per_device is not None else profile.hardware.device_memory_bytes
     if budget is None:
         raise ValueError("the profile does not say the device memory: pass --memory-per-device, e.g. 36GB")
     result = search(
@@ -206,36 +216,40 @@ def _register_evaluate(subparsers: Any) -> None:
     p.add_argument("--plan", required=True, help="plan JSON, ours or Hetu-Galvatron's")
     p.add_argument("--world-size", type=int, help="devices (needed for a reference-format plan unless its file name says, e.g. 1nodes_8gpus_per_node)")
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the plan's)")
-    p.add_argument("--memory-per-device", type=_byte_size, help="budget to check the plan against")
+    p.add_argument("--memory-per-device", type=_memory_size, help="budget to check the plan against")
     _add_cost_options(p)
     p.set_defaults(func=_cmd_evaluate)
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from lightning_galvatron.plan import ParallelPlan, is_galvatron_format
+    from lightning_galvatron.jsonfile import read_json_object
+    from lightning_galvatron.plan import ParallelPlan, PlanError, is_galvatron_format
     from lightning_galvatron.profiles import Profile
     from lightning_galvatron.search.estimate import evaluate
 
     profile = Profile.load(args.profile)
     world_size = args.world_size
-    try:
-        data = json.loads(Path(args.plan).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"plan file {args.plan!r} does not exist") from None
-    if world_size is None and isinstance(data, dict) and is_galvatron_format(data):
+    data = read_json_object(args.plan, "plan file", PlanError)
+    if world_size is None and is_galvatron_format(data):
         found = re.search(r"(\d+)nodes_(\d+)gpus_per_node", Path(args.plan).name)
         if not found:
-            raise ValueError("a reference-format plan does not say its world size: pass --world-size")
+            raise PlanError(f"plan file {args.plan!r} is in the reference format, which does not say its world size: "
+                            "pass --world-size")
         world_size = int(found.group(1)) * int(found.group(2))
-    plan = ParallelPlan.from_dict(data, world_size=world_size)
-    estimate = evaluate(
-        profile,
-        plan,
-        global_batch_size=args.global_batch_size,
-        optimizer=args.optimizer,
-        precision=args.precision,
-        memory_budget_bytes=args.memory_per_device,
-    )
+    try:
+        plan = ParallelPlan.from_dict(data, world_size=world_size)
+        if args.global_batch_size is None and plan.global_batch_size is None:
+            raise PlanError("it does not fix its global batch size: pass --global-batch-size")
+        estimate = evaluate(
+            profile,
+            plan,
+            global_batch_size=args.global_batch_size,
+            optimizer=args.optimizer,
+            precision=args.precision,
+            memory_budget_bytes=args.memory_per_device,
+        )
+    except ValueError as err:
+        raise PlanError(f"plan file {args.plan!r} (evaluated on the profile {args.profile!r}): {err}") from None
     if args.json:
         print(json.dumps(estimate.to_dict(), indent=2))
         return 0
@@ -265,7 +279,7 @@ def _register_import_galvatron(subparsers: Any) -> None:
     p.add_argument("--tied-embeddings", action="store_true", help="the head shares the embedding's weights")
     p.add_argument("--model-name", help="name of the model (default: from the file names)")
     p.add_argument("--memory-overhead", type=_byte_size, default=0, help="fixed memory per device the model does not account for")
-    p.add_argument("--device-memory", type=_byte_size, help="memory of one device")
+    p.add_argument("--device-memory", type=_memory_size, help="memory of one device")
     p.add_argument("-o", "--output", required=True, help="where to write the profile JSON")
     p.set_defaults(func=_cmd_import_galvatron)
 
@@ -340,7 +354,7 @@ def _register_estimate(subparsers: Any) -> None:
     p.add_argument("--model-args", type=_json_object, default={}, help="with --model: its init arguments as a JSON object")
     p.add_argument("--layers", nargs="+", help="with --model: dotted path(s) of the block container(s) (default: detected)")
     p.add_argument("--world-size", type=int, required=True, help="number of devices")
-    p.add_argument("--memory-per-device", type=_byte_size, help="memory budget per device, e.g. 80GB (default: the hardware profile's)")
+    p.add_argument("--memory-per-device", type=_memory_size, help="memory budget per device, e.g. 80GB (default: the hardware profile's)")
     p.add_argument("--seq-length", type=int, help="tokens per sample (default: the config's maximum positions)")
     p.add_argument("--hardware", help="profile JSON whose hardware part describes the cluster (default: the newest profile in the local profile cache)")
     p.add_argument("--reference", help="profile JSON whose measured blocks calibrate compute and activations (default: --hardware)")
@@ -361,6 +375,30 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     from lightning_galvatron.estimator import run_estimate
 
     return run_estimate(args)
+
+
+# ---------------------------------------------------------------------------------------------- dry-run
+@subcommand
+def _register_dry_run(subparsers: Any) -> None:
+    from lightning_galvatron.dryrun.command import add_arguments
+
+    p = subparsers.add_parser(
+        "dry-run",
+        help="apply and step a plan as any rank of any world size on fake tensors: memory, groups, collective order",
+        description="Act as ranks of a cluster you do not have (torch's fake process-group backend, fake tensors): "
+        "apply the plan as training would and run one step of training, validation and a checkpoint save; report "
+        "per rank the blocks and parameters it holds, its process groups and its peak memory by category next to "
+        "the cost model's prediction. With --ranks all, also prove that every member of every group issues the "
+        "same collectives in the same order. Exit status 0 when every rank succeeded (and the order holds).",
+    )
+    add_arguments(p)
+    p.set_defaults(func=_cmd_dry_run)
+
+
+def _cmd_dry_run(args: argparse.Namespace) -> int:
+    from lightning_galvatron.dryrun.command import run_dry_run
+
+    return run_dry_run(args)
 
 
 if __name__ == "__main__":

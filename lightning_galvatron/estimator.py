@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_galvatron.jsonfile import read_json_object
 from lightning_galvatron.profiles import HardwareProfile, Profile, ProfileError, load_profile
 from lightning_galvatron.search.analytic import ArchitectureShape, Scaling, analytic_profile, architecture_from_hf_config
 from lightning_galvatron.units import format_bytes, parse_bytes
@@ -120,12 +121,7 @@ def estimate_cluster(
 # ---------------------------------------------------------------------------------------------- model sources
 def architecture_from_config_file(path: str | Path) -> ArchitectureShape:
     """A Hugging Face ``config.json``: counted from the config when the family is known, else built on meta."""
-    try:
-        config = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"config file {str(path)!r} does not exist") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"config file {str(path)!r} is not valid JSON: {err}") from None
+    config = read_json_object(path, "config file")
     shape = architecture_from_hf_config(config)
     if shape is not None:
         return shape

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_galvatron.jsonfile import read_json_object
+
 DP_TYPES = ("ddp", "zero2", "zero3")
 SP_KINDS = ("none", "megatron", "ulysses")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -101,11 +103,18 @@ class LayerStrategy:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LayerStrategy:
+    def from_dict(cls, data: Mapping[str, Any], where: str = "layer strategy") -> LayerStrategy:
+        if not isinstance(data, Mapping):
+            raise PlanError(f"{where} must be an object like {{\"tp\": 2, \"dp_type\": \"zero3\"}}, got {data!r}")
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise PlanError(f"unknown layer strategy keys {sorted(unknown)}; known: tp, sp, dp_type, recompute, tp_consecutive")
-        return cls(**data)
+            raise PlanError(
+                f"{where}: unknown layer strategy keys {sorted(unknown)}; known: tp, sp, dp_type, recompute, tp_consecutive"
+            )
+        try:
+            return cls(**data)
+        except PlanError as err:
+            raise PlanError(f"{where}: {err}") from None
 
 
 @dataclass(frozen=True)
@@ -285,6 +294,8 @@ class ParallelPlan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], world_size: int | None = None) -> ParallelPlan:
         """Read our JSON format, or the reference system's (then ``world_size`` is required)."""
+        if not isinstance(data, Mapping):
+            raise PlanError(f"a plan is a JSON object ({{...}}) with 'layers', got a {type(data).__name__}")
         if is_galvatron_format(data):
             if world_size is None:
                 raise PlanError("a plan in the reference system's format does not say its world size: pass world_size")
@@ -304,15 +315,14 @@ class ParallelPlan:
             raise PlanError("a plan needs 'layers': one strategy per Transformer block")
         kwargs = {k: v for k, v in data.items() if k not in ("format", "version", "layers", "vocab")}
         if world_size is not None and kwargs.get("world_size", world_size) != world_size:
-            raise PlanError(
-                f"the plan is for world_size={kwargs['world_size']} but {world_size} devices are running; "
-                "search a new plan or launch with the plan's world size"
-            )
+            raise world_size_mismatch(kwargs["world_size"], world_size)
         kwargs.setdefault("world_size", world_size)
         if kwargs["world_size"] is None:
             raise PlanError("the plan does not say its world_size")
-        layers = tuple(LayerStrategy.from_dict(s) for s in data["layers"])
-        vocab = LayerStrategy.from_dict(data["vocab"]) if "vocab" in data else LayerStrategy()
+        if not isinstance(data["layers"], (list, tuple)):
+            raise PlanError(f"'layers' must be a list of layer strategies, got {type(data['layers']).__name__}")
+        layers = tuple(LayerStrategy.from_dict(s, where=f"layers[{i}]") for i, s in enumerate(data["layers"]))
+        vocab = LayerStrategy.from_dict(data["vocab"], where="vocab") if "vocab" in data else LayerStrategy()
         return cls(layers=layers, vocab=vocab, **kwargs)
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -327,13 +337,11 @@ class ParallelPlan:
 
     @classmethod
     def load(cls, path: str | os.PathLike, world_size: int | None = None) -> ParallelPlan:
+        data = read_json_object(path, "plan file", PlanError)
         try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise PlanError(f"plan file {str(path)!r} does not exist") from None
-        except json.JSONDecodeError as err:
-            raise PlanError(f"plan file {str(path)!r} is not valid JSON: {err}") from None
-        return cls.from_dict(data, world_size=world_size)
+            return cls.from_dict(data, world_size=world_size)
+        except PlanError as err:
+            raise PlanError(f"plan file {str(path)!r}: {err}") from None
 
     # ------------------------------------------------------------------ reference-system format
     @classmethod
@@ -456,11 +464,36 @@ def load_plan(source: ParallelPlan | Mapping[str, Any] | str | os.PathLike, worl
     else:
         raise PlanError(f"plan must be a ParallelPlan, a dict or a path to a JSON file, got {type(source).__name__}")
     if world_size is not None and plan.world_size != world_size:
-        raise PlanError(
-            f"the plan is for world_size={plan.world_size} but {world_size} devices are running; "
-            "search a new plan or launch with the plan's world size"
-        )
+        raise world_size_mismatch(plan.world_size, world_size)
     return plan
+
+
+def world_size_mismatch(planned: int, running: int) -> PlanError:
+    return PlanError(
+        f"the plan is for world_size={planned} but {running} device{'s are' if running > 1 else ' is'} running; "
+        f"launch with {planned} devices, or use plan='auto' (or `lightning-galvatron search --world-size {running}`) "
+        f"for a plan for {running}"
+    )
+
+
+def check_plan_source(source: ParallelPlan | Mapping[str, Any] | str | os.PathLike) -> None:
+    """Check a plan before the world size is known (when a strategy is made): a file must exist and hold a JSON
+    object; a plan in our format that states its world size must be valid. The rest is checked by
+    :func:`load_plan` once the world size is known."""
+    if isinstance(source, ParallelPlan):
+        return
+    if isinstance(source, (str, os.PathLike)):
+        data, where = read_json_object(source, "plan file", PlanError), f"plan file {str(source)!r}: "
+    elif isinstance(source, Mapping):
+        data, where = source, ""
+    else:
+        raise PlanError(f"plan must be 'auto', a ParallelPlan, a dict or a path to a JSON file, got {source!r}")
+    if is_galvatron_format(data) or "world_size" not in data:
+        return
+    try:
+        ParallelPlan.from_dict(data)
+    except PlanError as err:
+        raise PlanError(f"{where}{err}") from None
 
 
 def even_partition(num_layers: int, chunks: int) -> tuple[int, ...]:

@@ -47,23 +47,30 @@ class GalvatronHalfPrecision(_GlobalNormClipping, HalfPrecision):
     """``bf16-true``: everything in bf16."""
 
 
-def precision_plugin_for(precision: str, device_type: str) -> Precision:
-    """The plugin for a Lightning precision flag; unsupported flags get an error saying what to use."""
-    if precision == "32-true":
-        return GalvatronFullPrecision()
-    if precision == "bf16-mixed":
-        return GalvatronMixedPrecision("bf16-mixed", device="cuda" if device_type == "cuda" else device_type)
-    if precision == "bf16-true":
-        return GalvatronHalfPrecision("bf16-true")
+def check_precision(precision: Any) -> None:
+    """Refuse a precision flag the strategy does not run, saying which it does (Lightning's own message for
+    ``ModelParallelStrategy`` suggests ``16-true`` and speaks of ``Fabric``)."""
+    if str(precision) in SUPPORTED_PRECISION:
+        return
     hint = (
         " fp16 needs a gradient scaler, which this strategy does not provide; bf16 has fp32's range and needs none."
-        if "16" in precision
+        if "16" in str(precision) and "bf16" not in str(precision)
         else ""
     )
     raise ValueError(
         f"GalvatronStrategy does not support precision={precision!r}; choose one of {', '.join(SUPPORTED_PRECISION)}."
         + hint
     )
+
+
+def precision_plugin_for(precision: str, device_type: str) -> Precision:
+    """The plugin for a Lightning precision flag; unsupported flags get an error saying what to use."""
+    check_precision(precision)
+    if precision == "32-true":
+        return GalvatronFullPrecision()
+    if precision == "bf16-mixed":
+        return GalvatronMixedPrecision("bf16-mixed", device="cuda" if device_type == "cuda" else device_type)
+    return GalvatronHalfPrecision("bf16-true")
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:

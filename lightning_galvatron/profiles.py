@@ -27,7 +27,7 @@ The layout of a group is described by ``ranks_per_node``: how many of its ranks 
 
 Shape of the JSON (version 1; every key is a field of the dataclass of the same name)::
 
-    {"format": "lightning_galvatron.profile", "version": 1, "source": "...",
+    {"format": "lightning_galvatron.profile", "version": 1, "source": "...", "fingerprint": {...} (optional),
      "model": {"name": "llama2-7b", "hidden_size": 4096, "seq_length": 2048, "activation_dtype_bytes": 2,
                "layer_types": [{"name": "decoder", "parameters": 202383360, "hidden_size": 4096,
                                 "num_heads": 32, "ffn_hidden_size": 11008, "seq_length": 2048,
@@ -59,6 +59,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lightning_galvatron.jsonfile import read_json_object
 
 PROFILE_FORMAT = "lightning_galvatron.profile"
 PROFILE_VERSION = 1
@@ -471,7 +473,7 @@ class HardwareProfile:
         devices_per_node: devices that share a node (and its fast interconnect).
         overlap_coefficient: slowdown ``alpha >= 1`` when computation and communication overlap:
             overlapped time is ``max(x, y) + (alpha - 1) * min(x, y)``.
-        collectives: the measured :class:`CollectiveFit` entries.
+        collectives: the measured :class:`CollectiveFit` entries; none for one device (nothing communicates).
         device_memory_bytes: memory of one device, if known (the budget is given separately).
         memory_overhead_bytes: fixed memory per device the model does not account for (CUDA
             context, allocator caches, communication buffers).
@@ -489,7 +491,7 @@ class HardwareProfile:
         _positive_int("hardware.devices_per_node", self.devices_per_node)
         if not (self.overlap_coefficient >= 1.0 and math.isfinite(self.overlap_coefficient)):
             raise ProfileError(f"hardware.overlap_coefficient must be >= 1, got {self.overlap_coefficient!r}")
-        if not any(c.kind == "all_reduce" for c in self.collectives):
+        if self.collectives and not any(c.kind == "all_reduce" for c in self.collectives):
             raise ProfileError("hardware.collectives needs at least one all_reduce entry (the fallback for the others)")
         keys = [(c.kind, c.group_size, c.ranks_per_node) for c in self.collectives]
         duplicates = sorted({k for k in keys if keys.count(k) > 1})
@@ -560,6 +562,11 @@ def lookup_collective(entries: Iterable[CollectiveFit], kind: str, group_size: i
             return (dg, dk) if intra else (dk, dg)
 
         return min(side, key=distance)
+    if not entries:
+        raise ProfileError(
+            f"the hardware profile measured no collectives (it was made on one device), so it cannot price {kind} over "
+            f"{group_size} devices; profile the hardware on the cluster the plan is for"
+        )
     raise ProfileError(f"the hardware profile has no {kind} or all_reduce measurement")
 
 
@@ -571,15 +578,19 @@ class Profile:
     model: ModelProfile
     hardware: HardwareProfile
     source: str = ""
+    fingerprint: Mapping[str, Any] | None = None  # what it was measured on (profiler.cache.fingerprint); optional
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": PROFILE_FORMAT,
             "version": PROFILE_VERSION,
             "source": self.source,
             "model": self.model.to_dict(),
             "hardware": self.hardware.to_dict(),
         }
+        if self.fingerprint is not None:
+            out["fingerprint"] = dict(self.fingerprint)
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> Profile:
@@ -597,16 +608,22 @@ class Profile:
             raise ProfileError(
                 f"profile format version {version} is newer than this lightning_galvatron understands ({PROFILE_VERSION}); upgrade the package"
             )
-        unknown = set(data) - {"format", "version", "source", "model", "hardware"}
+        unknown = set(data) - {"format", "version", "source", "model", "hardware", "fingerprint"}
         if unknown:
-            raise ProfileError(f"unknown profile keys {sorted(unknown)}; known: format, version, source, model, hardware")
+            raise ProfileError(
+                f"unknown profile keys {sorted(unknown)}; known: format, version, source, model, hardware, fingerprint"
+            )
         for key in ("model", "hardware"):
             if key not in data:
                 raise ProfileError(f"the profile lacks its {key!r} section")
+        fingerprint = data.get("fingerprint")
+        if fingerprint is not None and not isinstance(fingerprint, Mapping):
+            raise ProfileError(f"the profile's fingerprint must be a JSON object, got {type(fingerprint).__name__}")
         return cls(
             model=ModelProfile.from_dict(data["model"]),
             hardware=HardwareProfile.from_dict(data["hardware"]),
             source=str(data.get("source", "")),
+            fingerprint=None if fingerprint is None else dict(fingerprint),
         )
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -624,14 +641,11 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Profile:
+        data = read_json_object(path, "profile file", ProfileError)
         try:
-            text = Path(path).read_text()
-        except FileNotFoundError:
-            raise ProfileError(f"profile file {str(path)!r} does not exist") from None
-        try:
-            return cls.from_json(text)
+            return cls.from_dict(data)
         except ProfileError as err:
-            raise ProfileError(f"{path}: {err}") from None
+            raise ProfileError(f"profile file {str(path)!r}: {err}") from None
 
     def with_num_blocks(self, num_blocks: int) -> Profile:
         return dataclasses.replace(self, model=self.model.with_num_blocks(num_blocks))

@@ -1,8 +1,11 @@
 """``GalvatronStrategy``: the Lightning glue. Read it as "what happens at which Lightning hook".
 
-- ``_configure_launcher`` (main process, before any worker starts): check the precision and
-  install the plugin that clips by the global norm across meshes.
-- ``setup_environment`` (every worker): initialise the process group; meshes are made lazily.
+- ``__init__``: check every argument (:mod:`lightning_galvatron.arguments`), before anything is launched.
+- ``_configure_launcher`` (main process, before any worker starts): check the precision, the plan's
+  world size and the memory budget against the devices, and install the plugin that clips by the
+  global norm across meshes.
+- ``setup_environment`` (every worker): initialise the process group and start the rank monitor
+  (:mod:`lightning_galvatron.runtime.watchdog`); meshes are made lazily.
 - ``setup``: find the model's blocks, get the plan (given, or with ``plan="auto"`` profiled and
   searched by :mod:`lightning_galvatron.autoplan`), broadcast rank 0's weights, apply the plan (the
   runtime does the work), create the optimizers.
@@ -15,8 +18,10 @@
   the gradients between the step and its backward. Logs are recorded per micro-batch, handed from
   the last stage to all ranks and replayed (:mod:`lightning_galvatron.step_logs`).
 - ``backward``: scale the loss to the global-batch mean (gradients are summed over dp groups).
-- ``save_checkpoint`` / ``load_checkpoint``: sharded DCP checkpoints (from ``ModelParallelStrategy``),
-  with the plan recorded in the metadata.
+- ``training_step`` / ``optimizer_step``: also tell the rank monitor where this rank is (an assignment).
+- ``save_checkpoint`` / ``load_checkpoint``: sharded DCP checkpoints (saved by ``ModelParallelStrategy``,
+  with the plan recorded in the metadata; loaded by :mod:`lightning_galvatron.checkpoint` into any plan).
+- ``on_exception`` / ``teardown``: one rank prints the error (or names the rank that died); stop the monitor.
 
 No parallelism maths lives here: plans in :mod:`lightning_galvatron.plan`, execution in
 :mod:`lightning_galvatron.runtime`.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -44,26 +50,37 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_galvatron import _registry
-from lightning_galvatron.autoplan import SearchSettings, optimizer_kind, plan_automatically
+from lightning_galvatron.arguments import check_strategy_arguments
+from lightning_galvatron.autoplan import SearchSettings, check_memory_budget, optimizer_kind, plan_automatically
+from lightning_galvatron.checkpoint import load_checkpoint
 from lightning_galvatron.data import loader_batch_size, rebatch, shard_batch_size
-from lightning_galvatron.display import plan_table, render
+from lightning_galvatron.display import plan_table
+from lightning_galvatron.errors import leave_to_reporting_rank
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
+from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
 from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan_or_reason
 from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
 from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_flag, precision_plugin_for
 from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan, check_runtime_support, input_shard
 from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.runtime.pipeline import PipelineRunner, join_micro_batches, loss_of
-from lightning_galvatron.runtime.sync import broadcast_module_states
+from lightning_galvatron.runtime.sync import agree_across_ranks, broadcast_module_states
 from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
+from lightning_galvatron.runtime.watchdog import RankMonitor, WatchdogSettings
 from lightning_galvatron.step_logs import recording_logs, replay_logs
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+_STEP_OF = {
+    TrainerFn.FITTING: "training_step",
+    TrainerFn.VALIDATING: "validation_step",
+    TrainerFn.TESTING: "test_step",
+    TrainerFn.PREDICTING: "predict_step",
+}
 
 
 class GalvatronStrategy(ModelParallelStrategy):
@@ -95,6 +112,12 @@ class GalvatronStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: save sharded (DCP) checkpoints; ``False`` gathers one full file on rank 0.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; by default chosen from the device.
         timeout: timeout of collective operations.
+        watchdog: end the job, naming the ranks at fault, when a rank makes no progress (a stopped process, a
+            data loader that never returns): ``True`` (default: 5 minutes in setup, then 10x the longest training
+            step but at least a minute), ``False``, or a dict of
+            :class:`~lightning_galvatron.runtime.watchdog.WatchdogSettings` fields, e.g. ``{"setup_timeout_s": 600}``.
+
+    Every argument is checked here, before any process is launched; errors name the argument.
     """
 
     strategy_name = "galvatron"
@@ -119,17 +142,22 @@ class GalvatronStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        watchdog: bool | Mapping[str, float] | WatchdogSettings = True,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        with _reported_by_rank_zero():  # under torchrun every process makes the strategy
+            check_strategy_arguments(plan, layers, global_batch_size)
+            self._search = SearchSettings(
+                memory_budget, max_tp, max_pp, disable, schedules, search_batch_size, max_global_batch_size,
+                profile_cache, calibration,
+            )
+            self._watchdog = WatchdogSettings.of(watchdog)
+        self._monitor: RankMonitor | None = None
         self._plan_source = plan
-        self._search = SearchSettings(
-            memory_budget, max_tp, max_pp, tuple(disable), schedules, search_batch_size, max_global_batch_size, profile_cache,
-            calibration,
-        )
         self._save_plan = save_plan
         self._layers = layers
         self._global_batch_size = global_batch_size
@@ -143,8 +171,15 @@ class GalvatronStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ launch and environment
     def _configure_launcher(self) -> None:
+        """Before any worker starts: what depends on the devices (precision, the plan's world size, the budget)."""
         assert self.parallel_devices is not None
-        self.precision_plugin = precision_plugin_for(precision_flag(self.precision_plugin), self.parallel_devices[0].type)
+        device = self.parallel_devices[0]
+        with _reported_by_rank_zero():
+            self.precision_plugin = precision_plugin_for(precision_flag(self.precision_plugin), device.type)
+            if self._plan_source != "auto":
+                self._load_plan(self.num_nodes * len(self.parallel_devices))
+            if self._search.memory_budget_bytes is not None:
+                check_memory_budget(self._search.memory_budget_bytes, device, len(self.parallel_devices))
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
@@ -153,6 +188,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         if initialised_here:
             atexit.register(_destroy_process_group)
         self._meshes = MeshCache.shared(self.root_device.type)
+        self._monitor = RankMonitor.connect(self.global_rank, self.world_size, self._watchdog)
 
     # ------------------------------------------------------------------ setup: resolve and apply the plan
     def setup(self, trainer: Any) -> None:
@@ -185,11 +221,21 @@ class GalvatronStrategy(ModelParallelStrategy):
         started = time.perf_counter()
         self.structure = find_blocks(module, self._layers)
         if self._plan_source == "auto":
+            self._progress("setup: profiling and searching the plan")
             self.plan = self._search_plan(trainer, self.structure)
         else:
-            self.plan = self._load_plan()
-            rank_zero_info(render(plan_table(self.plan, self.structure.block_names)))
-        check_runtime_support(self.plan, self.structure)
+            self.plan = self._load_plan(self.world_size)
+        check_runtime_support(self.plan, self.structure)  # before the plan is printed or applied
+        if self._plan_source != "auto":
+            rank_zero_info(plan_table(self.plan, self.structure.block_names))
+        outside = self._trace_outside_layers(trainer) if self.plan.pp > 1 else None
+        self._progress("setup: applying the plan")
+        if self.plan.pp > 1 and not self._save_distributed_checkpoint:
+            raise PlanError(
+                f"save_distributed_checkpoint=False gathers the model on rank 0, which holds only pipeline stage 0 of "
+                f"this pp={self.plan.pp} plan: use sharded checkpoints (the default; `lightning-galvatron consolidate` "
+                "makes one file of them) or a plan with pp=1"
+            )
         if self._save_plan:
             directory = _output_dir(trainer)  # collective (Lightning broadcasts the log directory)
             if self.global_rank == 0:
@@ -207,6 +253,7 @@ class GalvatronStrategy(ModelParallelStrategy):
             entry_methods=[name for name in _STEP_METHODS if is_overridden(name, module)],
             parallel_loss=self._uses_parallel_loss,
             boundary_dtype=boundary_dtype(precision_flag(self.precision_plugin)),
+            outside_layers=outside,
         )
         _materialize_distributed_module(self.model, self.root_device)
         self._parallelised = self.model
@@ -216,10 +263,20 @@ class GalvatronStrategy(ModelParallelStrategy):
         if partition is not None and partition.is_last and not partition.is_first:
             self.precision_plugin.norm_excluded = {id(p) for p in partition.tied}  # counted on the first stage
 
-    def _load_plan(self) -> ParallelPlan:
-        if self._plan_source is None:
-            raise PlanError('GalvatronStrategy needs a plan: plan="auto" (the default), a ParallelPlan, a dict or a JSON file')
-        plan = load_plan(self._plan_source, world_size=self.world_size)
+    def _trace_outside_layers(self, trainer: Any) -> OutsideLayers:
+        """Pipelines: which layers outside the blocks the step runs before them and which after, observed once on
+        a real batch (registration order does not tell); the same answer, or the same error, on every rank."""
+        assert self.structure is not None
+        self._progress("setup: tracing the step for the pipeline")
+        step = _STEP_OF[trainer.state.fn]
+        batch = _example_batch(_first_dataloader(trainer))
+        return agree_across_ranks(
+            lambda: trace_outside_layers(self.lightning_module, self.structure, step, batch),
+            "which layers run before and after the blocks",
+        )
+
+    def _load_plan(self, world_size: int) -> ParallelPlan:
+        plan = load_plan(self._plan_source, world_size=world_size)
         if self._global_batch_size is not None:
             plan = plan.replace(global_batch_size=self._global_batch_size)
         return plan
@@ -234,12 +291,23 @@ class GalvatronStrategy(ModelParallelStrategy):
                 "`lightning-galvatron search`)"
             )
         loader = _first_dataloader(trainer)
-        example = move_data_to_device(next(iter(loader)), self.root_device)
-        global_batch = self._global_batch_size or loader.batch_size * self.world_size
+        per_device = loader_batch_size(loader)
+        if per_device is None:
+            raise PlanError(
+                'plan="auto" needs a DataLoader with a batch_size to profile with and to size the global batch; '
+                "pass a plan, or global_batch_size= with a DataLoader that has batch_size"
+            )
+        example = move_data_to_device(_example_batch(loader), self.root_device)
+        global_batch = self._global_batch_size or per_device * self.world_size
         for block_type, example_block in {type(b).__name__: b for b in structure.blocks}.items():
             reason = tensor_parallel_plan_or_reason(example_block)
             if isinstance(reason, str):
                 rank_zero_info(f"Galvatron: {block_type} blocks are planned with tp=1: {reason}")
+        if self.world_size == 1:
+            rank_zero_info(
+                "Galvatron: one device: nothing communicates, so no hardware profile is measured; the plan chooses "
+                "recomputation and micro-batches to fit the memory budget"
+            )
         auto = plan_automatically(
             module,
             structure,
@@ -303,24 +371,32 @@ class GalvatronStrategy(ModelParallelStrategy):
         return self._applied.runner if self._applied is not None else None
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._monitor is not None:
+            self._monitor.step_started(self.lightning_module.trainer.global_step)
         if self._runner is None:
             with self._step_context():
                 return super().training_step(*args, **kwargs)
         return self._run_micro_batches("training_step", self.precision_plugin.train_step_context, args, kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._monitor is not None:
+            self._monitor.evaluation_step("validation", _batch_index(args, kwargs))
         if self._runner is None:
             with self._step_context():
                 return super().validation_step(*args, **kwargs)
         return self._run_micro_batches("validation_step", self.precision_plugin.val_step_context, args, kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._monitor is not None:
+            self._monitor.evaluation_step("test", _batch_index(args, kwargs))
         if self._runner is None:
             with self._step_context():
                 return super().test_step(*args, **kwargs)
         return self._run_micro_batches("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._monitor is not None:
+            self._monitor.evaluation_step("predict", _batch_index(args, kwargs))
         if self._runner is None:
             with self._step_context():
                 return super().predict_step(*args, **kwargs)
@@ -388,17 +464,82 @@ class GalvatronStrategy(ModelParallelStrategy):
         with self._step_context():  # loss_parallel's backward rules apply in backward too
             return super().backward(closure_loss / num_shards, optimizer, *args, **kwargs)
 
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(*args, **kwargs)  # runs the training step (the closure) in automatic optimization
+        if self._monitor is not None:
+            self._monitor.step_finished(self.lightning_module.trainer.global_step)
+        return output
+
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self.plan is not None:
             checkpoint["galvatron"] = {"plan": self.plan.to_dict()}
+        self._progress(f"saving the checkpoint {filepath}")
         super().save_checkpoint(checkpoint, filepath, storage_options)
+        self._progress(f"saved the checkpoint {filepath}")
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # Lightning's loader needs a DTensor parameter (a plan of plain DDP blocks has none) and restores the
+        # optimizer's hyper-parameters only where the saving rank held the same parameters; ours loads any plan.
+        assert self.model is not None and self.lightning_module is not None
+        path = Path(self.broadcast(checkpoint_path))  # every rank loads what rank 0 was given
+        self._progress(f"loading the checkpoint {path}")
+        loaded = load_checkpoint(
+            path, self.model, self.optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only
+        )
+        self._progress(f"loaded the checkpoint {path}")
+        return loaded
+
+    # ------------------------------------------------------------------ failures and the end
+    def on_exception(self, exception: BaseException) -> None:
+        """Every rank calls this when its run fails: one rank prints the error (or names the rank that died)."""
+        super().on_exception(exception)
+        monitor, self._monitor = self._monitor, None
+        if monitor is None:  # one process, or no side channel: rank 0 reports
+            if self.global_rank != 0:
+                leave_to_reporting_rank(exception)
+            return
+        death = monitor.failure_report(exception)  # a rank died: the others' errors are only its echo
+        first = monitor.claim_first_failure()
+        monitor.stop(failure=exception)
+        if death is not None:
+            if first:
+                print(death, file=sys.stderr, flush=True)
+            leave_to_reporting_rank(exception)
+        elif not first:
+            leave_to_reporting_rank(exception)
+
+    def teardown(self) -> None:
+        if self._monitor is not None:
+            self._monitor.stop()
+            self._monitor = None
+        super().teardown()
 
     # ------------------------------------------------------------------ helpers
+    def _progress(self, where: str) -> None:
+        if self._monitor is not None:
+            self._monitor.mark(where)
+
     def _require_plan(self) -> ParallelPlan:
         if self.plan is None:
             raise RuntimeError("the Galvatron plan is resolved in setup(); it is not available yet")
         return self.plan
+
+
+@contextmanager
+def _reported_by_rank_zero() -> Generator:
+    """Errors of arguments and devices, found by every process alike before they can talk: rank 0 prints them."""
+    try:
+        yield
+    except Exception as error:
+        if rank_zero_only.rank != 0:
+            leave_to_reporting_rank(error)
+        raise
+
+
+def _batch_index(args: tuple, kwargs: dict) -> int:
+    index = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
+    return index if isinstance(index, int) else 0
 
 
 def _first_dataloader(trainer: Any) -> Any:
@@ -412,12 +553,14 @@ def _first_dataloader(trainer: Any) -> Any:
     loaders = loop._data_source.dataloader()
     while isinstance(loaders, (list, tuple, dict)):
         loaders = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders[0]
-    if getattr(loaders, "batch_size", None) is None:
-        raise PlanError(
-            'plan="auto" needs a DataLoader with a batch_size to profile with and to size the global batch; '
-            "pass a plan, or global_batch_size= with a DataLoader that has batch_size"
-        )
     return loaders
+
+
+def _example_batch(loader: Any) -> Any:
+    """The loader's first batch, without moving the random state training will use (a shuffling sampler draws
+    its seed from it)."""
+    with torch.random.fork_rng():
+        return next(iter(loader))
 
 
 def _configured_optimizer(module: Any) -> Optimizer | None:

@@ -115,24 +115,8 @@ def profile_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("profiles"))
 
 
-#: Families whose layers outside the blocks are registered in another order than they run (OPT's
-#: ``final_layer_norm``, LitGPT's ``lm_head``, both before the blocks): a pipeline stage keeps the wrong ones.
-#: The pipeline-order fix is another helper's part of issue 12 (branch ``pipeline-device``).
-PIPELINE_ORDER = {"opt", "litgpt"}
-PIPELINE_ORDER_REASON = (
-    "pipeline stages assume layers registered in the order they run; {name} registers a layer that runs after "
-    "the blocks before them (owner: the pipeline-order fix of issue 12, branch pipeline-device)"
-)
-
-
-def _marks(name: str, case: str) -> list:
-    if name in PIPELINE_ORDER and case.startswith("pp_"):
-        return [pytest.mark.xfail(strict=True, reason=PIPELINE_ORDER_REASON.format(name=name))]
-    return []
-
-
 @pytest.mark.parametrize(
-    "name, case", [pytest.param(n, c, marks=_marks(n, c), id=f"{n}-{c}") for n in FAMILIES for c in CASES]
+    "name, case", [pytest.param(n, c, id=f"{n}-{c}") for n in FAMILIES for c in CASES]
 )
 def test_family_matches_one_process(pools, profile_cache, name, case):
     expected, results = _matrix(pools, profile_cache, name)
@@ -143,12 +127,7 @@ def test_family_matches_one_process(pools, profile_cache, name, case):
         assert re.search(refusal, outcome), outcome
         return
     assert not isinstance(outcome, str), outcome
-    try:
-        assert_close_runs(outcome, expected, **FP32_TOL)
-        assert_same_evaluation(outcome, expected, FP32_TOL["loss_tol"], PREDICTION_TOL)
-    except AssertionError:
-        if name in PIPELINE_ORDER and case.startswith("auto") and outcome.plan.pp > 1:  # the search chose a pipeline
-            pytest.xfail(PIPELINE_ORDER_REASON.format(name=name))
-        raise
+    assert_close_runs(outcome, expected, **FP32_TOL)
+    assert_same_evaluation(outcome, expected, FP32_TOL["loss_tol"], PREDICTION_TOL)
     if case == "auto_tight":  # pure DDP does not fit the budget
         assert outcome.plan != ParallelPlan.uniform(4, outcome.plan.num_layers, S(), global_batch_size=outcome.plan.global_batch_size)

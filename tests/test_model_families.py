@@ -229,12 +229,16 @@ def test_torch_encoder_runs_on_a_later_pipeline_stage():
     on stage 1 of 2 block "0" lives on stage 0, and its configuration is read from a local block."""
     import torch
 
+    from lightning_galvatron.model.outside_layers import trace_outside_layers
     from lightning_galvatron.runtime.pipeline import StagePartition
 
     module = torch_encoder()
     plan = ParallelPlan.uniform(4, 4, S(), pp=2, schedule="1f1b", micro_batches=2)
-    partition = StagePartition(find_blocks(module), plan, rank=2, boundary_dtype=torch.float32)
-    (chunk,) = partition.chunks
+    structure = find_blocks(module)
     inputs, targets = dataset(2)[0:2]
+    outside = trace_outside_layers(module, structure, "training_step", (inputs, targets))
+    assert (outside.before, outside.after) == (("embedding", "positions"), ("norm", "head"))
+    partition = StagePartition(structure, plan, rank=2, boundary_dtype=torch.float32, outside=outside)
+    (chunk,) = partition.chunks
     with partition.running(chunk, torch.zeros(2, inputs.shape[1], 32)):
         assert module.loss((inputs, targets)).isfinite()

@@ -206,3 +206,13 @@ def test_evaluate_adds_up_and_checks_its_inputs():
     assert any("TP degree 3 is not executable" in w for w in evaluate(profile, odd).warnings)  # 3 does not divide 8 heads
     short = plan.replace(micro_batches=1, global_batch_size=4)
     assert any("micro_batches >= pp" in w for w in evaluate(profile, short).warnings)
+
+
+def test_vocabulary_layers_are_never_priced_as_recomputed():
+    """The runtime recomputes blocks only; a vocab strategy with ``recompute`` (e.g. from ``ParallelPlan.uniform``)
+    keeps the embedding's and head's activations, as a dry run of such a plan measures."""
+    profile = tiny_profile()
+    plain = ParallelPlan.uniform(4, 4, LayerStrategy(recompute=True), vocab=LayerStrategy(), global_batch_size=8)
+    flagged = plain.replace(vocab=LayerStrategy(recompute=True))
+    assert evaluate(profile, flagged).stages[0].vocab_bytes == evaluate(profile, plain).stages[0].vocab_bytes
+    assert evaluate(profile, plain).stages[0].vocab_bytes > 0

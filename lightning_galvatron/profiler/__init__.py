@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,14 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_galvatron.model.discovery import ModelStructure
-from lightning_galvatron.profiler.cache import ProfileCache, cache_key, default_cache_dir, model_signature
+from lightning_galvatron.profiler.cache import (
+    ProfileCache,
+    cache_key,
+    contradiction,
+    default_cache_dir,
+    fingerprint,
+    model_signature,
+)
 from lightning_galvatron.profiler.hardware import profile_hardware
 from lightning_galvatron.profiler.model import Step, profile_model
 from lightning_galvatron.profiles import Profile
@@ -76,9 +84,9 @@ def profile(
 
     key = None
     found: list[Any] = [None]
-    if store is not None and rank == 0:
-        key = cache_key(
-            model_signature(module, structure),
+    measured_on: dict[str, Any] | None = None
+    if rank == 0:
+        what = dict(
             precision=precision,
             sample_shapes=_sample_shapes(example_batch),
             device_kind=device_kind,
@@ -87,7 +95,18 @@ def profile(
             backend=backend,
             extra={"batch_sizes": sorted(batch_sizes), "degrees": sorted(degrees) if degrees else None},
         )
-        cached = store.load(key)
+        signature = model_signature(module, structure)
+        measured_on = fingerprint(signature, **what)
+    if store is not None and rank == 0:
+        key = cache_key(signature, **what)
+        cached = store.load(key, fingerprint=measured_on)
+        problem = contradiction(cached, structure, devices_per_node) if cached is not None else None
+        if problem is not None:
+            warnings.warn(
+                f"ignoring the cached profile {store.path(key)}: {problem}; profiling again and overwriting it",
+                stacklevel=2,
+            )
+            cached = None
         found = [cached.to_dict() if cached is not None else None]
         if cached is not None:
             log.info("using the cached profile %s", store.path(key))
@@ -102,7 +121,12 @@ def profile(
     model = profile_model(
         module, structure, example_batch, step=step, precision=precision, batch_sizes=batch_sizes, degrees=degrees, device=device
     )
-    result = Profile(model, hardware, source=f"lightning_galvatron.profiler: {precision} on {world_size} x {device_kind} ({backend})")
+    result = Profile(
+        model,
+        hardware,
+        source=f"lightning_galvatron.profiler: {precision} on {world_size} x {device_kind} ({backend})",
+        fingerprint=measured_on,
+    )
     log.info("profiled %s in %.1f s", model.name, time.perf_counter() - started)
     chosen = [result.to_dict() if rank == 0 else None]
     if store is not None and rank == 0 and key is not None:

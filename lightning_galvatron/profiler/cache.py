@@ -16,6 +16,12 @@ Files are ``<directory>/<key>.json`` in the profile format, so a cached profile 
 so a reader never sees half a file; a file that cannot be read anyway (corrupt, from another
 version) is reported with a warning naming it and treated as missing, and the caller profiles again
 and overwrites it.
+
+A file is not trusted for its name alone: each profile carries its :func:`fingerprint` (what the key is
+the digest of), and a cached profile whose fingerprint differs from the live one, or whose content
+contradicts the live model (:func:`contradiction`: block count, parameters per block, devices per node)
+-- a file copied from another machine, edited, or written by another model under this key -- is
+reported and measured again.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ def model_signature(module: Any, structure: Any = None) -> str:
     return json.dumps(description, sort_keys=True)
 
 
-def cache_key(
+def fingerprint(
     model_signature: str,
     *,
     precision: str,
@@ -70,8 +76,8 @@ def cache_key(
     devices_per_node: int | None = None,
     backend: str | None = None,
     extra: Mapping[str, Any] | None = None,
-) -> str:
-    """The hex digest (32 characters) of everything a profile depends on (see the module docstring).
+) -> dict[str, Any]:
+    """Everything a profile depends on, as plain JSON (the model as a digest of its signature).
 
     ``sample_shapes`` is any JSON-able description of one sample (e.g. the shapes and dtypes of the
     batch's tensors without the batch dimension): it carries the sequence length.
@@ -79,7 +85,7 @@ def cache_key(
     import torch
 
     content = {
-        "model": model_signature,
+        "model": hashlib.sha256(model_signature.encode()).hexdigest()[:32],
         "precision": precision,
         "sample": sample_shapes,
         "device": device_kind,
@@ -90,8 +96,29 @@ def cache_key(
         "torch": torch.__version__,
         "extra": dict(extra or {}),
     }
-    text = json.dumps(content, sort_keys=True, default=str)
+    return json.loads(json.dumps(content, sort_keys=True, default=str))  # exactly what a JSON file gives back
+
+
+def cache_key(model_signature: str, **what: Any) -> str:
+    """The hex digest (32 characters) of the :func:`fingerprint` (same arguments): the cache file's name."""
+    text = json.dumps(fingerprint(model_signature, **what), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def contradiction(profile: Profile, structure: Any, devices_per_node: int) -> str | None:
+    """What in ``profile`` contradicts the live model's blocks (a
+    :class:`~lightning_galvatron.model.discovery.ModelStructure`) or cluster, or ``None``."""
+    model = profile.model
+    if len(model.blocks) != structure.num_blocks:
+        return f"it describes {len(model.blocks)} blocks but the model has {structure.num_blocks}"
+    for index, block in enumerate(structure.blocks):
+        expected = sum(p.numel() for p in block.parameters())
+        profiled = model.layer_types[model.blocks[index]].parameters
+        if profiled != expected:
+            return f"its block {index} has {profiled} parameters but the model's has {expected}"
+    if profile.hardware.devices_per_node != devices_per_node:
+        return f"it was measured with {profile.hardware.devices_per_node} devices per node, not {devices_per_node}"
+    return None
 
 
 class ProfileCache:
@@ -105,8 +132,9 @@ class ProfileCache:
             raise ValueError(f"a cache key is letters, digits, '-' and '_', got {key!r}")
         return self.directory / f"{key}.json"
 
-    def load(self, key: str) -> Profile | None:
-        """The cached profile, or ``None`` if there is none or it cannot be read (with a warning)."""
+    def load(self, key: str, fingerprint: Mapping[str, Any] | None = None) -> Profile | None:
+        """The cached profile, or ``None`` if there is none, it cannot be read or it was measured on something
+        other than ``fingerprint`` describes (with a warning naming the file)."""
         path = self.path(key)
         try:
             text = path.read_text()
@@ -116,12 +144,22 @@ class ProfileCache:
             warnings.warn(f"cannot read the cached profile {path}: {err}; profiling again", stacklevel=2)
             return None
         try:
-            return Profile.from_json(text)
+            profile = Profile.from_json(text)
         except (ProfileError, TypeError, ValueError) as err:
             warnings.warn(
                 f"ignoring the corrupt cached profile {path} ({err}); profiling again and overwriting it", stacklevel=2
             )
             return None
+        if fingerprint is not None and profile.fingerprint != fingerprint:
+            stored = profile.fingerprint
+            if stored is None:
+                reason = "it does not say what it was measured on (no fingerprint)"
+            else:
+                differ = sorted(k for k in {*fingerprint, *stored} if stored.get(k) != fingerprint.get(k))
+                reason = f"it was measured on another model or cluster (its fingerprint differs in {', '.join(differ)})"
+            warnings.warn(f"ignoring the cached profile {path}: {reason}; profiling again and overwriting it", stacklevel=2)
+            return None
+        return profile
 
     def save(self, key: str, profile: Profile) -> Path:
         """Write atomically: a temporary file in the same directory, renamed over the target."""
@@ -138,4 +176,4 @@ class ProfileCache:
         return path
 
 
-__all__ = ["ENV_VAR", "ProfileCache", "cache_key", "default_cache_dir", "model_signature"]
+__all__ = ["ENV_VAR", "ProfileCache", "cache_key", "contradiction", "default_cache_dir", "fingerprint", "model_signature"]

@@ -22,6 +22,8 @@ changes the number of collectives is taken from numbers all ranks share (all-red
 never disagree; timings are all-reduced (slowest rank) before fitting, so every rank returns the
 same profile.
 
+On one device nothing communicates: :func:`single_device_hardware` measures only the memory.
+
 Process groups come from the runtime's :class:`~lightning_galvatron.runtime.mesh.MeshCache`, so
 the groups measured here are the very groups a plan later trains on, created once.
 """
@@ -142,6 +144,8 @@ def profile_hardware(
         max_message_bytes: largest message (default: 4 MiB on CPU, 64 MiB on CUDA).
         name: label of the profile (default: device name and world size).
     """
+    if world_size == 1:
+        return single_device_hardware(_device(device_type), name)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "profile_hardware measures the live process group, and none is initialised: call it on every rank "
@@ -149,11 +153,6 @@ def profile_hardware(
         )
     if dist.get_world_size() != world_size:
         raise ValueError(f"world_size={world_size} but the process group has {dist.get_world_size()} ranks")
-    if world_size < 2:
-        raise ValueError(
-            "a hardware profile needs at least 2 ranks (there is no communication to measure on one device); "
-            "run under torchrun --nproc-per-node N with N >= 2"
-        )
     if devices_per_node < 1:
         raise ValueError(f"devices_per_node must be positive, got {devices_per_node}")
     device = _device(device_type)
@@ -193,6 +192,20 @@ def profile_hardware(
     )
 
 
+def single_device_hardware(device: torch.device, name: str | None = None) -> HardwareProfile:
+    """One device: nothing communicates, so there is nothing to measure but its memory (no collectives; a plan
+    for one device never looks one up)."""
+    device_memory, overhead = _memory(device)
+    return HardwareProfile(
+        name=name or f"{_device_name(device)} x1",
+        devices_per_node=1,
+        overlap_coefficient=1.0,
+        collectives=(),
+        device_memory_bytes=device_memory,
+        memory_overhead_bytes=overhead,
+    )
+
+
 # ---------------------------------------------------------------------------------------------- groups
 class _GroupCache:
     """The process group of this rank for a layout, from the runtime's shared mesh cache.
@@ -218,7 +231,7 @@ class _GroupCache:
 # ---------------------------------------------------------------------------------------------- timing
 def _device(device_type: str | None) -> torch.device:
     if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_type = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
     if device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(device_type)
@@ -439,7 +452,9 @@ def _memory(device: torch.device) -> tuple[int | None, int]:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     overhead = torch.tensor([max(total - free - torch.cuda.memory_allocated(device), 0)], dtype=torch.int64)
-    return int(total), int(_reduce(overhead, dist.ReduceOp.MAX, device).item())
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        overhead = _reduce(overhead, dist.ReduceOp.MAX, device)
+    return int(total), int(overhead.item())
 
 
-__all__ = ["GroupLayout", "measured_layouts", "message_sizes", "profile_hardware"]
+__all__ = ["GroupLayout", "measured_layouts", "message_sizes", "profile_hardware", "single_device_hardware"]

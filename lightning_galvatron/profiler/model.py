@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -409,10 +410,11 @@ class SavedTensorCounter:
         self._hooks.__exit__(*exc)
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple:
+def _storage_key(tensor: torch.Tensor) -> Any:
+    """The storage's identity (not its data pointer: fake tensors have none, so a dry run can count them too)."""
     local = local_tensor(tensor)
     try:
-        return (local.device.type, local.device.index, local.untyped_storage().data_ptr())
+        return StorageWeakRef(local.untyped_storage())
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage: count it by identity
         return ("object", id(local))
 
@@ -641,15 +643,23 @@ class _BlockProfiler:
             shape[1] //= seq_split
         hidden = torch.randn(shape, dtype=self.hidden.dtype, device=self.device, requires_grad=True)
 
-        def resize(value: Any) -> Any:
+        folded = dict(self.tp_plan.folded_inputs) if self.tp_plan is not None else {}
+
+        def resize(value: Any, name: Any = None) -> Any:
             if value is self.hidden:
                 return hidden
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == captured_batch:
+            if not isinstance(value, torch.Tensor) or value.dim() < 1:
+                return value
+            factor = folded.get(name)
+            if factor and value.shape[0] == captured_batch * factor:  # one row per sample and head (ALiBi)
+                unfolded = value.view(captured_batch, factor, *value.shape[1:])
+                return _resize_tensor(unfolded, batch).flatten(0, 1)
+            if value.shape[0] == captured_batch:
                 return _resize_tensor(value, batch)
             return value
 
         args = tuple(resize(a) for a in self.call.args)
-        kwargs = {k: resize(v) for k, v in self.call.kwargs.items()}
+        kwargs = {k: resize(v, k) for k, v in self.call.kwargs.items()}
         return args, kwargs
 
     # ------------------------------------------------------------------ measurements

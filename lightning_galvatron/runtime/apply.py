@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
 
 from lightning_galvatron.model.discovery import ModelStructure, model_class
+from lightning_galvatron.model.outside_layers import OutsideLayers
 from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan, tensor_parallel_plan_or_reason
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 from lightning_galvatron.runtime.gradient_sync import GradientReducer
@@ -117,6 +118,7 @@ def apply_plan(
     entry_methods: Sequence[str] = (),
     parallel_loss: bool = False,
     boundary_dtype: torch.dtype = torch.float32,
+    outside_layers: OutsideLayers | None = None,
 ) -> AppliedPlan:
     """Parallelise ``model`` in place as ``plan`` says.
 
@@ -127,6 +129,8 @@ def apply_plan(
             ``training_step``); FSDP gathers the root's parameters around them.
         parallel_loss: with vocabulary parallelism, keep logits sharded (see ``vocab_parallel``).
         boundary_dtype: dtype of the activations sent between pipeline stages.
+        outside_layers: with ``pp > 1``, which layers outside the blocks run before them and which after
+            (:func:`~lightning_galvatron.model.outside_layers.trace_outside_layers` on the user's step).
     """
     check_runtime_support(plan, structure)
     rank = dist.get_rank()
@@ -148,7 +152,12 @@ def apply_plan(
 
     local_blocks = range(plan.num_layers)
     if plan.pp > 1:
-        applied.partition = StagePartition(structure, plan, rank, boundary_dtype)
+        if outside_layers is None:
+            raise PlanError(
+                "pipeline parallelism needs to know which layers outside the blocks run before them and which after: "
+                "pass outside_layers=trace_outside_layers(module, structure, step, example_batch)"
+            )
+        applied.partition = StagePartition(structure, plan, rank, boundary_dtype, outside_layers)
         local_blocks = applied.partition.local_blocks
         applied.pipeline_group = meshes.mesh(stage)["pp"].get_group()
 

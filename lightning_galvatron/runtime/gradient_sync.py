@@ -170,6 +170,11 @@ class GradientReducer:
     def params(self) -> list[nn.Parameter]:
         return [p for bucket in self._buckets for p in bucket.params]
 
+    def group_of(self, param: nn.Parameter) -> dist.ProcessGroup | None:
+        """The group ``param``'s gradient is summed over (``None``: not registered here, or no replicas)."""
+        bucket = self._bucket_of.get(id(param))
+        return bucket.group if bucket is not None else None
+
     # ------------------------------------------------------------------ the step
     @contextmanager
     def deferred(self) -> Iterator[None]:

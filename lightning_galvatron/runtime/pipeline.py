@@ -11,7 +11,8 @@ the blocks of the chunk being executed:
 
 - the first of them receives the activation sent by the previous stage instead of its input (what
   the layers before it computed is discarded; on later stages those layers are parameter-free
-  stand-ins that return zeros of the right shape);
+  stand-ins that return zeros of the shape and dtype the real layer would, and refuse to run once
+  the blocks have started);
 - after the last of them the step is cut short and the activation is handed to
   ``torch.distributed.pipelining``, which sends it on -- in the sending block's layout; the
   receiving block relocates it on arrival like any other input;
@@ -23,15 +24,17 @@ micro-batches simply run one after another. Either way the micro-batch losses ar
 caller (``loss_scale``) before backward, never the gradients afterwards, so gradient accumulation
 across optimizer steps stays exact.
 
-Layers outside the blocks are recognised by registration order: modules with parameters registered
-before the first block container belong to the first stage, those after it to the last one (the
-order of ``__init__`` in nanoGPT, GPT-2, Llama and most models). Weights shared between them (a
-tied embedding and head) live on both end stages; their gradients are summed across the two.
+Which layers outside the blocks run before them and which after is not read from the order of
+``__init__`` but observed on the step itself, once, before training
+(:func:`~lightning_galvatron.model.outside_layers.trace_outside_layers`), which also refuses what a
+pipeline could not run exactly. Weights shared between the two sides (a tied embedding and head)
+live on both end stages; their gradients are summed across the two.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +48,12 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_galvatron.model.call_state import is_kv_cache
 from lightning_galvatron.model.discovery import ModelStructure
+from lightning_galvatron.model.outside_layers import (
+    OutsideLayers,
+    block_output_hidden,
+    hidden_states_of,
+    parameter_holders,
+)
 from lightning_galvatron.plan import ParallelPlan, PlanError
 from lightning_galvatron.runtime.gradient_sync import match_parameter_layout
 from lightning_galvatron.runtime.mesh import local_tensor
@@ -72,63 +81,82 @@ class _Chunk:
     received: torch.Tensor | None = None
 
 
-# ----------------------------------------------------------------------------------------- partitioning
-def _vocabulary_modules(structure: ModelStructure) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
-    """Modules with parameters outside the blocks, split into (before the blocks, after the blocks)."""
-    containers = {id(bl.container) for bl in structure.block_lists}
-    in_blocks = {id(m) for block in structure.blocks for m in block.modules()}
-    before, after, seen_blocks = [], [], False
-    for name, module in structure.root.named_modules():
-        if id(module) in containers:
-            seen_blocks = True
-            continue
-        if id(module) in in_blocks or not any(True for _ in module.parameters(recurse=False)):
-            continue
-        (after if seen_blocks else before).append((name, module))
-    return before, after
+# ----------------------------------------------------------------------------------------- stand-ins
+class _AbsentAttribute(PipelineUsageError, AttributeError):
+    """An attribute of a layer or block that lives on another pipeline stage (an ``AttributeError``, so that
+    ``hasattr`` still answers ``False``)."""
 
 
-class _FirstStageOnly(nn.Module):
-    """Parameter-free stand-in for a layer before the blocks, on stages that discard its output.
+class _StandIn(nn.Module):
+    """A parameter-free module in the place of a layer that lives on another stage (``home``)."""
 
-    It returns zeros of the shape and dtype the layer would return, found by running a copy of the layer on
-    the meta device (no memory): layers with their own signatures (OPT's learned positions take the
-    attention mask) fit the code around them as the original does.
+    def __init__(self, name: str, stage: int, home: str) -> None:
+        super().__init__()
+        self._name, self._stage, self._home = name, stage, home
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            own = self.__dict__
+            raise _AbsentAttribute(
+                f"{own.get('_name')} lives on the {own.get('_home')} pipeline stage only; {name!r} was read on stage "
+                f"{own.get('_stage')}"
+            ) from None
+
+
+class _FirstStageOnly(_StandIn):
+    """Stand-in for a layer before the blocks, on stages that discard its output.
+
+    It returns zeros of the shape and dtype the real layer would return (computed by a copy of the
+    layer on the meta device, which holds no memory), and refuses to run after the blocks started:
+    there its output would be used.
     """
 
-    def __init__(self, original: nn.Module) -> None:
-        super().__init__()
-        memo = {id(t): torch.empty_like(t, device="meta") for t in (*original.parameters(), *original.buffers())}
-        memo |= {id(p): nn.Parameter(memo[id(p)], requires_grad=p.requires_grad) for p in original.parameters()}
-        self._shape_of = [copy.deepcopy(original, memo)]  # in a list: not a submodule, so it holds no parameters
+    def __init__(self, original: nn.Module, name: str, stage: int, gate: _Gate) -> None:
+        super().__init__(name, stage, "first")
+        self._gate = gate
+        meta = {id(t): _on_meta(t) for t in (*original.parameters(), *original.buffers())}
+        self._shapes = [copy.deepcopy(original, meta)]  # a list: not registered (no parameters, no state)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        device = tensors[0].device if tensors else torch.device("cpu")
-        on_meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
-        out = self._shape_of[0](*on_meta[0], **on_meta[1])
-        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, out)
+        chunk = self._gate.chunk
+        if chunk is None or self._gate.blocks_started:
+            raise PipelineUsageError(
+                f"{self._name} runs before the Transformer blocks (as traced on the step before training), so with "
+                f"pipeline parallelism it lives on the first stage only; on stage {self._stage} it was called "
+                + ("outside the Lightning steps" if chunk is None else "after the blocks (does this step use it "
+                   "differently from the traced one?)")
+            )
+        device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
+        to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+        shapes = self._shapes[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return tree_map(zeros, shapes)
 
 
-class _LastStageOnly(nn.Module):
+class _LastStageOnly(_StandIn):
     """Stand-in for a layer after the blocks on stages that never reach it."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.name = name
+    def __init__(self, name: str, stage: int) -> None:
+        super().__init__(name, stage, "last")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineUsageError(
-            f"{self.name} runs after the Transformer blocks, so with pipeline parallelism it lives on the last stage "
-            "only; it was called on another stage (is it also used before the blocks?)"
+            f"{self._name} runs after the Transformer blocks (as traced on the step before training), so with pipeline "
+            f"parallelism it lives on the last stage only; it was called on stage {self._stage} (does this step use "
+            "it before the blocks?)"
         )
 
 
-def _outermost(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """The modules not inside another one of the list (a stand-in for a module stands in for its children too,
-    e.g. BERT's ``cls.predictions`` holds a bias and ``transform.dense``)."""
-    names = [name for name, _ in modules]
-    return [(name, m) for name, m in modules if not any(name.startswith(other + ".") for other in names)]
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    meta = torch.empty_like(t, device="meta")
+    return nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+
+
+def _outermost(names: Sequence[str]) -> list[str]:
+    """Names not inside another of ``names`` (replacing a module replaces its submodules)."""
+    return [n for n in names if not any(n.startswith(f"{other}.") for other in names if other != n)]
 
 
 def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -140,30 +168,30 @@ def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
 class _BlockCall:
     """What the user's loop calls instead of a block while a chunk runs."""
 
-    def __init__(self, block: nn.Module, receive: torch.Tensor | None, hand_over: torch.dtype | None) -> None:
-        self.block, self.receive, self.hand_over = block, receive, hand_over
+    def __init__(
+        self, gate: _Gate, block: nn.Module, receive: torch.Tensor | None, hand_over: torch.dtype | None
+    ) -> None:
+        self.gate, self.block, self.receive, self.hand_over = gate, block, receive, hand_over
 
     def __getattr__(self, name: str) -> Any:
         # The loop may read the block's configuration (Qwen2: ``decoder_layer.attention_type``).
         return getattr(self.block, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.gate.blocks_started = True
         if self.receive is not None:
             args, kwargs = _replace_hidden(args, kwargs, self.receive)
         out = self.block(*args, **kwargs)
         if self.hand_over is not None:
-            hidden = out if isinstance(out, torch.Tensor) else out[0]
-            raise _Boundary(hidden.to(self.hand_over))
+            raise _Boundary(block_output_hidden(out).to(self.hand_over))
         return out
 
 
 def _replace_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            return (*args[:i], hidden, *args[i + 1 :]), kwargs
-    if "hidden_states" in kwargs:
-        return args, {**kwargs, "hidden_states": hidden}
-    raise PipelineUsageError("a block was called without a hidden-states tensor")
+    where, _ = hidden_states_of(args, kwargs)
+    if isinstance(where, int):
+        return (*args[:where], hidden, *args[where + 1 :]), kwargs
+    return args, {**kwargs, where: hidden}
 
 
 class _Gate:
@@ -173,6 +201,7 @@ class _Gate:
         self.index_of = index_of  # id(block) -> global block index
         self.boundary_dtype = boundary_dtype
         self.chunk: _Chunk | None = None
+        self.blocks_started = False  # whether the running chunk's first block was called
 
     def calls(self, blocks: Sequence[nn.Module]) -> list[_BlockCall]:
         chunk = self.chunk
@@ -185,6 +214,7 @@ class _Gate:
         first, last = chunk.blocks[0], chunk.blocks[-1]
         return [
             _BlockCall(
+                self,
                 b,
                 receive=chunk.received if self.index_of[id(b)] == first else None,
                 hand_over=self.boundary_dtype if self.index_of[id(b)] == last and not chunk.final else None,
@@ -194,13 +224,26 @@ class _Gate:
 
 
 class _AbsentBlock:
-    """A block of another stage, looked up by index: its configuration reads like a local block's."""
+    """A block of another stage, looked up by index: its configuration reads like a local block's.
 
-    def __init__(self, representative: nn.Module, key: str) -> None:
-        self._representative, self._key = representative, key
+    Only configuration: its tensors and methods are refused (they would be another block's), and its
+    submodules read the same way.
+    """
+
+    def __init__(self, representative: nn.Module, key: str, path: str = "") -> None:
+        self._representative, self._key, self._path = representative, key, path
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._representative, name)
+        value = getattr(self._representative, name)
+        path = f"{self._path}.{name}" if self._path else name
+        if isinstance(value, nn.Module):
+            return _AbsentBlock(value, self._key, path)
+        if isinstance(value, torch.Tensor) or inspect.ismethod(value):
+            raise _AbsentAttribute(
+                f"block {self._key} lives on another pipeline stage; its {path!r} is not on this one (its "
+                "configuration can be read, its tensors and methods cannot)"
+            )
+        return value
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineUsageError(
@@ -228,11 +271,21 @@ def _gated_class(cls: type, gate: _Gate) -> type:
 class StagePartition:
     """This rank's share of the model: its chunks, and what was removed or stood in for.
 
+    ``outside`` says which layers outside the blocks run before them and which after (see
+    :func:`~lightning_galvatron.model.outside_layers.trace_outside_layers`).
+
     Activations cross stages in ``boundary_dtype`` (fixed, so that every stage knows the shapes and
     dtypes it will receive before the first micro-batch runs).
     """
 
-    def __init__(self, structure: ModelStructure, plan: ParallelPlan, rank: int, boundary_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        structure: ModelStructure,
+        plan: ParallelPlan,
+        rank: int,
+        boundary_dtype: torch.dtype,
+        outside: OutsideLayers,
+    ) -> None:
         if structure.num_blocks != plan.num_layers:
             raise PlanError(f"the plan has {plan.num_layers} layer strategies but the model has {structure.num_blocks} blocks")
         self.plan = plan
@@ -245,28 +298,24 @@ class StagePartition:
         self.is_last = self.stage == plan.pp - 1
         self.local_blocks = [i for chunk in self.chunks for i in chunk.blocks]
 
-        before, after = _vocabulary_modules(structure)
-        if any(name == "" for name, _ in before):
-            loose = [n for n, _ in structure.root.named_parameters(recurse=False)]
-            raise PlanError(
-                f"{type(structure.root).__name__} holds parameters itself ({', '.join(loose)}); with pipeline "
-                "parallelism every parameter outside the blocks must belong to a submodule (e.g. an nn.Embedding)"
-            )
+        holders = parameter_holders(structure)
+        before = [(name, holders[name]) for name in outside.before]
+        after = [(name, holders[name]) for name in outside.after]
         before_params = {id(p) for _, m in before for p in m.parameters()}
         # Where this stage holds each weight shared by the first and last stage: (module, attribute).
         after_params = {id(p) for _, m in after for p in m.parameters()}
         self._has_tied = bool(before_params & after_params)  # known on every stage: the group is collective
-        holders = before if self.is_first else after if self.is_last else []
+        holders_here = before if self.is_first else after if self.is_last else []
         self._tied_slots = [
             (m, name)
-            for _, m in holders
+            for _, m in holders_here
             for name, p in m.named_parameters(recurse=False)
             if id(p) in before_params and id(p) in after_params
         ]
         # The layers outside the blocks that this stage runs, grouped for data parallelism by the caller.
-        self.vocabulary_modules = [
-            m for _, m in _outermost((before if self.is_first else []) + (after if self.is_last else []))
-        ]
+        # (the outermost ones: a module holding parameters may sit inside another, BERT's ``cls.predictions``)
+        here = [*(outside.before if self.is_first else ()), *(outside.after if self.is_last else ())]
+        self.vocabulary_modules = [holders[name] for name in _outermost(here)]
 
         # Remove the blocks of other stages, by key so that the remaining names do not change.
         local = set(self.local_blocks)
@@ -286,11 +335,11 @@ class StagePartition:
             container = block_list.container
             container.__class__ = _gated_class(type(container), self.gate)
         if not self.is_first:
-            for name, module in _outermost(before):
-                _replace(structure.root, name, _FirstStageOnly(module))
+            for name in _outermost(outside.before):
+                _replace(structure.root, name, _FirstStageOnly(holders[name], name, self.stage, self.gate))
         if not self.is_last:
-            for name, _ in _outermost(after):
-                _replace(structure.root, name, _LastStageOnly(name))
+            for name in _outermost(outside.after):
+                _replace(structure.root, name, _LastStageOnly(name, self.stage))
 
     @property
     def has_tied_weights(self) -> bool:
@@ -306,6 +355,7 @@ class StagePartition:
     def running(self, chunk: _Chunk, received: torch.Tensor | None) -> Iterator[None]:
         chunk.received = received
         self.gate.chunk = chunk
+        self.gate.blocks_started = False
         try:
             yield
         finally:

@@ -1,20 +1,45 @@
-"""Start every rank from the same weights, as DDP does.
+"""Agreement between ranks before a plan is applied.
 
 Before a plan shards or replicates anything, rank 0's parameters and buffers are broadcast so that
-a model initialised without a common seed still trains as one model. Tensors are flattened into
-buckets per dtype to keep the number of collectives small.
+a model initialised without a common seed still trains as one model (tensors are flattened into
+buckets per dtype to keep the number of collectives small). Decisions every rank makes from its
+own data (which layers run before the blocks) are compared, so that all ranks go on with the same
+answer or stop with the same error, never some waiting for the others forever.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from lightning_galvatron.plan import PlanError
+
 _BUCKET_BYTES = 64 * 2**20
+T = TypeVar("T")
+
+
+def agree_across_ranks(decide: Callable[[], T], what: str) -> T:
+    """Run ``decide`` on every rank; return its result if all ranks found the same, else raise the same
+    :class:`PlanError` everywhere (the first rank's error, or the disagreement)."""
+    try:
+        outcome: tuple[T | None, str | None] = (decide(), None)
+    except Exception as error:  # noqa: BLE001 - every rank must reach the collective below
+        outcome = (None, str(error) if isinstance(error, PlanError) else f"{type(error).__name__}: {error}")
+    outcomes: list[tuple[T | None, str | None]] = [(None, None)] * dist.get_world_size()
+    dist.all_gather_object(outcomes, outcome)
+    errors = [error for _, error in outcomes if error is not None]
+    if errors:
+        raise PlanError(outcome[1] or errors[0])  # this rank's own error if it has one
+    results = [result for result, _ in outcomes]
+    if any(result != results[0] for result in results):
+        raise PlanError(f"the ranks disagree on {what}: {results}")
+    return results[0]
 
 
 def broadcast_module_states(module: nn.Module, src: int = 0) -> None:

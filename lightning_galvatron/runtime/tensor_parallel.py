@@ -39,7 +39,6 @@ between; every copy of a replicated activation carries the full gradient (the ru
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -26,6 +26,7 @@ self-attention could not be told apart).
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -139,6 +140,14 @@ class _UlyssesAttention(TorchFunctionMode):
         return _local_heads(mask, self.g, self.rank) if mask.dim() >= 3 else mask
 
 
+_GROUPS: weakref.WeakKeyDictionary[nn.Module, dist.ProcessGroup] = weakref.WeakKeyDictionary()
+
+
+def ulysses_group(block: nn.Module) -> dist.ProcessGroup | None:
+    """The group ``block``'s sequence is split over, if it runs Ulysses."""
+    return _GROUPS.get(block)
+
+
 def _signature(block: nn.Module) -> inspect.Signature | None:
     try:
         return inspect.signature(model_class(block).forward)
@@ -173,6 +182,7 @@ def apply_ulysses(block: nn.Module, group: dist.ProcessGroup, position_inputs: M
 
     positions = dict(HF_POSITION_INPUTS if position_inputs is None else position_inputs)
     forward = block.forward
+    _GROUPS[block] = group
     signature = _signature(block)
     g, rank = dist.get_world_size(group), dist.get_rank(group)
 

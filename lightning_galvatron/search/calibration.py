@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_galvatron.jsonfile import read_json_object
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan
 from lightning_galvatron.profiles import Profile
 
@@ -250,7 +251,11 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Calibration:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        data = read_json_object(path, "calibration file")
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"calibration file {str(path)!r}: {err}") from None
 
 
 def load_calibration(source: Calibration | Mapping[str, Any] | str | os.PathLike | None) -> Calibration | None:

@@ -34,6 +34,7 @@ pipeline micro-batch add fixed overheads (see :mod:`.calibration`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -458,8 +459,11 @@ def vocab_costs(cm: CostModel, sa: StrategyArrays, ctx: StageContext, part: str)
     ``b*s*h`` per micro-batch per part: the embedding's output in forward, the head's input
     gradient in backward (the vocabulary-parallel loss exchanges only per-token scalars, not
     modelled). Sequence-split execution has no communication besides gradients. A tied head
-    holds its own copy of the embedding when it is on another stage.
+    holds its own copy of the embedding when it is on another stage. The runtime recomputes blocks
+    only: a ``recompute`` flag of the vocabulary strategy keeps the embedding's and head's activations
+    (found by ``lightning-galvatron dry-run``: pricing them as recomputed under-counted the head's logits).
     """
+    sa = dataclasses.replace(sa, recompute=np.zeros_like(sa.recompute))
     model = cm.profile.model
     vocab = model.vocab
     tensors = cm.calibration.vocab_tensors if cm.calibration is not None else 0

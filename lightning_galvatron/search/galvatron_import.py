@@ -36,12 +36,12 @@ Conversion policy (each choice is a documented assumption, not a measurement):
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from lightning_galvatron.jsonfile import read_json_object
 from lightning_galvatron.profiles import (
     CollectiveFit,
     DegreeTable,
@@ -339,10 +339,4 @@ def _layers_from_plan(directory: Path) -> int | None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ProfileError(f"{path.name} is not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise ProfileError(f"{path.name} must hold a JSON object")
-    return data
+    return read_json_object(path, "Hetu-Galvatron profile file", ProfileError)

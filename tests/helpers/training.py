@@ -8,6 +8,7 @@ reference uses that sampler with one replica).
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from examples.gpt import ArithmeticText, GPTModule
 from lightning_galvatron import GalvatronStrategy
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
+from tests.helpers.plan_check import assert_plan_applied
 
 SEQ = 8
 TINY_GPT = dict(vocab_size=16, seq_length=SEQ, n_layer=4, n_head=4, n_embd=32, learning_rate=1e-2)
@@ -39,7 +41,8 @@ class RunResult:
     param_dtypes: set[torch.dtype] = field(default_factory=set)  # as trained, before gathering
     val_loss: float | None = None
     test_loss: float | None = None  # with evaluate=True: trainer.test after training
-    predictions: dict[tuple, torch.Tensor] | None = None  # with evaluate=True: trainer.predict, by input tokens
+    predictions: dict[tuple, torch.Tensor] | torch.Tensor | None = None  # with evaluate=True: keyed by input tokens where
+    # predict_step returns (inputs, predictions), else predict_step's outputs joined
     plan: Any = None  # the plan the strategy ran (distributed runs)
 
 
@@ -130,20 +133,25 @@ def run_distributed(
     precision: str = "32-true",
     model_kwargs: dict | None = None,
     validate: bool = False,
+    evaluate: bool = False,
     ckpt_path: str | None = None,
     save_path: str | None = None,
     strategy_kwargs: dict | None = None,
     model: Callable[[], L.LightningModule] | None = None,
-    evaluate: bool = False,
+    check_plan: bool = True,
     **trainer_kwargs: Any,
 ) -> RunResult:
     """Train on all ranks of the pool; the DataLoader has DDP's per-device batch size.
 
     With ``evaluate``, ``fit`` validates after the last step, then ``test`` and ``predict`` run on held-out
     samples (see :func:`run_single`).
+
+    With ``check_plan`` (and the Galvatron strategy) every rank's parameters, blocks and groups are checked
+    against the plan after ``fit`` (:func:`~tests.helpers.plan_check.assert_plan_applied`).
     """
     world = dist.get_world_size()
-    module = model() if model is not None else tiny_gpt(**(model_kwargs or {}))
+    factory = model if model is not None else functools.partial(tiny_gpt, **(model_kwargs or {}))
+    module = factory()
     initial = _float_copy(module.state_dict()) if dist.get_rank() == 0 else None
     loader = DataLoader(dataset(num_samples), batch_size=global_batch // world, shuffle=True)
     if strategy is None:
@@ -153,6 +161,8 @@ def run_distributed(
     trainer, recorder = _trainer(strategy, world, precision, **trainer_kwargs)
     validation = _evaluation_data(global_batch, global_batch // world) if evaluate else None
     trainer.fit(module, loader, val_dataloaders=validation, ckpt_path=ckpt_path)
+    if check_plan and isinstance(trainer.strategy, GalvatronStrategy):
+        assert_plan_applied(trainer.strategy, factory)
     if save_path is not None:
         trainer.save_checkpoint(save_path)
     result = RunResult(losses=_mean_over_ranks(recorder.losses), grads=_merge_over_ranks(recorder.grads), initial=initial)
@@ -162,7 +172,8 @@ def run_distributed(
         result.val_loss = _validation_loss(trainer, module, global_batch // world)
     if evaluate:
         _evaluate(trainer, module, global_batch, global_batch // world, result)
-        result.predictions = _merge_over_ranks(result.predictions)
+        if isinstance(result.predictions, dict):
+            result.predictions = _merge_over_ranks(result.predictions)
     result.plan = getattr(trainer.strategy, "plan", None)
     return result
 
@@ -173,13 +184,17 @@ def _evaluation_data(global_batch: int, batch_size: int) -> DataLoader:
 
 
 def _evaluate(trainer: L.Trainer, module: L.LightningModule, global_batch: int, batch_size: int, result: RunResult) -> None:
-    """Validation loss of the fit, then ``trainer.test`` and ``trainer.predict`` (predictions keyed by their input)."""
+    """Validation loss of the fit, then ``trainer.test`` and ``trainer.predict``: predictions keyed by their input
+    where ``predict_step`` returns ``(inputs, predictions)`` (comparable over data shards), else joined."""
     result.val_loss = float(trainer.callback_metrics["val_loss"])
     result.test_loss = float(trainer.test(module, _evaluation_data(global_batch, batch_size), verbose=False)[0]["test_loss"])
     outputs = trainer.predict(module, _evaluation_data(global_batch, batch_size))
-    result.predictions = {
-        tuple(x.tolist()): p.detach().float().cpu() for inputs, logits in outputs for x, p in zip(inputs, logits)
-    }
+    if outputs and isinstance(outputs[0], tuple):
+        result.predictions = {
+            tuple(x.tolist()): p.detach().float().cpu() for inputs, logits in outputs for x, p in zip(inputs, logits)
+        }
+    else:
+        result.predictions = torch.cat([p.detach().float().cpu() for p in outputs])
 
 
 def _validation_loss(trainer: L.Trainer, module: GPTModule, batch_size: int) -> float:
@@ -301,6 +316,9 @@ def assert_same_evaluation(actual: RunResult, expected: RunResult, loss_tol: flo
     assert actual.val_loss == pytest_approx(expected.val_loss, loss_tol), ("val_loss", actual.val_loss, expected.val_loss)
     assert actual.test_loss == pytest_approx(expected.test_loss, loss_tol), ("test_loss", actual.test_loss, expected.test_loss)
     assert actual.predictions is not None and expected.predictions is not None
+    if isinstance(expected.predictions, torch.Tensor):
+        torch.testing.assert_close(actual.predictions, expected.predictions, atol=prediction_tol, rtol=0)
+        return
     assert actual.predictions.keys() == expected.predictions.keys()
     for key, value in expected.predictions.items():
         torch.testing.assert_close(actual.predictions[key], value, atol=prediction_tol, rtol=0)

@@ -1,0 +1,49 @@
+"""Every error once: the rank that reports it prints it; the others end quietly.
+
+When a plan is refused, a checkpoint is incomplete or a rank dies, every rank raises, and each would print the
+same traceback (one per rank, prefixed ``[rankN]:`` by ``torch.distributed``). The strategy picks one reporting
+rank (rank 0 before the processes can talk to each other, else the first rank that failed) and, on the others,
+lets the exception end the process without printing it: an ``sys.excepthook`` wrapper that swallows exactly that
+exception when it reaches the top of the program uncaught. Code that catches the exception sees it unchanged, on
+every rank. Set ``LIGHTNING_GALVATRON_DEBUG=1`` to have every rank print its own traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import TracebackType
+
+DEBUG_ENV = "LIGHTNING_GALVATRON_DEBUG"
+
+
+def debug_enabled() -> bool:
+    """``LIGHTNING_GALVATRON_DEBUG`` is set (to anything but ``0``): every rank prints its own errors."""
+    return os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+
+
+def leave_to_reporting_rank(exception: BaseException) -> None:
+    """If ``exception`` ends this process uncaught, print nothing: another rank prints it (unless debugging)."""
+    if debug_enabled() or getattr(exception, "_galvatron_silenced", False):
+        return
+    try:
+        exception._galvatron_silenced = True  # type: ignore[attr-defined]
+    except AttributeError:  # exceptions without a __dict__ cannot be marked; print them
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
+        if not _caused_by(value, exception):
+            previous(kind, value, traceback)
+
+    sys.excepthook = hook
+
+
+def _caused_by(value: BaseException | None, exception: BaseException) -> bool:
+    """``value`` is ``exception`` or was raised while handling it (a wrapper re-raised by user code)."""
+    seen = 0
+    while value is not None and seen < 16:
+        if value is exception:
+            return True
+        value, seen = value.__cause__ or value.__context__, seen + 1
+    return False

@@ -1,0 +1,38 @@
+"""Reading the JSON files users hand us (plans, profiles, calibrations, configs): one message per way it can fail.
+
+Every message names the file and what is wrong with it (missing, unreadable, not JSON, not a JSON object), so a
+typo in a path or a truncated file never surfaces as a traceback from deep inside a parser.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def read_json_object(path: str | os.PathLike, what: str, error: type[Exception] = ValueError) -> dict[str, Any]:
+    """The JSON object in ``path``; ``error(message)`` naming ``what`` (e.g. ``"plan file"``) and the path otherwise."""
+    name = f"{what} {str(path)!r}"
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise error(f"{name} does not exist") from None
+    except IsADirectoryError:
+        raise error(f"{name} is a directory, not a JSON file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise error(f"cannot read {name}: {err}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise error(f"{name} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise error(f"{name} must hold a JSON object ({{...}}), not a {_json_type(data)}")
+    return data
+
+
+def _json_type(value: Any) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )

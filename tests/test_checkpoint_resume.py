@@ -1,0 +1,170 @@
+"""Every checkpoint resumes (issue 13): any plan kind into any plan kind and world size, bit-identical on the same plan.
+
+The README example (``configs/gpt_tiny_cpu_auto.yaml``: ``examples/gpt.py``'s GPT, hidden 64, sequence 32, a 2GB
+budget) trains on a global batch of 16 whatever the world size, so the same samples make every step and runs on
+1, 2 and 4 devices can continue one another. Checkpoints are Lightning's own: ``ModelCheckpoint`` or
+``trainer.save_checkpoint`` at the end of an epoch, resumed with ``Trainer.fit(ckpt_path=...)``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from examples.gpt import ArithmeticText, GPTModule
+from lightning_galvatron import GalvatronStrategy
+from lightning_galvatron.plan import LayerStrategy as S
+from lightning_galvatron.plan import ParallelPlan
+from tests.helpers.training import (
+    _LossRecorder,
+    _merge_over_ranks,
+    assert_parameters_moved_alike,
+    gather_full_state,
+    rounding_noise_gradients,
+    run_distributed,
+)
+from tests.test_parity_data_parallel import FP32_TOL, MIXED_DP_PLAN
+
+pytestmark = pytest.mark.timeout(600)
+
+EXAMPLE_MODEL = dict(n_layer=4, n_head=4, n_embd=64, seq_length=32, learning_rate=0.003)  # gpt_tiny_cpu_auto.yaml
+EXAMPLE_BUDGET = "2GB"
+GLOBAL_BATCH = 16
+DDP_PIPELINE = ParallelPlan.uniform(4, 4, S(), pp=2, schedule="gpipe")  # what `plan: auto` chose for 4 CPU processes
+TP_ZERO3 = ParallelPlan.uniform(4, 4, S(tp=2, dp_type="zero3"), vocab=S(tp=2))
+PP2_TP2_ZERO2 = ParallelPlan(
+    world_size=4, layers=(S(tp=2), S(tp=2, dp_type="zero2"), S(dp_type="zero3"), S(recompute=True)),
+    pp=2, schedule="1f1b", micro_batches=2,
+)
+
+
+def _fit(
+    plan: Any, cache: str, *, train_samples: int, max_steps: int = -1, max_epochs: int | None = None,
+    ckpt_path: str | None = None, save_path: str | None = None, checkpoint_every: int | None = None,
+    checkpoint_dir: str | None = None,
+) -> dict[str, Any]:
+    """The README example on this pool's ranks (DataLoader batch = global batch / devices, as DDP would)."""
+    world = dist.get_world_size()
+    L.seed_everything(0, verbose=False)
+    module = GPTModule(**EXAMPLE_MODEL)
+    loader = DataLoader(ArithmeticText(train_samples, 32, seed=0), batch_size=GLOBAL_BATCH // world, shuffle=True)
+    strategy = GalvatronStrategy(plan=plan, memory_budget=EXAMPLE_BUDGET, profile_cache=cache, save_plan=False)
+    recorder = _LossRecorder()
+    callbacks: list[Any] = [recorder]
+    if checkpoint_every:
+        callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=checkpoint_every, save_top_k=-1))
+    trainer = L.Trainer(
+        default_root_dir=tempfile.gettempdir(), accelerator="cpu", devices=world, strategy=strategy, logger=False,
+        enable_checkpointing=bool(checkpoint_every), enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, max_steps=max_steps, max_epochs=max_epochs, callbacks=callbacks,
+    )
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    if save_path is not None:
+        trainer.save_checkpoint(save_path)
+    losses = torch.tensor(recorder.losses, dtype=torch.float64)
+    dist.all_reduce(losses)  # every rank logs the same loss (pipelines replay the last stage's)
+    return dict(
+        losses=(losses / world).tolist(), plan=strategy.plan, state=gather_full_state(trainer.lightning_module),
+        grads=_merge_over_ranks(recorder.grads),
+        dtensors=any(type(p).__name__ == "DTensor" for p in trainer.lightning_module.parameters()),
+    )
+
+
+def test_the_issue_reproduction_resumes_with_identical_losses(pools, tmp_path):
+    """A DDP-only pipeline (no DTensor parameter anywhere), ModelCheckpoint every 16 steps, resume from step 32."""
+    directory, cache = str(tmp_path / "ck"), str(tmp_path / "cache")
+    common = dict(train_samples=512, max_steps=40, checkpoint_every=16, checkpoint_dir=directory)
+    first = pools(4).run(_fit, DDP_PIPELINE, cache, **common)[0]
+    assert not first["dtensors"]
+    assert sorted(p.name for p in Path(directory).iterdir()) == ["epoch=0-step=16.ckpt", "epoch=0-step=32.ckpt"]
+    resumed = pools(4).run(_fit, DDP_PIPELINE, cache, ckpt_path=f"{directory}/epoch=0-step=32.ckpt", **common)[0]
+    assert resumed["losses"] == first["losses"][32:]  # bit-identical
+    for name, value in first["state"].items():
+        assert torch.equal(resumed["state"][name], value), name
+
+
+def _resumed_matches(resumed: dict, first: dict, uninterrupted: dict, exact: bool) -> None:
+    losses = first["losses"] + resumed["losses"]
+    if exact:
+        assert losses == uninterrupted["losses"]
+        assert all(torch.equal(resumed["state"][k], v) for k, v in uninterrupted["state"].items())
+        return
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(uninterrupted["losses"]), atol=1e-5, rtol=0)
+    assert_parameters_moved_alike(
+        resumed["state"], uninterrupted["state"], first["initial"], FP32_TOL["param_rtol"], FP32_TOL["param_mean_rtol"],
+        skip=rounding_noise_gradients(uninterrupted["grads"]),  # Adam turns their rounding noise into steps
+    )
+
+
+def test_resume_across_plan_kinds_and_world_sizes(pools, tmp_path):
+    """Save under one plan, resume under another: the README example's automatic plans at 2 and 4 devices (the
+    4-device one a DDP pipeline here), ZeRO-3 with tensor parallelism, a mixed pipeline, pure DDP."""
+    cache = str(tmp_path / "cache")
+    epoch = dict(train_samples=64)  # 4 steps per epoch
+    ck = {name: str(tmp_path / f"{name}.ckpt") for name in ("auto4", "tp_zero3", "pp2_tp2", "auto2")}
+
+    def first_epoch(world: int, plan: Any, name: str) -> dict:
+        first = pools(world).run(_fit, plan, cache, max_epochs=1, save_path=ck[name], **epoch)[0]
+        first["initial"] = _initial_state()
+        return first
+
+    auto4 = pools(4).run(_fit, "auto", cache, max_epochs=2, **epoch)[0]  # the uninterrupted runs to continue
+    auto2 = pools(2).run(_fit, "auto", cache, max_epochs=2, **epoch)[0]
+    auto4_first, auto2_first = first_epoch(4, "auto", "auto4"), first_epoch(2, "auto", "auto2")
+    tp_first, pp_first = first_epoch(4, TP_ZERO3, "tp_zero3"), first_epoch(4, PP2_TP2_ZERO2, "pp2_tp2")
+    assert auto4_first["plan"] == auto4["plan"]
+
+    cases = [  # (world, resume plan, checkpoint, its first half, the uninterrupted run it continues, bit-identical)
+        (4, "auto", "auto4", auto4_first, auto4, True),
+        (4, TP_ZERO3, "auto4", auto4_first, auto4, False),
+        (4, "auto", "tp_zero3", tp_first, auto4, False),
+        (4, ParallelPlan.uniform(4, 4, S()), "pp2_tp2", pp_first, auto4, False),
+        (4, PP2_TP2_ZERO2, "auto2", auto2_first, auto2, False),
+        (2, "auto", "auto2", auto2_first, auto2, True),
+        (2, "auto", "auto4", auto4_first, auto4, False),
+        (1, ParallelPlan.uniform(1, 4, S()), "auto4", auto4_first, auto4, False),
+    ]
+    for world, plan, name, first, uninterrupted, exact in cases:
+        resumed = pools(world).run(_fit, plan, cache, max_epochs=2, ckpt_path=ck[name], **epoch)[0]
+        _resumed_matches(resumed, first, uninterrupted, exact)
+
+
+def _initial_state() -> dict[str, torch.Tensor]:
+    L.seed_everything(0, verbose=False)
+    return {k: v.detach().float().clone() for k, v in GPTModule(**EXAMPLE_MODEL).state_dict().items()}
+
+
+def test_resume_into_the_automatic_plan_on_one_device(pools, tmp_path):
+    cache, checkpoint = str(tmp_path / "cache"), str(tmp_path / "ddp2.ckpt")
+    pools(2).run(_fit, ParallelPlan.uniform(2, 4, S()), cache, train_samples=64, max_epochs=1, save_path=checkpoint)
+    pools(1).run(_fit, "auto", cache, train_samples=64, max_epochs=2, ckpt_path=checkpoint)
+
+
+def test_full_checkpoint_files_resume_into_plans_without_a_pipeline(pools, tmp_path):
+    """``save_distributed_checkpoint=False``: one file on rank 0, resumed by parameter name into another plan; a
+    pipeline stage cannot place its position-keyed optimizer states, and saving one under a pipeline would keep only
+    stage 0, so both are refused with the reason."""
+    epochs, checkpoint = dict(max_steps=-1, num_samples=16), str(tmp_path / "full.ckpt")
+    ddp = ParallelPlan.uniform(4, 4, S())
+    uninterrupted = pools(4).run(run_distributed, ddp, max_epochs=2, **epochs)[0]
+    full = dict(save_distributed_checkpoint=False)
+    first = pools(4).run(run_distributed, ddp, max_epochs=1, save_path=checkpoint, strategy_kwargs=full, **epochs)[0]
+    assert Path(checkpoint).is_file()
+    resumed = pools(4).run(run_distributed, MIXED_DP_PLAN, max_epochs=2, ckpt_path=checkpoint, **epochs)[0]
+    torch.testing.assert_close(
+        torch.tensor(first.losses + resumed.losses), torch.tensor(uninterrupted.losses), atol=1e-5, rtol=0
+    )
+    with pytest.raises(AssertionError, match=r"CheckpointError: '.*full\.ckpt' is a full checkpoint file .*; resume it "
+                                             r"with a plan without pipeline stages \(pp=1\)"):
+        pools(4).run(run_distributed, DDP_PIPELINE, max_epochs=2, ckpt_path=checkpoint, **epochs)
+    with pytest.raises(AssertionError, match=r"PlanError: save_distributed_checkpoint=False gathers the model on rank 0, "
+                                             r"which holds only pipeline stage 0 of this pp=2 plan"):
+        pools(4).run(run_distributed, DDP_PIPELINE, max_epochs=1, strategy_kwargs=full, **epochs)
