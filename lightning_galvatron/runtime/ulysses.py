@@ -14,7 +14,8 @@ What else a block receives must fit that split:
 - an attention mask arrives whole (``[batch, 1 or heads, queries, keys]`` over the whole sequence) and
   reaches the kernel whole, where queries and keys are whole again (its heads cut to this rank's);
 - keys and values over another sequence (cross-attention to an encoder's output, which every rank
-  holds whole) are cut to this rank's heads instead of exchanged;
+  holds whole) are cut to this rank's heads instead of exchanged, and the encoder output's gradient
+  (this rank's heads' part) is summed over the group;
 - key/value heads that the degree does not divide (grouped or multi-query attention) are repeated
   to the query heads first.
 
@@ -37,6 +38,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_galvatron.model.discovery import model_class
+from lightning_galvatron.runtime.tensor_parallel import _CopyToGroup
 
 
 class _AllToAll(torch.autograd.Function):
@@ -200,10 +202,14 @@ def apply_ulysses(block: nn.Module, group: dist.ProcessGroup, position_inputs: M
             for i, a in enumerate(args)
         )
         kwargs = {k: _cut(v, positions[k], local, g, rank, k) if k in positions and v is not hidden else v for k, v in kwargs.items()}
-        memory = {
-            t.shape[1] for t in (*args, *kwargs.values())
-            if isinstance(t, torch.Tensor) and t is not hidden and t.dim() == 3 and t.is_floating_point() and t.shape[-1] == width
-        }
+        def is_memory(t: Any) -> bool:  # an encoder's output: whole on every rank of the group
+            return isinstance(t, torch.Tensor) and t is not hidden and t.dim() == 3 and t.is_floating_point() and t.shape[-1] == width
+
+        # Each rank's cross-attention uses its heads of the memory's keys and values, so its gradient for the
+        # memory is its heads' part: summed over the group, every rank holds the whole (as for any replicated input).
+        args = tuple(_CopyToGroup.apply(a, group) if is_memory(a) and a.requires_grad else a for a in args)
+        kwargs = {k: _CopyToGroup.apply(v, group) if is_memory(v) and v.requires_grad else v for k, v in kwargs.items()}
+        memory = {t.shape[1] for t in (*args, *kwargs.values()) if is_memory(t)}
         mode = _UlyssesAttention(group, memory)
         with mode:
             out = forward(*args, **kwargs)
