@@ -183,6 +183,11 @@ class LayerTypeProfile:
             styles the runtime has for this block type.
         tp_collectives_per_forward: all-reduces per forward under Megatron TP (2: attention and MLP).
         ulysses_all_to_alls_per_forward: all-to-alls per forward under Ulysses (4: q, k, v, output).
+        tensor_parallel_divisors: sizes every Megatron TP degree must divide, from the block's
+            tensor-parallel plan (heads, key/value heads, widths; key/value heads a plan keeps whole are
+            not among them). Empty (profiles before this field): the heads, hidden and FFN sizes above.
+        ulysses_divisors: sizes every Ulysses degree must divide besides the sequence (the query heads).
+            Empty: ``num_heads``.
     """
 
     name: str
@@ -201,10 +206,19 @@ class LayerTypeProfile:
     supports_ulysses: bool = True
     tp_collectives_per_forward: int = 2
     ulysses_all_to_alls_per_forward: int = 4
+    tensor_parallel_divisors: tuple[int, ...] = ()
+    ulysses_divisors: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("parameters", "hidden_size", "num_heads", "ffn_hidden_size", "seq_length"):
             _positive_int(f"layer type {self.name!r}: {name}", getattr(self, name))
+        for name in ("tensor_parallel_divisors", "ulysses_divisors"):
+            values = getattr(self, name)
+            if not isinstance(values, (list, tuple)):
+                raise ProfileError(f"layer type {self.name!r}: {name} must be a list of positive integers, got {values!r}")
+            for value in values:
+                _positive_int(f"layer type {self.name!r}: {name}", value)
+            object.__setattr__(self, name, tuple(values))
         _finite_nonneg(f"layer type {self.name!r}: recompute_activation_bytes_per_sample", self.recompute_activation_bytes_per_sample)
         _finite_nonneg(f"layer type {self.name!r}: replicated_activation_bytes_per_sample", self.replicated_activation_bytes_per_sample)
         _finite_nonneg(f"layer type {self.name!r}: backward_to_forward", self.backward_to_forward)
@@ -213,6 +227,8 @@ class LayerTypeProfile:
         out = dataclasses.asdict(self)
         out["forward_time"] = self.forward_time.to_dict()
         out["activation_bytes_per_sample"] = self.activation_bytes_per_sample.to_dict()
+        for name in ("tensor_parallel_divisors", "ulysses_divisors"):
+            out[name] = list(out[name])
         return out
 
     @classmethod

@@ -63,7 +63,7 @@ from lightning_galvatron.display import plan_table
 from lightning_galvatron.errors import leave_to_reporting_rank
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
 from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
-from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
+from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan_or_reason
 from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
 from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_flag, precision_plugin_for
 from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan, check_runtime_support, input_shard
@@ -300,11 +300,9 @@ class GalvatronStrategy(ModelParallelStrategy):
         example = move_data_to_device(_example_batch(loader), self.root_device)
         global_batch = self._global_batch_size or per_device * self.world_size
         for block_type, example_block in {type(b).__name__: b for b in structure.blocks}.items():
-            if tensor_parallel_plan(example_block) is None:
-                rank_zero_info(
-                    f"Galvatron: {block_type} has no tensor-parallel plan, so its blocks are planned with tp=1 "
-                    "(declare one with lightning_galvatron.register_tensor_parallel_plan)"
-                )
+            reason = tensor_parallel_plan_or_reason(example_block)
+            if isinstance(reason, str):
+                rank_zero_info(f"Galvatron: {block_type} blocks are planned with tp=1: {reason}")
         if self.world_size == 1:
             rank_zero_info(
                 "Galvatron: one device: nothing communicates, so no hardware profile is measured; the plan chooses "

@@ -643,15 +643,23 @@ class _BlockProfiler:
             shape[1] //= seq_split
         hidden = torch.randn(shape, dtype=self.hidden.dtype, device=self.device, requires_grad=True)
 
-        def resize(value: Any) -> Any:
+        folded = dict(self.tp_plan.folded_inputs) if self.tp_plan is not None else {}
+
+        def resize(value: Any, name: Any = None) -> Any:
             if value is self.hidden:
                 return hidden
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == captured_batch:
+            if not isinstance(value, torch.Tensor) or value.dim() < 1:
+                return value
+            factor = folded.get(name)
+            if factor and value.shape[0] == captured_batch * factor:  # one row per sample and head (ALiBi)
+                unfolded = value.view(captured_batch, factor, *value.shape[1:])
+                return _resize_tensor(unfolded, batch).flatten(0, 1)
+            if value.shape[0] == captured_batch:
                 return _resize_tensor(value, batch)
             return value
 
         args = tuple(resize(a) for a in self.call.args)
-        kwargs = {k: resize(v) for k, v in self.call.kwargs.items()}
+        kwargs = {k: resize(v, k) for k, v in self.call.kwargs.items()}
         return args, kwargs
 
     # ------------------------------------------------------------------ measurements
@@ -717,12 +725,12 @@ class _BlockProfiler:
             return {}
         from torch.distributed.tensor.parallel import ColwiseParallel
 
-        from lightning_galvatron.runtime.tensor_parallel import ColwiseConv1D
+        from lightning_galvatron.runtime.tensor_parallel import ColwiseFused
 
         roles = {
             name: "column"
             for name, style in self.tp_plan.styles(False).items()
-            if isinstance(style, (ColwiseParallel, ColwiseConv1D))
+            if isinstance(style, (ColwiseParallel, ColwiseFused))
         }
         for name, child in self.block.named_children():
             if "norm" in type(child).__name__.lower() or name.startswith("ln"):
@@ -788,6 +796,8 @@ class _BlockProfiler:
             supports_ulysses=styles.ulysses,
             tp_collectives_per_forward=self.row_parallel_layers() or 2,
             ulysses_all_to_alls_per_forward=4 * attention_calls if attention_calls else 4,
+            tensor_parallel_divisors=tuple(plan.divisible.values()) if plan is not None else (),
+            ulysses_divisors=tuple(plan.ulysses_sizes.values()) if plan is not None else (),
         )
 
     def per_degree(
@@ -848,12 +858,13 @@ class _BlockProfiler:
             runnable.append("none")
         if styles.megatron_sp and plan is not None and plan.unsupported(g, "megatron") is None and seq % g == 0:
             runnable.append("megatron")
-        if styles.ulysses and seq % g == 0 and self.num_heads() % g == 0:
+        if styles.ulysses and plan is not None and plan.unsupported(g, "ulysses") is None and seq % g == 0 and seq // g >= 2:
             runnable.append("ulysses")
         for style in runnable:
             block = self.copy()
             if style == "ulysses":
-                apply_ulysses(block, tp_mesh.get_group())
+                assert plan is not None
+                apply_ulysses(block, tp_mesh.get_group(), plan.position_inputs)
             else:
                 assert plan is not None
                 apply_tensor_parallel(block, plan.styles(style == "megatron"), tp_mesh)

@@ -10,7 +10,8 @@ that drives micro-batches and the pipeline schedule. Parameter names never chang
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fs
 
 from lightning_galvatron.model.discovery import ModelStructure, model_class
 from lightning_galvatron.model.outside_layers import OutsideLayers
-from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
+from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan, tensor_parallel_plan_or_reason
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 from lightning_galvatron.runtime.gradient_sync import GradientReducer
 from lightning_galvatron.runtime.mesh import Layout, MeshCache
@@ -61,13 +62,15 @@ def check_runtime_support(plan: ParallelPlan, structure: ModelStructure) -> None
     for index, (block, strategy) in enumerate(zip(structure.blocks, plan.layers)):
         if strategy.tp == 1:
             continue
-        tp_plan = tensor_parallel_plan(block)
-        if tp_plan is None and strategy.sp != "ulysses":
+        tp_plan = tensor_parallel_plan_or_reason(block)
+        if isinstance(tp_plan, str):
+            if strategy.sp == "ulysses":
+                continue  # Ulysses keeps the weights whole; the block must call F.scaled_dot_product_attention
             raise PlanError(
-                f"layers[{index}]: {type(block).__name__} has no tensor-parallel plan, so tp={strategy.tp} cannot run; "
-                "use tp=1 for it or register a plan with lightning_galvatron.register_tensor_parallel_plan"
+                f"layers[{index}]: {type(block).__name__} has no tensor-parallel plan, so tp={strategy.tp} cannot run "
+                f"({tp_plan}); use tp=1 for it or register a plan with lightning_galvatron.register_tensor_parallel_plan"
             )
-        reason = tp_plan.unsupported(strategy.tp, strategy.sp) if tp_plan is not None else None
+        reason = tp_plan.unsupported(strategy.tp, strategy.sp)
         if reason is not None:
             raise PlanError(f"layers[{index}] ({structure.block_names[index]}): tp={strategy.tp}, sp={strategy.sp!r}: {reason}")
 
@@ -161,19 +164,29 @@ def apply_plan(
     # Each block list (an encoder, a decoder) starts from and returns to the vocabulary layout: its first
     # block reads embeddings, its last block's output is used by layers outside the blocks (or as the
     # decoder's memory, which then reaches each decoder block along the batch).
+    outputs = _BlockOutputs()
     for index in local_blocks:
         block, strategy = all_blocks[index], plan.layers[index]
+        tp_plan = tensor_parallel_plan(block)
         source = vocab_layout if index in starts else layouts[index - 1]
-        applied.hooks.append(
-            _relocate_inputs(
-                block, source, layouts[index], micro_batch, position, stage_group, first=index == 0, extras_source=vocab_layout
-            )
+        applied.hooks += _relocate_inputs(
+            block,
+            source,
+            layouts[index],
+            micro_batch,
+            position,
+            stage_group,
+            first=index == 0,
+            extras_source=vocab_layout,
+            carried=outputs.of(index - 1) if index not in starts else None,
+            folded=tp_plan.folded_inputs if tp_plan is not None else {},
+            positions=tp_plan.position_inputs if tp_plan is not None else {},
         )
+        applied.hooks.append(outputs.record(block, index))
         layout = Layout.of(plan, strategy)
         if strategy.sp == "ulysses":
-            apply_ulysses(block, meshes.tp_mesh(layout).get_group())
+            apply_ulysses(block, meshes.tp_mesh(layout).get_group(), tp_plan.position_inputs if tp_plan is not None else None)
         elif strategy.tp > 1:
-            tp_plan = tensor_parallel_plan(block)
             assert tp_plan is not None  # checked above
             apply_tensor_parallel(block, tp_plan.styles(strategy.sp == "megatron"), meshes.tp_mesh(layout))
             tp_plan.localize(block, strategy.tp)
@@ -186,7 +199,7 @@ def apply_plan(
 
     if vocabulary is not None and plan.vocab.tp > 1:
         vocab_tp_mesh = meshes.tp_mesh(Layout.of(plan, plan.vocab))
-        apply_vocab_parallel(vocabulary.present_in(model), vocab_tp_mesh, parallel_loss)
+        apply_vocab_parallel(vocabulary.present_in(model), vocab_tp_mesh, parallel_loss, root=model)
     vocab_dp_mesh = meshes.dp_mesh(Layout.of(plan, plan.vocab))
     if applied.partition is None:
         apply_data_parallel(model, plan.vocab, vocab_dp_mesh, mp_policy, applied.gradients, outside_blocks=True)
@@ -270,6 +283,39 @@ def _gradient_mesh(meshes: MeshCache, plan: ParallelPlan, strategy: LayerStrateg
     return meshes.dp_mesh(Layout.of(plan, strategy))
 
 
+class _BlockOutputs:
+    """What each block returned besides its hidden states, for the next block (weakly held).
+
+    Some models hand a block's other outputs to the next block (T5's position bias, with the mask added,
+    per sample): those are in the previous block's layout, not in the embedding's like inputs made
+    outside the blocks, and are moved from there.
+    """
+
+    def __init__(self) -> None:
+        self._outputs: dict[int, list[weakref.ref]] = {}
+
+    def record(self, block: nn.Module, index: int):  # noqa: ANN201
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            extra = output[1:] if isinstance(output, (tuple, list)) else ()
+            self._outputs[index] = [weakref.ref(t) for t in extra if isinstance(t, torch.Tensor)]
+
+        return block.register_forward_hook(hook)
+
+    def of(self, index: int):  # noqa: ANN201
+        """A test: was this tensor an output of block ``index`` in its latest call? (The same tensor, or an alias of
+        it: FSDP2 hands a block the inputs that need gradients through an autograd function of its own.)"""
+        return lambda value: any(_same_tensor(ref(), value) for ref in self._outputs.get(index, ()))
+
+
+def _same_tensor(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    if a is None or a is b:
+        return a is b
+    return (
+        a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+    )
+
+
 def _relocate_inputs(
     block: nn.Module,
     source: ActivationLayout,
@@ -279,18 +325,27 @@ def _relocate_inputs(
     group: dist.ProcessGroup,
     first: bool,
     extras_source: ActivationLayout,
-):  # noqa: ANN202
+    carried: Any = None,
+    folded: Mapping[str, int] | None = None,
+    positions: Mapping[str | int, int] | None = None,
+) -> list[Any]:
     """Forward pre-hook: bring the block's inputs to the ``target`` layout.
 
     The hidden states (first tensor argument) move from ``source`` (the previous block's layout) along
     batch and sequence; other tensors whose first dimension is the local batch (masks, position
-    tables, memory) move from ``extras_source`` (the vocabulary layout) along the batch only.
+    tables, memory) move from ``extras_source`` (the vocabulary layout) along the batch only -- or from
+    the previous block's layout when ``carried(tensor)`` says the previous block returned them.
+    ``folded`` names inputs whose first dimension is the batch times a factor (an ALiBi bias per head);
+    ``positions`` those with one entry per position, batch-major (position ids).
     Registered before recomputation so that recompute replays from already relocated inputs.
     """
     # Other inputs (masks, positions, an encoder's memory) are made outside the blocks and handed to every
     # block as they are: they always come from the vocabulary layout, whatever the previous block's was.
     batch_only_source = ActivationLayout(extras_source.layout)
     batch_only_target = ActivationLayout(target.layout)
+    batch_only_previous = ActivationLayout(source.layout)
+    folded = dict(folded or {})
+    positions = dict(positions or {})
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if is_recomputing(module):
@@ -303,37 +358,65 @@ def _relocate_inputs(
         if first:
             micro_batch.size = hidden.shape[0] * source.layout.dp  # the input layout's shards are even
         extras_batch = micro_batch.size // extras_source.layout.dp
+        previous_batch = micro_batch.size // source.layout.dp
         seq = source.global_seq(hidden.shape[1])
         slots = [*((i, a) for i, a in enumerate(args) if i != hidden_index), *kwargs.items()]
         slots = [(name, v) for name, v in slots if not (hidden_index is None and name == "hidden_states")]
-        per_sample = {name for name, v in slots if _is_per_sample(name, v, extras_batch, seq, module)}
-        if _extras_cross_ranks(batch_only_source, batch_only_target, micro_batch.size):
+        from_previous = {name for name, v in slots if carried is not None and isinstance(v, torch.Tensor) and carried(v)}
+        if batch_only_previous != batch_only_target:
+            # A tensor the previous block returned for every sample at once ([1, ...], T5's position bias without a
+            # mask) is used by other samples here: its gradient must flow back per sample, so it travels per sample.
+            slots = [
+                (name, v.expand(previous_batch, *v.shape[1:]) if name in from_previous and v.requires_grad
+                 and v.shape[0] == 1 < previous_batch else v)
+                for name, v in slots
+            ]
+            args = tuple(dict(slots).get(i, a) for i, a in enumerate(args))
+            kwargs = {k: dict(slots).get(k, v) for k, v in kwargs.items()}
+        moves = {name: batch_only_previous if name in from_previous else batch_only_source for name, _ in slots}
+        per_sample = {  # only where something moves: an input that stays where it is needs no reading
+            name for name, v in slots
+            if moves[name] != batch_only_target and _is_per_sample(
+                name, _unfolded(v, folded.get(name)), previous_batch if name in from_previous else extras_batch, seq,
+                module, batch_major=name in positions,
+            )
+        }
+        if _extras_cross_ranks(batch_only_source, batch_only_target, micro_batch.size) or from_previous & per_sample:
             _agree_on_per_sample_inputs(module, [name in per_sample for name, _ in slots], group)
 
         def move(name: Any, value: Any) -> Any:
             if name == "hidden":
                 return relocate(value, source, target, micro_batch.size, position, group)
             if name in per_sample:
-                return relocate(value, batch_only_source, batch_only_target, micro_batch.size, position, group)
+                moved = relocate(_unfolded(value, folded.get(name)), moves[name], batch_only_target, micro_batch.size, position, group)
+                return moved.flatten(0, 1) if name in folded else moved
             return value
 
         new_args = tuple(move("hidden" if i == hidden_index else i, a) for i, a in enumerate(args))
         new_kwargs = {k: move("hidden" if hidden_index is None and k == "hidden_states" else k, v) for k, v in kwargs.items()}
         return new_args, new_kwargs
 
-    return block.register_forward_pre_hook(hook, with_kwargs=True)
+    return [block.register_forward_pre_hook(hook, with_kwargs=True)]
 
 
-def _is_per_sample(name: Any, value: Any, batch: int, seq: int, block: nn.Module) -> bool:
+def _unfolded(value: Any, factor: int | None) -> Any:
+    """``[batch x factor, ...]`` as ``[batch, factor, ...]`` (an input whose rows are per sample and head)."""
+    if factor is None or not isinstance(value, torch.Tensor) or value.shape[0] % factor:
+        return value
+    return value.view(value.shape[0] // factor, factor, *value.shape[1:])
+
+
+def _is_per_sample(name: Any, value: Any, batch: int, seq: int, block: nn.Module, batch_major: bool = False) -> bool:
     """Whether a block input other than the hidden states holds one row per sample (and so moves with them).
 
     Batch-major tensors do (masks ``[b, ...]``, position tables ``[b, s, ...]``, an encoder's memory); a
-    ``[seq, seq]`` mask over positions does not -- unless its name says it pads samples. With as many
-    samples per shard as positions, a positional ``[seq, seq]`` input cannot be told apart: refuse.
+    ``[seq, seq]`` mask over positions does not -- unless its name says it pads samples, or the block's plan
+    says it is a batch-major per-position input (``batch_major``: position ids ``[b or 1, s]``). With as many
+    samples per shard as positions, a positional ``[seq, seq]`` input cannot be told apart otherwise: refuse.
     """
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[0] != batch:
         return False
-    if value.dim() == 2 and value.shape[1] == seq and batch == seq and "padding" not in str(name):
+    if value.dim() == 2 and value.shape[1] == seq and batch == seq and "padding" not in str(name) and not batch_major:
         raise PlanError(
             f"{model_class(block).__name__} received a [{seq}, {seq}] input ({name!r}) while each data shard holds "
             f"{batch} samples of {seq} positions: it could be a mask over positions or one row per sample. Pass a "

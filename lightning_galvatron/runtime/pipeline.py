@@ -173,6 +173,10 @@ class _BlockCall:
     ) -> None:
         self.gate, self.block, self.receive, self.hand_over = gate, block, receive, hand_over
 
+    def __getattr__(self, name: str) -> Any:
+        # The loop may read the block's configuration (Qwen2: ``decoder_layer.attention_type``).
+        return getattr(self.block, name)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.gate.blocks_started = True
         if self.receive is not None:
@@ -309,7 +313,9 @@ class StagePartition:
             if id(p) in before_params and id(p) in after_params
         ]
         # The layers outside the blocks that this stage runs, grouped for data parallelism by the caller.
-        self.vocabulary_modules = [m for _, m in (before if self.is_first else []) + (after if self.is_last else [])]
+        # (the outermost ones: a module holding parameters may sit inside another, BERT's ``cls.predictions``)
+        here = [*(outside.before if self.is_first else ()), *(outside.after if self.is_last else ())]
+        self.vocabulary_modules = [holders[name] for name in _outermost(here)]
 
         # Remove the blocks of other stages, by key so that the remaining names do not change.
         local = set(self.local_blocks)
