@@ -46,6 +46,14 @@ def test_consolidate_hf_loads_with_from_pretrained_and_gives_the_trained_logits(
         assert not torch.allclose(expected, hf_gpt2().model.eval()(input_ids=tokens).logits)  # training moved it
         torch.testing.assert_close(exported(input_ids=tokens).logits, expected, rtol=0, atol=0)
 
+    # A checkpoint that does not record its model (an earlier version's): the config names the class, the tensors'
+    # names give its prefix in the LightningModule.
+    assert main(["consolidate", str(checkpoint), "--hf", str(tmp_path / "again"), "--hf-config", str(out / "config.json")]) == 0
+    assert "GPT2LMHeadModel (" in capsys.readouterr().out
+    again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "again").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=tokens).logits, expected, rtol=0, atol=0)
+
     # The checkpoint as one state dict, for the plain LightningModule (public DCP API, no process group).
     assert main(["consolidate", str(checkpoint), "-o", str(tmp_path / "model.pt")]) == 0
     capsys.readouterr()
