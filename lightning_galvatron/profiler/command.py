@@ -77,11 +77,14 @@ def _resolve_inputs(args: argparse.Namespace) -> _Inputs:
     """The model, datamodule and precision from ``--config`` (read by LightningCLI) and the command line (which wins)."""
     if args.config:
         return _from_lightning_config(args)
-    for path, flag in ((args.model, "--model"), (args.datamodule, "--datamodule")):
-        if not path:
-            raise ValueError(f"say which class to build: {flag} MODULE:CLASS (or a LightningCLI YAML with --config)")
-    model_cls, data_cls = load_class(args.model), load_class(args.datamodule)
+    model_cls, data_cls = (_class_of(path, flag) for path, flag in ((args.model, "--model"), (args.datamodule, "--datamodule")))
     return _Inputs(lambda: (model_cls(**args.model_args), data_cls(**args.datamodule_args)), args.precision or "32-true")
+
+
+def _class_of(path: str | None, flag: str) -> type:
+    if not path:
+        raise ValueError(f"say which class to build: {flag} MODULE:CLASS (or a LightningCLI YAML with --config)")
+    return load_class(path)
 
 
 def _from_lightning_config(args: argparse.Namespace) -> _Inputs:
