@@ -5,7 +5,8 @@
 plain model whatever the plan, so a checkpoint loads into any other plan or world size
 (:func:`load_checkpoint`, what ``Trainer.fit(ckpt_path=...)`` runs) and assembles into the
 unparallelised model's state dict (:func:`consolidate`, ``lightning-galvatron consolidate CKPT_DIR -o
-model.pt``).
+model.pt``) or, for a Hugging Face model inside the LightningModule, into a directory that
+``from_pretrained`` loads (:func:`export_hf`, ``lightning-galvatron consolidate CKPT_DIR --hf OUT_DIR``).
 
 Lightning's own loader (``ModelParallelStrategy.load_checkpoint``) needs a model with at least one
 DTensor parameter, so it cannot resume a plan of plain DDP blocks; and DCP stores the optimizer's
@@ -18,8 +19,11 @@ layout of this format and fails on it.)
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -192,12 +196,44 @@ def _first(names: Sequence[str], count: int = 3) -> str:
     return ", ".join(names[:count]) + (", ..." if len(names) > count else "")
 
 
-def load_model_state(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The full model state dict of a sharded checkpoint, assembled in this process (no process group)."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+def load_model_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """The full model state dict of a sharded checkpoint, assembled in this process (no process group).
 
-    check_sharded_checkpoint(checkpoint_dir)
-    return dict(_load_state_dict_from_keys({MODEL_KEY}, checkpoint_id=str(checkpoint_dir))[MODEL_KEY])
+    DCP's public API only: the index gives every entry's shape and dtype, ``load(..., no_dist=True)`` fills them.
+    """
+    import warnings
+
+    from torch.distributed.checkpoint import TensorStorageMetadata
+    from torch.distributed.checkpoint import load as dcp_load
+
+    index = check_sharded_checkpoint(checkpoint_dir)
+    root: dict[str, Any] = {}
+    for key, entry in index.state_dict_metadata.items():
+        path = (index.planner_data or {}).get(key) or tuple(key.split(".", 1))  # the nesting DCP flattened
+        if path[0] != MODEL_KEY:
+            continue
+        node = root
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        is_tensor = isinstance(entry, TensorStorageMetadata)
+        node[path[-1]] = torch.empty(entry.size, dtype=entry.properties.dtype) if is_tensor else None  # None: DCP fills in
+    if MODEL_KEY not in root:
+        raise CheckpointError(f"checkpoint {str(checkpoint_dir)!r} holds no model state ({MODEL_KEY!r} entries)")
+    with warnings.catch_warnings():  # one process on purpose; DCP warns that no process group is initialised
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp_load(root, checkpoint_id=str(checkpoint_dir), no_dist=True)
+    return root[MODEL_KEY]
+
+
+def _metadata(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """Lightning's loop state and hyper-parameters saved next to the shards (empty if absent)."""
+    meta_file = Path(checkpoint_dir) / METADATA_FILE
+    if not meta_file.is_file():
+        return {}
+    try:
+        return torch.load(meta_file, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - say which file
+        raise CheckpointError(f"cannot read {str(meta_file)!r} ({type(err).__name__}: {err})") from None
 
 
 def consolidate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, lightning: bool = False) -> Path:
@@ -212,11 +248,131 @@ def consolidate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, li
     state = load_model_state(checkpoint_dir)
     payload: dict[str, Any] | dict[str, torch.Tensor] = state
     if lightning:
-        meta_file = Path(checkpoint_dir) / METADATA_FILE
-        metadata = torch.load(meta_file, weights_only=False) if meta_file.is_file() else {}
+        metadata = _metadata(checkpoint_dir)
         metadata.pop("galvatron", None)
         payload = {**metadata, MODEL_KEY: state}
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(payload, output)
     return output
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face
+def hf_models(module: nn.Module) -> list[dict[str, Any]]:
+    """The Hugging Face models inside ``module`` (outermost only): their prefix, class and config, recorded in the
+    checkpoint so that :func:`export_hf` can rebuild them without the LightningModule's code."""
+    transformers = sys.modules.get("transformers")  # a model of transformers means it is imported already
+    if transformers is None:
+        return []
+    found: list[dict[str, Any]] = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, transformers.PreTrainedModel) and not any(_under(name, r["prefix"]) for r in found):
+            cls = type(sub)
+            found.append({
+                "prefix": name,
+                "class": f"{cls.__module__}:{cls.__qualname__}",
+                "config": json.loads(sub.config.to_json_string(use_diff=False)),
+            })
+    return found
+
+
+def _under(name: str, prefix: str) -> bool:
+    return prefix == "" or name == prefix or name.startswith(prefix + ".")
+
+
+@dataclass(frozen=True)
+class HFExport:
+    """What :func:`export_hf` wrote."""
+
+    directory: Path
+    class_name: str
+    prefix: str
+    tensors: int
+
+
+def export_hf(
+    checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, config: str | os.PathLike | None = None
+) -> HFExport:
+    """Write the Hugging Face model of a sharded checkpoint as a directory that ``from_pretrained`` loads.
+
+    The checkpoint records the model's prefix in the LightningModule, class and config when it is saved
+    (``GalvatronStrategy`` does); for a checkpoint without that record pass ``config`` (a ``config.json`` or a
+    directory holding one): the class is its ``architectures[0]`` and the prefix is found by the names of the
+    model's tensors. The model is built on the meta device, given the checkpoint's tensors and saved with
+    ``save_pretrained`` (safetensors and ``config.json``).
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise CheckpointError(
+            "--hf needs transformers: pip install 'lightning_galvatron[hf]'"
+        ) from None
+
+    state = load_model_state(checkpoint_dir)
+    if config is not None:
+        hf_config = transformers.AutoConfig.from_pretrained(str(config))
+        if not hf_config.architectures:
+            raise CheckpointError(f"config {str(config)!r} does not name its model class (architectures): add it")
+        cls = getattr(transformers, hf_config.architectures[0])
+        prefix = _find_prefix(state, cls, hf_config, checkpoint_dir)
+    else:
+        records = (_metadata(checkpoint_dir).get("galvatron") or {}).get("hf_models") or []
+        if len(records) != 1:
+            found = "no Hugging Face model" if not records else f"{len(records)} ({', '.join(r['prefix'] for r in records)})"
+            raise CheckpointError(
+                f"checkpoint {str(checkpoint_dir)!r} records {found}: pass the model's config (--hf-config CONFIG.json) "
+                "to say which model to export"
+            )
+        (record,) = records
+        module_name, _, qualname = record["class"].partition(":")
+        cls = _import_class(module_name, qualname)
+        hf_config = cls.config_class.from_dict(record["config"])
+        prefix = record["prefix"]
+    start = len(prefix) + 1 if prefix else 0
+    own = {name[start:]: value for name, value in state.items() if _under(name, prefix) and name != prefix}
+    with torch.device("meta"):
+        model = cls(hf_config)
+    missing, unexpected = model.load_state_dict(own, strict=False, assign=True)
+    missing = [name for name in missing if name not in _tied_names(model)]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {str(checkpoint_dir)!r}: the tensors under {prefix or 'the top level'!r} do not make a "
+            f"{cls.__name__} (missing {_first(missing)}; unexpected {_first(unexpected)})"
+        )
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir)
+    return HFExport(output_dir, cls.__name__, prefix, len(own))
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """Names the model ties to another tensor (its head to the embedding): a checkpoint may hold only one of them."""
+    return set(getattr(model, "_tied_weights_keys", None) or ())  # a dict (transformers 5) or a list of names
+
+
+def _find_prefix(state: dict[str, Any], cls: type, config: Any, checkpoint_dir: Any) -> str:
+    with torch.device("meta"):
+        expected = list(cls(config).state_dict())
+    anchor = expected[0]
+    for name in state:
+        if name == anchor or name.endswith("." + anchor):
+            prefix = name[: -len(anchor)].rstrip(".")
+            if all((f"{prefix}.{key}" if prefix else key) in state for key in expected):
+                return prefix
+    raise CheckpointError(
+        f"checkpoint {str(checkpoint_dir)!r} holds no {cls.__name__} of this config (no tensors named like {anchor!r})"
+    )
+
+
+def _import_class(module_name: str, qualname: str) -> type:
+    import importlib
+
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as err:
+        raise CheckpointError(f"cannot import the checkpoint's model class {module_name}:{qualname} ({err})") from None
+    return obj

@@ -34,9 +34,9 @@ Shape of the JSON (version 1; every key is a field of the dataclass of the same 
                                 "forward_time": {"intercept_s": 0.0008, "per_sample_s": 0.0039},
                                 "activation_bytes_per_sample": {"1": 5.4e8, "2": 2.9e8, "4": 1.4e8, "8": 7.2e7},
                                 "recompute_activation_bytes_per_sample": 3.4e7, ...}],
-               "blocks": [0, 0, ...],
+               "blocks": [0, 0, ...], "precision": "bf16-mixed" (optional),
                "vocab": {"vocab_size": 32000, "embedding_parameters": ..., "head_parameters": ..., ...}},
-     "hardware": {"name": "...", "devices_per_node": 8, "overlap_coefficient": 1.13,
+     "hardware": {"name": "...", "devices_per_node": 8, "overlap_coefficient": 1.13, "device_type": "cuda" (optional),
                   "device_memory_bytes": null, "memory_overhead_bytes": 0,
                   "collectives": [{"kind": "all_reduce", "group_size": 8, "ranks_per_node": 8,
                                    "latency_s": 8.6e-05, "bandwidth_bytes_per_s": 1.6e11}, ...]}}
@@ -310,6 +310,8 @@ class ModelProfile:
         block_lists: how many separate block containers hold the blocks (an encoder and a decoder: 2).
             A pipeline cuts one sequence of blocks; with several lists the decoder's stages would need
             the encoder's output, which the runtime does not pass on, so the search keeps ``pp = 1``.
+        precision: the Lightning precision the blocks were measured in (``bf16-mixed``, ``32-true``, ...);
+            what the offline tools assume unless told otherwise. ``None``: not recorded.
     """
 
     name: str
@@ -320,6 +322,7 @@ class ModelProfile:
     seq_length: int
     activation_dtype_bytes: int = 2
     block_lists: int = 1
+    precision: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -339,6 +342,8 @@ class ModelProfile:
         _positive_int("model.block_lists", self.block_lists)
         if self.block_lists > len(self.blocks):
             raise ProfileError(f"model.block_lists = {self.block_lists} but the model has only {len(self.blocks)} blocks")
+        if self.precision is not None and not (isinstance(self.precision, str) and self.precision):
+            raise ProfileError(f"model.precision must be a precision name such as 'bf16-mixed', got {self.precision!r}")
 
     @property
     def num_blocks(self) -> int:
@@ -355,7 +360,7 @@ class ModelProfile:
         return dataclasses.replace(self, blocks=blocks)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "hidden_size": self.hidden_size,
             "seq_length": self.seq_length,
@@ -365,6 +370,9 @@ class ModelProfile:
             "block_lists": self.block_lists,
             "vocab": self.vocab.to_dict(),
         }
+        if self.precision is not None:  # files without it stay readable by earlier versions
+            out["precision"] = self.precision
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "model") -> ModelProfile:
@@ -477,6 +485,8 @@ class HardwareProfile:
         device_memory_bytes: memory of one device, if known (the budget is given separately).
         memory_overhead_bytes: fixed memory per device the model does not account for (CUDA
             context, allocator caches, communication buffers).
+        device_type: the kind of device measured (``cuda``, ``cpu``, ...; torch's ``device.type``), so a
+            profile of one kind is not taken for another. ``None``: not recorded.
     """
 
     name: str
@@ -485,6 +495,7 @@ class HardwareProfile:
     collectives: tuple[CollectiveFit, ...]
     device_memory_bytes: int | None = None
     memory_overhead_bytes: int = 0
+    device_type: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collectives", tuple(self.collectives))
@@ -501,6 +512,8 @@ class HardwareProfile:
             _positive_int("hardware.device_memory_bytes", self.device_memory_bytes)
         if not isinstance(self.memory_overhead_bytes, int) or self.memory_overhead_bytes < 0:
             raise ProfileError(f"hardware.memory_overhead_bytes must be a non-negative integer, got {self.memory_overhead_bytes!r}")
+        if self.device_type is not None and not (isinstance(self.device_type, str) and self.device_type):
+            raise ProfileError(f"hardware.device_type must be a device type such as 'cuda' or 'cpu', got {self.device_type!r}")
 
     def collective(self, kind: str, group_size: int, ranks_per_node: int) -> CollectiveFit:
         """The entry that best describes ``kind`` over such a group (see :func:`lookup_collective`)."""
@@ -509,6 +522,8 @@ class HardwareProfile:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["collectives"] = [c.to_dict() for c in self.collectives]
+        if self.device_type is None:  # files without it stay readable by earlier versions
+            del out["device_type"]
         return out
 
     @classmethod
@@ -625,6 +640,21 @@ class Profile:
             source=str(data.get("source", "")),
             fingerprint=None if fingerprint is None else dict(fingerprint),
         )
+
+    @property
+    def measured_precision(self) -> str | None:
+        """The precision the blocks were measured in (recorded in the model part, else in the fingerprint)."""
+        return self.model.precision or (self.fingerprint or {}).get("precision")
+
+    @property
+    def device_type(self) -> str | None:
+        """The kind of device measured (``cuda``, ``cpu``): recorded in the hardware part, else in the fingerprint."""
+        if self.hardware.device_type:
+            return self.hardware.device_type
+        device = (self.fingerprint or {}).get("device")  # torch's device type, or the name of a CUDA device
+        if not device:
+            return None
+        return device if device in ("cpu", "mps", "xpu", "meta") else "cuda"
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)

@@ -135,7 +135,7 @@ def test_without_a_hardware_profile_the_local_cache_is_used(capsys, tmp_path, mo
     monkeypatch.setenv("LIGHTNING_GALVATRON_CACHE", str(tmp_path))
     args = ["estimate", "--hf-config", str(LLAMA_CONFIG), "--world-size", "8", "--memory-per-device", "36GB", "--seq-length", "2048"]
     assert main(args) == 2
-    assert "no --hardware profile given and none in the local profile cache" in capsys.readouterr().err
+    assert "no --hardware profile given and no profile of cuda devices in the local profile cache" in capsys.readouterr().err
     (tmp_path / "cached.json").write_text(A100.read_text())
     assert main([*args, "--profile-output", str(tmp_path / "analytic.json")]) == 0
     out = capsys.readouterr().out

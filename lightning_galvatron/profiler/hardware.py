@@ -189,6 +189,7 @@ def profile_hardware(
         collectives=fits,
         device_memory_bytes=device_memory,
         memory_overhead_bytes=overhead,
+        device_type=device.type,
     )
 
 
@@ -203,6 +204,7 @@ def single_device_hardware(device: torch.device, name: str | None = None) -> Har
         collectives=(),
         device_memory_bytes=device_memory,
         memory_overhead_bytes=overhead,
+        device_type=device.type,
     )
 
 

@@ -144,6 +144,7 @@ def profile_model(
         seq_length=first.seq_length,
         activation_dtype_bytes=precision_cfg.compute_bytes,
         block_lists=len(structure.block_lists),
+        precision=precision_cfg.flag,
     )
 
 

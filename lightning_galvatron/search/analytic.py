@@ -381,6 +381,7 @@ def scaled_model_profile(
         seq_length=s,
         activation_dtype_bytes=reference.activation_dtype_bytes,
         block_lists=architecture.block_lists,
+        precision=reference.precision,
     )
     return model, notes
 

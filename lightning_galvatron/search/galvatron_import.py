@@ -57,6 +57,8 @@ from lightning_galvatron.profiles import (
 MIB = 2**20
 MS = 1e-3
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# The reference trains "bf16"/"fp16" with fp32 master weights and optimizer states (mixed precision).
+DTYPE_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
 
 # Published shapes of models the reference ships profiles for; any of them can be overridden.
 KNOWN_MODELS: dict[str, dict[str, int]] = {
@@ -82,6 +84,7 @@ def import_galvatron(
     model_name: str | None = None,
     memory_overhead_bytes: int = 0,
     device_memory_bytes: int | None = None,
+    hardware_name: str | None = None,
 ) -> Profile:
     """Read the reference system's profile files in ``directory`` and return our profile.
 
@@ -140,8 +143,9 @@ def import_galvatron(
         hidden_size=hidden_size,
         seq_length=seq_length,
         activation_dtype_bytes=dtype_bytes,
+        precision=DTYPE_PRECISION[dtype],
     )
-    hardware = _hardware(directory, memory_overhead_bytes, device_memory_bytes)
+    hardware = _hardware(directory, memory_overhead_bytes, device_memory_bytes, hardware_name)
     source = f"imported from Hetu-Galvatron profiles ({directory.name}/, {dtype}, seq {seq_length})"
     return Profile(model=model, hardware=hardware, source=source)
 
@@ -233,7 +237,9 @@ def _seq_entry(memory: dict, key: str, seq: int, path: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- hardware
-def _hardware(directory: Path, memory_overhead_bytes: int, device_memory_bytes: int | None) -> HardwareProfile:
+def _hardware(
+    directory: Path, memory_overhead_bytes: int, device_memory_bytes: int | None, hardware_name: str | None = None
+) -> HardwareProfile:
     clusters = {}
     for path in directory.glob("*.json"):
         if m := _CLUSTER.search(path.name):
@@ -294,13 +300,15 @@ def _hardware(directory: Path, memory_overhead_bytes: int, device_memory_bytes: 
     overlap_path = directory / "overlap_coefficient.json"
     overlap = float(_read_json(overlap_path).get("overlap_coe", 1.0)) if overlap_path.exists() else 1.0
     sizes = sorted({n * d for n, d in clusters.values()})
+    measured = f"Hetu-Galvatron measurements on {', '.join(map(str, sizes))} devices"
     return HardwareProfile(
-        name=f"{per_node} devices per node (Hetu-Galvatron measurements on {', '.join(map(str, sizes))} devices)",
+        name=f"{hardware_name} ({measured})" if hardware_name else f"{per_node} devices per node ({measured})",
         devices_per_node=per_node,
         overlap_coefficient=max(overlap, 1.0),
         collectives=tuple(collectives),
         device_memory_bytes=device_memory_bytes,
         memory_overhead_bytes=memory_overhead_bytes,
+        device_type="cuda",  # the reference system profiles GPUs with NCCL
     )
 
 
