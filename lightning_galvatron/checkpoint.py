@@ -99,6 +99,54 @@ def load_checkpoint(
         raise CheckpointError(f"cannot read {str(path / METADATA_FILE)!r} ({type(err).__name__}: {err})") from None
 
 
+# DCP writes a DTensor's local chunk at the offset a plain ``Shard`` would have: a ``_StridedShard`` (a fused
+# q/k/v projection split by heads, see runtime/tensor_parallel.ColwiseFused) would land on its neighbours'
+# rows. Such tensors are saved whole (every rank holds the same copy: DCP writes one) and split again on load.
+def _is_strided(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
+
+
+def whole_strided_tensors(state: Any) -> Any:
+    """``state`` (nested dicts/lists) with every strided-sharded DTensor replaced by the whole tensor (to save)."""
+    if isinstance(state, dict):
+        return {k: whole_strided_tensors(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [whole_strided_tensors(v) for v in state]
+    return state.full_tensor() if _is_strided(state) else state
+
+
+def _whole_holders(state: dict[str, Any]) -> dict[str, Any]:
+    """Load targets: a whole, empty tensor for every strided-sharded DTensor of ``state`` (nested)."""
+    holders: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            holders[k] = _whole_holders(v)
+        elif _is_strided(v):
+            holders[k] = torch.empty(v.shape, dtype=v.dtype, device=v.to_local().device)
+        else:
+            holders[k] = v
+    return holders
+
+
+def _split_like(loaded: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """Loaded whole tensors split again as ``own``'s strided-sharded DTensors are (nested)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    out: dict[str, Any] = {}
+    for k, v in loaded.items():
+        mine = own.get(k)
+        if isinstance(v, dict) and isinstance(mine, dict):
+            out[k] = _split_like(v, mine)
+        elif _is_strided(mine):
+            out[k] = distribute_tensor(v, mine.device_mesh, mine.placements)
+        else:
+            out[k] = v
+    return out
+
+
 def _load_model(path: Path, model: nn.Module, saved: set[str], strict: bool) -> None:
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint import load as dcp_load
@@ -112,9 +160,9 @@ def _load_model(path: Path, model: nn.Module, saved: set[str], strict: bool) -> 
             "from another model; load it into that model, or set the LightningModule's strict_loading = False"
         )
     state = {name: value for name, value in state.items() if name not in missing}
-    holder = {MODEL_KEY: state}
+    holder = {MODEL_KEY: _whole_holders(state)}
     dcp_load(holder, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=not strict))
-    set_model_state_dict(model, holder[MODEL_KEY], options=StateDictOptions(strict=False))
+    set_model_state_dict(model, _split_like(holder[MODEL_KEY], state), options=StateDictOptions(strict=False))
 
 
 def _load_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, key: str, saved: set[str], strict: bool) -> None:
@@ -133,9 +181,9 @@ def _load_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         )
     state = get_optimizer_state_dict(model, optimizer)
     own_groups = [list(group["params"]) for group in state["param_groups"]]
-    holder = {key: state}
+    holder = {key: {**state, "state": _whole_holders(state["state"])}}
     dcp_load(holder, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=not strict))
-    loaded = holder[key]
+    loaded = {**holder[key], "state": _split_like(holder[key]["state"], state["state"])}
     if len(loaded["param_groups"]) != len(own_groups):
         raise CheckpointError(
             f"checkpoint {str(path)!r}: optimizer {key[len('optimizer_'):]} has {len(own_groups)} parameter groups but "

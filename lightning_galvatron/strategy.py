@@ -57,7 +57,7 @@ from torch.optim import Optimizer
 from lightning_galvatron import _registry
 from lightning_galvatron.arguments import check_strategy_arguments
 from lightning_galvatron.autoplan import SearchSettings, check_memory_budget, optimizer_kind, plan_automatically
-from lightning_galvatron.checkpoint import hf_models, load_checkpoint
+from lightning_galvatron.checkpoint import whole_strided_tensors, hf_models, load_checkpoint
 from lightning_galvatron.data import loader_batch_size, rebatch, shard_batch_size
 from lightning_galvatron.display import plan_table
 from lightning_galvatron.errors import leave_to_reporting_rank
@@ -475,6 +475,8 @@ class GalvatronStrategy(ModelParallelStrategy):
         if self.plan is not None:  # hf_models: what `lightning-galvatron consolidate --hf` rebuilds
             checkpoint["galvatron"] = {"plan": self.plan.to_dict(), "hf_models": hf_models(self.lightning_module)}
         self._progress(f"saving the checkpoint {filepath}")
+        if self._save_distributed_checkpoint:
+            checkpoint = whole_strided_tensors(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)
         self._progress(f"saved the checkpoint {filepath}")
 
