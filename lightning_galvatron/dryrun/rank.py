@@ -329,7 +329,7 @@ def _placements(p: torch.Tensor) -> str:
 def _groups(recording: Any, meshes: Any, plan: Any, rank: int) -> list[dict[str, Any]]:
     """The process groups this rank belongs to, named by what the plan uses them for."""
     purposes: dict[str, list[str]] = {}
-    stage = Layout(plan.world_size, plan.pp, 1)
+    stage = Layout.stage(plan)
     layouts = {stage: "stage"}
     for i, s in [(None, plan.vocab), *enumerate(plan.layers)]:
         layouts.setdefault(Layout.of(plan, s), f"tp={s.tp} {'consecutive' if Layout.of(plan, s).consecutive else 'strided'}")

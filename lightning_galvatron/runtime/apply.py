@@ -134,7 +134,7 @@ def apply_plan(
     """
     check_runtime_support(plan, structure)
     rank = dist.get_rank()
-    stage = Layout(plan.world_size, plan.pp, 1)
+    stage = Layout.stage(plan)
     # Creating a mesh is collective over all ranks; a pipeline stage only uses its own blocks' layouts,
     # so every rank creates every layout of the plan first, in the same order.
     for layout in dict.fromkeys([stage, *(Layout.of(plan, s) for s in (plan.vocab, *plan.layers))]):
@@ -279,7 +279,7 @@ def _gradient_mesh(meshes: MeshCache, plan: ParallelPlan, strategy: LayerStrateg
     so the group joins the data-parallel ranks: the whole stage.
     """
     if strategy.sp == "ulysses":
-        return meshes.dp_mesh(Layout(plan.world_size, plan.pp, 1))
+        return meshes.dp_mesh(Layout.stage(plan))
     return meshes.dp_mesh(Layout.of(plan, strategy))
 
 

@@ -1,7 +1,7 @@
 """Relocation: move activations between blocks whose layouts differ.
 
 Between blocks, an activation ``X`` of shape ``[batch, seq, ...]`` (one micro-batch of a stage) is a
-set of plain local tensors: in an :class:`ActivationLayout` with ``dp`` data shards and a group of
+set of plain local tensors: in an :class:`~lightning_galvatron.layout.ActivationLayout` with ``dp`` data shards and a group of
 ``tp`` ranks, rank ``r`` holds the batch rows of its dp shard and -- when the block shards the
 sequence (Megatron-SP, Ulysses) -- only its group rank's part of the sequence; otherwise the
 ``tp`` ranks of a group hold identical copies.
@@ -28,52 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightning_galvatron.plan import LayerStrategy, ParallelPlan
-from lightning_galvatron.runtime.mesh import Layout
-
-Range = tuple[int, int]
-Region = tuple[Range, Range]  # (batch rows, sequence positions), half-open
-
-
-@dataclass(frozen=True)
-class ActivationLayout:
-    """How the activation entering or leaving a block is spread over its stage's ranks."""
-
-    layout: Layout
-    seq_sharded: bool = False
-
-    @classmethod
-    def of(cls, plan: ParallelPlan, strategy: LayerStrategy) -> ActivationLayout:
-        return cls(Layout.of(plan, strategy), seq_sharded=strategy.sp != "none")
-
-    @property
-    def stage_size(self) -> int:
-        return self.layout.world_size // self.layout.pp
-
-    def region(self, position: int, batch: int, seq: int) -> Region:
-        """The rectangle held by the rank at ``position`` within its stage."""
-        _, dp_rank, tp_rank = self.layout.coordinates(position)
-        rows = _split(batch, self.layout.dp, dp_rank)
-        if not self.seq_sharded:
-            return rows, (0, seq)
-        if seq % self.layout.tp:
-            raise ValueError(
-                f"sequence length {seq} is not divisible by the sequence-parallel degree {self.layout.tp}; "
-                "pad the sequence or choose a degree that divides it"
-            )
-        return rows, _split(seq, self.layout.tp, tp_rank)
-
-    def local_shape(self, position: int, batch: int, seq: int) -> tuple[int, int]:
-        (b0, b1), (s0, s1) = self.region(position, batch, seq)
-        return b1 - b0, s1 - s0
-
-    def global_seq(self, local_seq: int) -> int:
-        return local_seq * self.layout.tp if self.seq_sharded else local_seq
-
-
-def _split(total: int, parts: int, index: int) -> Range:
-    """Balanced contiguous split: part ``index`` of ``parts`` (sizes differ by at most one)."""
-    return index * total // parts, (index + 1) * total // parts
+from lightning_galvatron.layout import ActivationLayout, Region
 
 
 @dataclass(frozen=True)
@@ -170,12 +125,12 @@ class Relocate(torch.autograd.Function):
     """Autograd-aware relocation; backward relocates the gradient the other way."""
 
     @staticmethod
-    def forward(ctx, x, source, target, batch, position, group):  # noqa: ANN001, ANN205
+    def forward(ctx, x, source, target, batch, position, group):
         ctx.args = (source, target, batch, position, group)
         return relocate_tensor(x, source, target, batch, position, group)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         source, target, batch, position, group = ctx.args
         return relocate_tensor(grad.contiguous(), target, source, batch, position, group), None, None, None, None, None
 
