@@ -46,17 +46,17 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_galvatron.model.call_state import is_kv_cache
-from lightning_galvatron.model.discovery import ModelStructure
-from lightning_galvatron.model.outside_layers import (
-    OutsideLayers,
-    block_output_hidden,
-    hidden_states_of,
-    parameter_holders,
-)
 from lightning_galvatron.plan import ParallelPlan, PlanError
 from lightning_galvatron.runtime.gradient_sync import match_parameter_layout
 from lightning_galvatron.runtime.mesh import local_tensor
+from lightning_galvatron.runtime.structure import (
+    ModelStructure,
+    OutsideLayers,
+    block_output_hidden,
+    hidden_states_of,
+    is_kv_cache,
+    parameter_holders,
+)
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
