@@ -90,7 +90,8 @@ def test_ranks_per_node():
         for g in (d for d in range(2, world + 1) if world % d == 0):
             for stride in (s for s in range(1, world // g + 1) if (world // g) % s == 0):
                 groups = Layout.of_group(world, g, stride).tp_groups()
-                most = max(max(sum(r // per_node == node for r in gr) for node in range(world // per_node)) for gr in groups)
+                nodes = range(world // per_node)
+                most = max(max(sum(r // per_node == node for r in gr) for node in nodes) for gr in groups)
                 assert ranks_per_node(g, stride, per_node, world) == most
 
 

@@ -43,7 +43,8 @@ class MeshCache:
 
     def mesh(self, layout: Layout) -> DeviceMesh:
         if layout not in self._meshes:
-            self._meshes[layout] = DeviceMesh(self.device_type, torch.tensor(layout.rank_grid()), mesh_dim_names=MESH_DIMS)
+            grid = torch.tensor(layout.rank_grid())
+            self._meshes[layout] = DeviceMesh(self.device_type, grid, mesh_dim_names=MESH_DIMS)
         return self._meshes[layout]
 
     def dp_mesh(self, layout: Layout) -> DeviceMesh:
