@@ -63,7 +63,7 @@ from lightning_galvatron.display import plan_table
 from lightning_galvatron.errors import leave_to_reporting_rank
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
 from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
-from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan_or_reason
+from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans, tensor_parallel_plan_or_reason
 from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
 from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_flag, precision_plugin_for
 from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan, check_runtime_support, input_shard
@@ -225,7 +225,8 @@ class GalvatronStrategy(ModelParallelStrategy):
             self.plan = self._search_plan(trainer, self.structure)
         else:
             self.plan = self._load_plan(self.world_size)
-        check_runtime_support(self.plan, self.structure)  # before the plan is printed or applied
+        tp_plans = block_tensor_parallel_plans(self.structure)  # the model side's plans, handed to the runtime
+        check_runtime_support(self.plan, self.structure, tp_plans)  # before the plan is printed or applied
         if self._plan_source != "auto":
             rank_zero_info(plan_table(self.plan, self.structure.block_names))
         outside = self._trace_outside_layers(trainer) if self.plan.pp > 1 else None
@@ -254,6 +255,7 @@ class GalvatronStrategy(ModelParallelStrategy):
             parallel_loss=self._uses_parallel_loss,
             boundary_dtype=boundary_dtype(precision_flag(self.precision_plugin)),
             outside_layers=outside,
+            tp_plans=tp_plans,
         )
         _materialize_distributed_module(self.model, self.root_device)
         self._parallelised = self.model

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -39,73 +38,20 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from lightning_galvatron.model.discovery import model_class
+from lightning_galvatron.model.discovery import ModelStructure, model_class
 
-StylesFn = Callable[[bool], Mapping[str, ParallelStyle]]
+# The runtime defines the plan type it executes; families fill it in (model/ -> runtime/).
+from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, StylesFn
 
-#: Block inputs that hold one entry per sequence position, and the dimension of the positions: under Ulysses
-#: each rank keeps its positions' part, as of the hidden states (Hugging Face names: rotary ``(cos, sin)``,
-#: position ids, cache positions).
-HF_POSITION_INPUTS: Mapping[str, int] = {"position_embeddings": -2, "position_ids": -1, "cache_position": -1}
-
-NO_MEGATRON_SP = "the block has no Megatron sequence-parallel plan"
-NO_ULYSSES = "the block cannot run Ulysses (its attention does not call F.scaled_dot_product_attention)"
-
-
-@dataclass(frozen=True)
-class BlockTensorParallelPlan:
-    """How to split one block type.
-
-    Attributes:
-        styles: ``styles(sequence_parallel)`` -> submodule name -> ``ParallelStyle``.
-        divisible: named sizes every tensor-parallel degree must divide (attention heads, key/value heads,
-            widths).
-        megatron_sp: the plan has a Megatron sequence-parallel variant.
-        ulysses: the block can run Ulysses sequence parallelism (its attention calls
-            ``F.scaled_dot_product_attention``; masks over all keys and per-position inputs are handled).
-        localize: fix attributes holding global sizes after splitting, ``localize(block, tp)``.
-        ulysses_divisible: named sizes every Ulysses degree must divide (the query heads; key/value heads
-            that a degree does not divide are repeated); by default the attention heads of ``divisible``.
-        position_inputs: block inputs (names, or positions of positional arguments) with one entry per
-            sequence position, and the dimension of the positions (see :data:`HF_POSITION_INPUTS`).
-        folded_inputs: block inputs whose first dimension is the batch times a factor (BLOOM's ALiBi bias
-            is ``[batch x heads, 1, keys]``): name -> factor; they move with their samples as the rest.
-        why_not_megatron_sp, why_not_ulysses: what to tell a user who asks for them.
-    """
-
-    styles: StylesFn
-    divisible: Mapping[str, int] = field(default_factory=dict)
-    megatron_sp: bool = False
-    ulysses: bool = False
-    localize: Callable[[nn.Module, int], None] = field(default=lambda block, tp: None)
-    ulysses_divisible: Mapping[str, int] | None = None
-    position_inputs: Mapping[str | int, int] = field(default_factory=lambda: dict(HF_POSITION_INPUTS))
-    folded_inputs: Mapping[str, int] = field(default_factory=dict)
-    why_not_megatron_sp: str = NO_MEGATRON_SP
-    why_not_ulysses: str = NO_ULYSSES
-
-    @property
-    def ulysses_sizes(self) -> Mapping[str, int]:
-        """Sizes a Ulysses degree must divide (besides the sequence length)."""
-        if self.ulysses_divisible is not None:
-            return self.ulysses_divisible
-        heads = {k: v for k, v in self.divisible.items() if k == "attention heads"}
-        return heads or dict(self.divisible)
-
-    def unsupported(self, tp: int, sp: str) -> str | None:
-        """Why ``(tp, sp)`` cannot run exactly on this block, or ``None`` if it can."""
-        if sp == "ulysses":
-            if not self.ulysses:
-                return self.why_not_ulysses
-            sizes = self.ulysses_sizes
-        else:
-            sizes = self.divisible
-        bad = [f"{size} {what}" for what, size in sizes.items() if size % tp]
-        if bad:
-            return f"degree {tp} does not divide the {', '.join(bad)}"
-        if sp == "megatron" and not self.megatron_sp:
-            return self.why_not_megatron_sp
-        return None
+__all__ = [
+    "HF_POSITION_INPUTS",
+    "BlockTensorParallelPlan",
+    "block_tensor_parallel_plans",
+    "register_tensor_parallel_plan",
+    "tensor_parallel_plan",
+    "tensor_parallel_plan_or_reason",
+]
 
 
 #: A plan for a block, or the reason the block cannot be split.
@@ -185,6 +131,11 @@ def tensor_parallel_plan_or_reason(block: nn.Module) -> BlockTensorParallelPlan 
             "lightning_galvatron.register_tensor_parallel_plan)"
         )
     return plan
+
+
+def block_tensor_parallel_plans(structure: ModelStructure) -> list[BlockTensorParallelPlan | str]:
+    """The plan (or why there is none) of every block, in order: what the glue hands to the runtime."""
+    return [tensor_parallel_plan_or_reason(block) for block in structure.blocks]
 
 
 def tensor_parallel_plan(block: nn.Module) -> BlockTensorParallelPlan | None:

@@ -9,7 +9,7 @@ The recomputation calls the block again with the arguments of its forward. A KV 
 the checkpoint would keep it -- with the keys and values it holds, their autograd graph and, through
 it, the checkpoint itself: a cycle that outlives the step and pins the parameters. So while
 gradients are recorded a recomputed block gets ``None`` instead (see
-:mod:`lightning_galvatron.model.call_state`), as Hugging Face's own gradient checkpointing switches
+:mod:`lightning_galvatron.runtime.structure`), as Hugging Face's own gradient checkpointing switches
 the cache off; without gradients (evaluation) nothing is recomputed and the cache is passed on.
 """
 
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
 
-from lightning_galvatron.model.call_state import without_kv_caches
+from lightning_galvatron.runtime.structure import without_kv_caches
 
 
 def apply_recompute(block: nn.Module) -> None:

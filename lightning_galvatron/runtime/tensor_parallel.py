@@ -34,11 +34,16 @@ of a sub-layer's hidden states (found as its first tensor argument or its ``hidd
 keyword, so Hugging Face attention modules called by keyword work), and the row-parallel styles
 reduce-scatter their partial outputs along the sequence. Activations stay plain local tensors in
 between; every copy of a replicated activation carries the full gradient (the runtime's convention).
+
+What to split in a block is a :class:`BlockTensorParallelPlan`: the runtime defines the type and
+executes it; the model side (``model/tensor_parallel_plans.py`` and the families) builds one per block
+type, and the glue resolves them per block and hands them to the runtime.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -49,7 +54,73 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
 
+# ---------------------------------------------------------------------------------------------- block plans
+StylesFn = Callable[[bool], Mapping[str, ParallelStyle]]
+
+NO_MEGATRON_SP = "the block has no Megatron sequence-parallel plan"
+NO_ULYSSES = "the block cannot run Ulysses (its attention does not call F.scaled_dot_product_attention)"
+
+
+@dataclass(frozen=True)
+class BlockTensorParallelPlan:
+    """How to split one block type.
+
+    Attributes:
+        styles: ``styles(sequence_parallel)`` -> submodule name -> ``ParallelStyle``.
+        divisible: named sizes every tensor-parallel degree must divide (attention heads, key/value heads,
+            widths).
+        megatron_sp: the plan has a Megatron sequence-parallel variant.
+        ulysses: the block can run Ulysses sequence parallelism (its attention calls
+            ``F.scaled_dot_product_attention``; masks over all keys and per-position inputs are handled).
+        localize: fix attributes holding global sizes after splitting, ``localize(block, tp)``.
+        ulysses_divisible: named sizes every Ulysses degree must divide (the query heads; key/value heads
+            that a degree does not divide are repeated); by default the attention heads of ``divisible``.
+        position_inputs: block inputs (names, or positions of positional arguments) with one entry per
+            sequence position, and the dimension of the positions (see :data:`HF_POSITION_INPUTS`).
+        folded_inputs: block inputs whose first dimension is the batch times a factor (BLOOM's ALiBi bias
+            is ``[batch x heads, 1, keys]``): name -> factor; they move with their samples as the rest.
+        why_not_megatron_sp, why_not_ulysses: what to tell a user who asks for them.
+    """
+
+    styles: StylesFn
+    divisible: Mapping[str, int] = field(default_factory=dict)
+    megatron_sp: bool = False
+    ulysses: bool = False
+    localize: Callable[[nn.Module, int], None] = field(default=lambda block, tp: None)
+    ulysses_divisible: Mapping[str, int] | None = None
+    position_inputs: Mapping[str | int, int] = field(default_factory=lambda: dict(HF_POSITION_INPUTS))
+    folded_inputs: Mapping[str, int] = field(default_factory=dict)
+    why_not_megatron_sp: str = NO_MEGATRON_SP
+    why_not_ulysses: str = NO_ULYSSES
+
+    @property
+    def ulysses_sizes(self) -> Mapping[str, int]:
+        """Sizes a Ulysses degree must divide (besides the sequence length)."""
+        if self.ulysses_divisible is not None:
+            return self.ulysses_divisible
+        heads = {k: v for k, v in self.divisible.items() if k == "attention heads"}
+        return heads or dict(self.divisible)
+
+    def unsupported(self, tp: int, sp: str) -> str | None:
+        """Why ``(tp, sp)`` cannot run exactly on this block, or ``None`` if it can."""
+        if sp == "ulysses":
+            if not self.ulysses:
+                return self.why_not_ulysses
+            sizes = self.ulysses_sizes
+        else:
+            sizes = self.divisible
+        bad = [f"{size} {what}" for what, size in sizes.items() if size % tp]
+        if bad:
+            return f"degree {tp} does not divide the {', '.join(bad)}"
+        if sp == "megatron" and not self.megatron_sp:
+            return self.why_not_megatron_sp
+        return None
+
+
+
+# ---------------------------------------------------------------------------------------------- Megatron collectives
 class _CopyToGroup(torch.autograd.Function):
     """Identity forward; sums the input gradient over the tensor-parallel group in backward."""
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_galvatron.model.discovery import model_class
+from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS, model_class
 from lightning_galvatron.runtime.tensor_parallel import _CopyToGroup
 
 
@@ -180,8 +180,6 @@ def apply_ulysses(block: nn.Module, group: dist.ProcessGroup, position_inputs: M
     ``position_inputs`` names the inputs with one entry per sequence position (names, or indices of
     positional arguments) and their position dimension; by default Hugging Face's names.
     """
-    from lightning_galvatron.model.tensor_parallel_plans import HF_POSITION_INPUTS
-
     positions = dict(HF_POSITION_INPUTS if position_inputs is None else position_inputs)
     forward = block.forward
     _GROUPS[block] = group

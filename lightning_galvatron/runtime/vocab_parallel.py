@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from torch.overrides import TorchFunctionMode
 
-from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.plan import PlanError
+from lightning_galvatron.runtime.structure import ModelStructure
 
 
 @dataclass(frozen=True)

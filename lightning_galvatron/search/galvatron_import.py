@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_galvatron.jsonfile import read_json_object
+from lightning_galvatron.layout import ranks_per_node
 from lightning_galvatron.profiles import (
     CollectiveFit,
     DegreeTable,
@@ -260,7 +261,7 @@ def _hardware(
                 sweeps[(m.group(1), int(m.group(2)))].append((int(m.group(3)) * MIB, ms * MS))
         for (kind, g), pts in sweeps.items():
             ours = "all_reduce" if kind == "allreduce" else "all_to_all"
-            k = _ranks_per_node(g, 1, per_node, nodes * gpus)
+            k = ranks_per_node(g, 1, per_node, nodes * gpus)
             fit = CollectiveFit.fit(ours, g, k, [s for s, _ in pts], [t for _, t in pts])
             if ours == "all_reduce":
                 latency[g] = fit.latency_s
@@ -278,7 +279,7 @@ def _hardware(
             for key, bw in _read_json(directory / name).items():
                 if m := re.fullmatch(r"allreduce_size_(\d+)_consec_([01])", key):
                     g, consec = int(m.group(1)), m.group(2) == "1"
-                    k = _ranks_per_node(g, 1 if consec else world // g, per_node, world)
+                    k = ranks_per_node(g, 1 if consec else world // g, per_node, world)
                     candidates[("all_reduce", g, k)].append((world, CollectiveFit("all_reduce", g, k, latency_for(g), bw * MIB / MS)))
         elif name.startswith("p2p_bandwidth_"):
             for key, bw in _read_json(directory / name).items():
@@ -310,14 +311,6 @@ def _hardware(
         memory_overhead_bytes=memory_overhead_bytes,
         device_type="cuda",  # the reference system profiles GPUs with NCCL
     )
-
-
-def _ranks_per_node(group_size: int, stride: int, per_node: int, world: int) -> int:
-    if world <= per_node:
-        return group_size
-    if stride >= per_node:
-        return 1
-    return max(1, min(group_size, per_node // stride))
 
 
 # ---------------------------------------------------------------------------------------------- files
