@@ -1,4 +1,4 @@
-"""Per-call state that models hand to their blocks: key/value caches.
+"""Per-call state that models hand to their blocks: key/value caches; where a call's hidden states are.
 
 Hugging Face models create a KV cache object for every forward call at their default config
 (``use_cache=True``, in training too) and pass it to each block (``past_key_values=``), which
@@ -11,9 +11,12 @@ same thing without one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from lightning_galvatron.plan import PlanError
 
 
 def is_kv_cache(value: Any) -> bool:
@@ -31,3 +34,14 @@ def without_kv_caches(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         tuple(None if is_kv_cache(a) else a for a in args),
         {k: None if is_kv_cache(v) else v for k, v in kwargs.items()},
     )
+
+
+def hidden_states_of(args: tuple, kwargs: Mapping[str, Any]) -> tuple[int | str, torch.Tensor]:
+    """Where a block's hidden states are among its inputs, and the tensor: the first positional tensor, else
+    ``hidden_states=`` (the rule the runtime and the profiler use)."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return i, a
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return "hidden_states", kwargs["hidden_states"]
+    raise PlanError("a block was called without a hidden-states tensor (a first positional tensor or hidden_states=)")

@@ -23,7 +23,7 @@ can tell which paths reach the step's outputs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_galvatron.model.call_state import hidden_states_of
 from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.plan import PlanError
 
@@ -51,17 +52,6 @@ class OutsideLayers:
 
     before: tuple[str, ...]
     after: tuple[str, ...]
-
-
-def hidden_states_of(args: tuple, kwargs: Mapping[str, Any]) -> tuple[int | str, torch.Tensor]:
-    """Where a block's hidden states are among its inputs, and the tensor: the first positional tensor, else
-    ``hidden_states=`` (the rule every part of the runtime uses)."""
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            return i, a
-    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-        return "hidden_states", kwargs["hidden_states"]
-    raise PlanError("a block was called without a hidden-states tensor (a first positional tensor or hidden_states=)")
 
 
 def block_output_hidden(output: Any) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
 
+from lightning_galvatron.model.call_state import hidden_states_of
 from lightning_galvatron.model.discovery import ModelStructure, model_class
 from lightning_galvatron.model.outside_layers import OutsideLayers
 from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan, tensor_parallel_plan_or_reason
@@ -350,11 +351,8 @@ def _relocate_inputs(
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if is_recomputing(module):
             return None
-        hidden_index, hidden = next(((i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)), (None, None))
-        if hidden is None:
-            hidden = kwargs.get("hidden_states")
-        if hidden is None:
-            raise RuntimeError(f"{type(module).__name__} was called without a hidden-states tensor to relocate")
+        where, hidden = hidden_states_of(args, kwargs)
+        hidden_index = where if isinstance(where, int) else None
         if first:
             micro_batch.size = hidden.shape[0] * source.layout.dp  # the input layout's shards are even
         extras_batch = micro_batch.size // extras_source.layout.dp
