@@ -13,7 +13,6 @@ class ProfileError(ValueError):
     """A profile that is malformed or lacks something the search needs; the message says what."""
 
 
-
 @dataclass(frozen=True)
 class LinearFit:
     """``time(x) = intercept_s + per_sample_s * x`` for a local batch of ``x`` samples (x may be fractional)."""
@@ -80,7 +79,7 @@ class DegreeTable:
         if degree in table:
             return table[degree]
         if len(table) == 1:
-            (g0, v0), = table.items()
+            ((g0, v0),) = table.items()
             return v0 * g0 / degree
         inv = [1.0 / g for g in table]
         ys = list(table.values())
@@ -100,7 +99,6 @@ class DegreeTable:
             return cls(tuple((int(g), float(v)) for g, v in data.items()))
         except (TypeError, ValueError) as err:
             raise ProfileError(f"{where}: {err}") from None
-
 
 
 def _fields(data: Any, where: str, cls: type | None = None, required: Sequence[str] = ()) -> dict[str, Any]:

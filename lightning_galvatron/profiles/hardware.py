@@ -67,7 +67,9 @@ class CollectiveFit:
         return self.latency_s + bus_volume(self.kind, g) * nbytes / self.bandwidth_bytes_per_s
 
     @classmethod
-    def fit(cls, kind: str, group_size: int, ranks_per_node: int, sizes: Sequence[float], times_s: Sequence[float]) -> CollectiveFit:
+    def fit(
+        cls, kind: str, group_size: int, ranks_per_node: int, sizes: Sequence[float], times_s: Sequence[float]
+    ) -> CollectiveFit:
         """Fit latency and bus bandwidth to measured (bytes, seconds) points, minimising relative error."""
         if len(sizes) < 2 or len(sizes) != len(times_s):
             raise ProfileError("a collective fit needs at least two (size, time) points")
@@ -84,7 +86,10 @@ class CollectiveFit:
         latency = my - slope * mx
         if latency < 0 or slope <= 0:
             latency = max(latency, 0.0)
-            slope = max(sum(wi * x * (y - latency) for wi, x, y in zip(w, xs, ys)) / sum(wi * x * x for wi, x in zip(w, xs)), 1e-30)
+            slope = max(
+                sum(wi * x * (y - latency) for wi, x, y in zip(w, xs, ys)) / sum(wi * x * x for wi, x in zip(w, xs)),
+                1e-30,
+            )
         return cls(kind, group_size, ranks_per_node, latency, 1.0 / slope)
 
     def to_dict(self) -> dict[str, Any]:
@@ -127,11 +132,15 @@ class HardwareProfile:
         keys = [(c.kind, c.group_size, c.ranks_per_node) for c in self.collectives]
         duplicates = sorted({k for k in keys if keys.count(k) > 1})
         if duplicates:
-            raise ProfileError(f"hardware.collectives has duplicate entries for (kind, group_size, ranks_per_node) {duplicates}")
+            raise ProfileError(
+                f"hardware.collectives has duplicate entries for (kind, group_size, ranks_per_node) {duplicates}"
+            )
         if self.device_memory_bytes is not None:
             _positive_int("hardware.device_memory_bytes", self.device_memory_bytes)
         if not isinstance(self.memory_overhead_bytes, int) or self.memory_overhead_bytes < 0:
-            raise ProfileError(f"hardware.memory_overhead_bytes must be a non-negative integer, got {self.memory_overhead_bytes!r}")
+            raise ProfileError(
+                f"hardware.memory_overhead_bytes must be a non-negative integer, got {self.memory_overhead_bytes!r}"
+            )
 
     def collective(self, kind: str, group_size: int, ranks_per_node: int) -> CollectiveFit:
         """The entry that best describes ``kind`` over such a group (see :func:`lookup_collective`)."""
@@ -164,7 +173,9 @@ _KIND_FALLBACK = {
 }
 
 
-def lookup_collective(entries: Iterable[CollectiveFit], kind: str, group_size: int, ranks_per_node: int) -> CollectiveFit:
+def lookup_collective(
+    entries: Iterable[CollectiveFit], kind: str, group_size: int, ranks_per_node: int
+) -> CollectiveFit:
     """Pick the measured entry for ``kind`` over a group of ``group_size`` with ``ranks_per_node`` per node.
 
     Order of preference: the exact entry; else an entry of the same kind on the same side of the

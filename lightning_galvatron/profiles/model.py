@@ -70,12 +70,20 @@ class LayerTypeProfile:
         for name in ("tensor_parallel_divisors", "ulysses_divisors"):
             values = getattr(self, name)
             if not isinstance(values, (list, tuple)):
-                raise ProfileError(f"layer type {self.name!r}: {name} must be a list of positive integers, got {values!r}")
+                raise ProfileError(
+                    f"layer type {self.name!r}: {name} must be a list of positive integers, got {values!r}"
+                )
             for value in values:
                 _positive_int(f"layer type {self.name!r}: {name}", value)
             object.__setattr__(self, name, tuple(values))
-        _finite_nonneg(f"layer type {self.name!r}: recompute_activation_bytes_per_sample", self.recompute_activation_bytes_per_sample)
-        _finite_nonneg(f"layer type {self.name!r}: replicated_activation_bytes_per_sample", self.replicated_activation_bytes_per_sample)
+        _finite_nonneg(
+            f"layer type {self.name!r}: recompute_activation_bytes_per_sample",
+            self.recompute_activation_bytes_per_sample,
+        )
+        _finite_nonneg(
+            f"layer type {self.name!r}: replicated_activation_bytes_per_sample",
+            self.replicated_activation_bytes_per_sample,
+        )
         _finite_nonneg(f"layer type {self.name!r}: backward_to_forward", self.backward_to_forward)
 
     def to_dict(self) -> dict[str, Any]:
@@ -193,7 +201,9 @@ class ModelProfile:
         _positive_int("model.activation_dtype_bytes", self.activation_dtype_bytes)
         _positive_int("model.block_lists", self.block_lists)
         if self.block_lists > len(self.blocks):
-            raise ProfileError(f"model.block_lists = {self.block_lists} but the model has only {len(self.blocks)} blocks")
+            raise ProfileError(
+                f"model.block_lists = {self.block_lists} but the model has only {len(self.blocks)} blocks"
+            )
 
     @property
     def num_blocks(self) -> int:

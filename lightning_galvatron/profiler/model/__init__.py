@@ -115,7 +115,9 @@ def profile_model(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         with _profiling(module, blocks, types, device, precision_cfg):
             captured = _capture(module, blocks, types, example_batch, step, precision_cfg, device)
-            vocab = _profile_vocab(module, structure, types, captured, example_batch, step, precision_cfg, device, sizes, degrees)
+            vocab = _profile_vocab(
+                module, structure, types, captured, example_batch, step, precision_cfg, device, sizes, degrees
+            )
         layer_types = []
         for t in types:
             profiler = _BlockProfiler(blocks[t.first], captured.inputs[t.first], precision_cfg, device, t.name)

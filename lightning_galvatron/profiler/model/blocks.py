@@ -49,10 +49,13 @@ from lightning_galvatron.profiles import LayerTypeProfile, LinearFit
 
 log = logging.getLogger(__name__)
 
+
 class _BlockProfiler(_DegreeMeasurement):
     """Times and counts one block type on deep copies of its first block."""
 
-    def __init__(self, block: nn.Module, call: _BlockCall, prec: _PrecisionConfig, device: torch.device, name: str) -> None:
+    def __init__(
+        self, block: nn.Module, call: _BlockCall, prec: _PrecisionConfig, device: torch.device, name: str
+    ) -> None:
         self.block = block
         self.call = call
         self.prec = prec
@@ -130,7 +133,11 @@ class _BlockProfiler(_DegreeMeasurement):
         """
         args, kwargs = self.inputs(batch, seq_split)
         exclude = [*block.parameters(), *block.buffers()]
-        exclude += [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v is not hidden_states_of(args, kwargs)[1]]
+        exclude += [
+            v
+            for v in (*args, *kwargs.values())
+            if isinstance(v, torch.Tensor) and v is not hidden_states_of(args, kwargs)[1]
+        ]
         counter = SavedTensorCounter(exclude)
         handles = _attribute_to_submodules(block, counter, self.attribution_names()) if attribute else []
         hidden = hidden_states_of(args, kwargs)[1]
@@ -210,8 +217,12 @@ class _BlockProfiler(_DegreeMeasurement):
         split, replicated = self.per_degree(per_sample, roles, degrees, world, count_sizes, styles)
         log.info(
             "%s: forward %s s at batch %s; backward/forward %.2f; recompute adds %.2f forwards; %.0f activation bytes/sample",
-            self.name, [f"{t:.2e}" for t in forward], list(sizes), sum(backward) / sum(forward),
-            (sum(recompute_backward) - sum(backward)) / sum(forward), per_sample,
+            self.name,
+            [f"{t:.2e}" for t in forward],
+            list(sizes),
+            sum(backward) / sum(forward),
+            (sum(recompute_backward) - sum(backward)) / sum(forward),
+            per_sample,
         )
         heads = self.num_heads()
         return LayerTypeProfile(
@@ -247,7 +258,9 @@ class _BlockProfiler(_DegreeMeasurement):
         return 1
 
     def ffn_hidden_size(self) -> int:
-        widths = [int(s) for m in self.block.modules() if isinstance(m, nn.Linear) for s in (m.in_features, m.out_features)]
+        widths = [
+            int(s) for m in self.block.modules() if isinstance(m, nn.Linear) for s in (m.in_features, m.out_features)
+        ]
         widths += [int(s) for m in self.block.modules() if type(m).__name__ == "Conv1D" for s in m.weight.shape]
         return max(widths, default=int(self.hidden.shape[-1]))
 
@@ -259,7 +272,11 @@ class _BlockProfiler(_DegreeMeasurement):
 
         from lightning_galvatron.runtime.tensor_parallel import ParallelMultiheadAttention, RowwiseConv1D
 
-        row_parallel = (RowwiseParallel, RowwiseConv1D, ParallelMultiheadAttention)  # the attention ends in its out_proj
+        row_parallel = (
+            RowwiseParallel,
+            RowwiseConv1D,
+            ParallelMultiheadAttention,
+        )  # the attention ends in its out_proj
         return sum(isinstance(s, row_parallel) for s in self.tp_plan.styles(False).values())
 
     def _cross_check(self, plain: Sequence[tuple[int, SavedTensorCounter]]) -> None:
@@ -270,8 +287,14 @@ class _BlockProfiler(_DegreeMeasurement):
             agree = abs(allocated - counter.total) <= 0.1 * max(counter.total, 1)
             (log.debug if agree else log.info)(
                 "%s at batch %d: autograd saves %d bytes; the CUDA allocator kept %d (peak %d above the start)%s",
-                self.name, b, counter.total, allocated, counter.allocator_peak_bytes,
-                "" if agree else ": they differ by more than 10% (allocator rounding, workspaces, tensors kept outside autograd)",
+                self.name,
+                b,
+                counter.total,
+                allocated,
+                counter.allocator_peak_bytes,
+                ""
+                if agree
+                else ": they differ by more than 10% (allocator rounding, workspaces, tensors kept outside autograd)",
             )
 
 

@@ -90,7 +90,9 @@ def _capture(
 
 
 @contextlib.contextmanager
-def _skipping(blocks: Sequence[nn.Module], calls: Mapping[int, _BlockCall], types: Sequence[_BlockType], which: set[int]) -> Iterator[None]:
+def _skipping(
+    blocks: Sequence[nn.Module], calls: Mapping[int, _BlockCall], types: Sequence[_BlockType], which: set[int]
+) -> Iterator[None]:
     """Blocks in ``which`` return their input in the structure of their type's output instead of running.
 
     The output template is looked up at call time (while capturing, the first block of a type has
@@ -114,5 +116,3 @@ def _skipping(blocks: Sequence[nn.Module], calls: Mapping[int, _BlockCall], type
     finally:
         for i in which:
             del blocks[i].forward
-
-

@@ -63,7 +63,9 @@ class _DegreeMeasurement:
         """
         table = {1: per_sample}
         replicated: list[float] = []
-        measured = [g for g in degrees if 1 < g <= world and world % g == 0 and (styles.tensor_parallel or styles.ulysses)]
+        measured = [
+            g for g in degrees if 1 < g <= world and world % g == 0 and (styles.tensor_parallel or styles.ulysses)
+        ]
         for g in measured:
             results = self.measure_degree(g, world, count_sizes, styles)
             if not results:
@@ -103,7 +105,13 @@ class _DegreeMeasurement:
             runnable.append("none")
         if styles.megatron_sp and plan is not None and plan.unsupported(g, "megatron") is None and seq % g == 0:
             runnable.append("megatron")
-        if styles.ulysses and plan is not None and plan.unsupported(g, "ulysses") is None and seq % g == 0 and seq // g >= 2:
+        if (
+            styles.ulysses
+            and plan is not None
+            and plan.unsupported(g, "ulysses") is None
+            and seq % g == 0
+            and seq // g >= 2
+        ):
             runnable.append("ulysses")
         for style in runnable:
             block = self.copy()

@@ -77,7 +77,7 @@ def _storage_bytes(tensor: torch.Tensor) -> int:
 def _per_sample(points: Sequence[tuple[int, float]]) -> float:
     """Bytes per sample from counts at two or more batch sizes: the slope (a batch-independent part drops out)."""
     if len(points) == 1:
-        (b, v), = points
+        ((b, v),) = points
         return v / b
     (b0, v0), (b1, v1) = points[0], points[-1]
     return max((v1 - v0) / (b1 - b0), 0.0)

@@ -86,7 +86,11 @@ def _block_types(blocks: Sequence[nn.Module]) -> list[_BlockType]:
 
 @contextlib.contextmanager
 def _profiling(
-    module: nn.Module, blocks: Sequence[nn.Module], types: Sequence[_BlockType], device: torch.device, prec: _PrecisionConfig
+    module: nn.Module,
+    blocks: Sequence[nn.Module],
+    types: Sequence[_BlockType],
+    device: torch.device,
+    prec: _PrecisionConfig,
 ) -> Iterator[None]:
     """Run the module for profiling and leave no trace: modes, gradients and parameter storage restored.
 
@@ -111,6 +115,7 @@ def _profiling(
             p.grad = g
         for m, mode in modes.items():
             m.training = mode
+
 
 # ---------------------------------------------------------------------------------------------- helpers
 def _no_op(*args: Any, **kwargs: Any) -> None:
@@ -154,11 +159,12 @@ def _resize_batch(batch: Any, size: int) -> Any:
     """The batch with ``size`` samples: tensors whose first dimension is the batch are sliced or tiled."""
     current = _batch_size(batch)
     return tree_map(
-        lambda t: _resize_tensor(t, size) if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == current else t,
+        lambda t: (
+            _resize_tensor(t, size) if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == current else t
+        ),
         batch,
     )
 
 
 def _to_device(batch: Any, device: torch.device, prec: _PrecisionConfig) -> Any:
     return tree_map(lambda t: prec.place(t, device) if isinstance(t, torch.Tensor) else t, batch)
-

@@ -114,7 +114,9 @@ class _PhaseTimer:
     block's input -> end (embedding). With a counter, saved tensors are attributed to the phases.
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], device: torch.device, counter: SavedTensorCounter | None = None) -> None:
+    def __init__(
+        self, blocks: Sequence[nn.Module], device: torch.device, counter: SavedTensorCounter | None = None
+    ) -> None:
         self.blocks, self.device, self.counter = blocks, device, counter
         self.marks: dict[str, float] = {}
 
