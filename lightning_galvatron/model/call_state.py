@@ -1,4 +1,4 @@
-"""Per-call state that models hand to their blocks: key/value caches.
+"""Per-call state that models hand to their blocks: key/value caches; where a call's hidden states are.
 
 Hugging Face models create a KV cache object for every forward call at their default config
 (``use_cache=True``, in training too) and pass it to each block (``past_key_values=``), which
@@ -12,6 +12,6 @@ same thing without one.
 from __future__ import annotations
 
 # Defined with the runtime's block conventions (the runtime never imports model/); kept here by name.
-from lightning_galvatron.runtime.structure import is_kv_cache, without_kv_caches
+from lightning_galvatron.runtime.structure import hidden_states_of, is_kv_cache, without_kv_caches
 
-__all__ = ["is_kv_cache", "without_kv_caches"]
+__all__ = ["hidden_states_of", "is_kv_cache", "without_kv_caches"]
