@@ -10,6 +10,7 @@ curve matches DDP's. This module rebuilds the DataLoader with that batch size.
 
 from __future__ import annotations
 
+import torch
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from torch.utils.data import BatchSampler, DataLoader
@@ -31,6 +32,13 @@ def loader_batch_size(dataloader: object) -> int | None:
     if size is None and isinstance(getattr(dataloader, "batch_sampler", None), _IndexBatchSamplerWrapper):
         size = getattr(dataloader.batch_sampler._batch_sampler, "batch_size", None)
     return size
+
+
+def example_batch(loader: object) -> object:
+    """The loader's first batch, without moving the random state training will use (a shuffling sampler draws
+    its seed from it)."""
+    with torch.random.fork_rng():
+        return next(iter(loader))  # type: ignore[call-overload]
 
 
 def rebatch(dataloader: object, batch_size: int) -> object:
