@@ -21,6 +21,7 @@ from torch import nn
 from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.plan import ParallelPlan, PlanError
 from lightning_galvatron.profiles import Profile
+from lightning_galvatron.search.estimate import Estimate
 from lightning_galvatron.units import format_bytes, parse_bytes
 
 # Left free on a GPU for the CUDA context, the allocator's fragmentation and NCCL buffers.
@@ -87,8 +88,9 @@ class SearchSettings:
 class AutoPlan:
     plan: ParallelPlan
     profile: Profile
-    report: str  # the search's table and baselines (rank 0; empty elsewhere)
+    report: str  # what the search compared its plan with, and its cost (rank 0; empty elsewhere)
     memory_budget_bytes: int
+    estimate: Estimate  # the plan's predicted time and memory (every rank)
     seconds: dict[str, float] = field(default_factory=dict)
     profile_cached: bool = False
 
@@ -151,8 +153,8 @@ def plan_automatically(
     chooses recomputation and micro-batches (gradient accumulation inside the step) to fit the budget.
     """
     from lightning_galvatron.profiler import profile
-    from lightning_galvatron.search import search
-    from lightning_galvatron.search.report import describe_search
+    from lightning_galvatron.search import evaluate, search
+    from lightning_galvatron.search.report import describe_alternatives
 
     started = time.perf_counter()
     cache_info: dict[str, Any] = {}
@@ -190,12 +192,7 @@ def plan_automatically(
                 calibration=settings.calibration,
                 baselines=world_size > 1,  # on one device every uniform plan is the same
             )
-            devices = f"{world_size} device{'s' if world_size > 1 else ''}"
-            title = (
-                f"Galvatron plan for {devices}, {format_bytes(budget)} per device, "
-                f"global batch {result.global_batch_size}"
-            )
-            outcome = (result.plan.to_dict(), describe_search(result, title), None)
+            outcome = (result.plan.to_dict(), describe_alternatives(result), None)
         except ValueError as error:  # infeasible budget, no valid plan: say it on every rank
             outcome = (None, "", str(error))
     holder = [outcome]
@@ -203,12 +200,18 @@ def plan_automatically(
     plan_dict, report, error = holder[0]
     if error is not None:
         raise PlanError(f"automatic plan search failed: {error}")
-    assert plan_dict is not None
+    assert plan_dict is not None and measured is not None
+    plan = ParallelPlan.from_dict(plan_dict)
     return AutoPlan(
-        plan=ParallelPlan.from_dict(plan_dict),
+        plan=plan,
         profile=measured,
         report=report,
         memory_budget_bytes=budget,
+        # The search's own estimate, recomputed where the search did not run (the same deterministic cost model).
+        estimate=evaluate(
+            measured, plan, optimizer=optimizer, precision=precision, memory_budget_bytes=budget,
+            calibration=settings.calibration,
+        ),
         seconds={"profile": profiled - started, "search": time.perf_counter() - profiled},
         profile_cached=bool(cache_info.get("cached")),
     )

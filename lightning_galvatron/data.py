@@ -38,6 +38,13 @@ def loader_batch_size(dataloader: object) -> int | None:
     return size
 
 
+def example_batch(loader: object) -> object:
+    """The loader's first batch, without moving the random state training will use (a shuffling sampler draws
+    its seed from it)."""
+    with torch.random.fork_rng():
+        return next(iter(loader))  # type: ignore[call-overload]
+
+
 def rebatch(dataloader: object, batch_size: int) -> object:
     """A copy of ``dataloader`` that yields ``batch_size`` samples per batch, same sampler and options.
 
@@ -81,8 +88,3 @@ def first_dataloader(trainer: Any) -> Any:
     return loaders
 
 
-def example_batch(loader: Any) -> Any:
-    """The loader's first batch, without moving the random state training will use (a shuffling sampler draws
-    its seed from it)."""
-    with torch.random.fork_rng():
-        return next(iter(loader))

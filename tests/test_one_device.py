@@ -52,7 +52,7 @@ def test_readme_command_on_one_device_trains(tmp_path):
     out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=500, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "Galvatron: one device: nothing communicates, so no hardware profile is measured" in out.stdout + out.stderr
-    assert "Galvatron plan for 1 device," in out.stdout + out.stderr
+    assert "Galvatron plan for 1 device (searched)," in out.stdout + out.stderr
     rows = list(csv.DictReader(next(tmp_path.glob("gpt_tiny_cpu_auto/version_*/metrics.csv")).open()))
     assert len([r for r in rows if r.get("train_loss")]) == 4 and len([r for r in rows if r.get("val_loss")]) == 2
 

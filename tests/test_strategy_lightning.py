@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,6 @@ import lightning.pytorch as L
 import pytest
 import torch
 
-import lightning_galvatron
 from lightning_galvatron import GalvatronStrategy
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
@@ -105,15 +105,50 @@ def test_missing_plan_says_how_to_get_one(pools):
         pools(2).run(_run_without_a_plan)
 
 
-def test_registered_with_lightning_and_pytorch_lightning():
+def test_registered_with_lightning_and_refused_with_the_reason_in_pytorch_lightning():
     trainer = L.Trainer(strategy="galvatron", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, GalvatronStrategy)
-    import pytorch_lightning as pl
+    # In fresh processes, in either import order (a twin class built by rewriting source hit a circular import).
+    for first, then in (("pytorch_lightning", "lightning_galvatron"), ("lightning_galvatron", "pytorch_lightning")):
+        code = f"import {first}, {then}, pytorch_lightning; pytorch_lightning.Trainer(strategy='galvatron')"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300, check=False)
+        assert out.returncode == 1, out.stderr[-2000:]
+        assert "ValueError: strategy=\"galvatron\" runs with the `lightning` package, not `pytorch_lightning`" in out.stderr
+        assert "`import lightning.pytorch as pl`" in out.stderr
 
-    pl_trainer = pl.Trainer(strategy="galvatron", accelerator="cpu", devices=1, logger=False)
-    assert isinstance(pl_trainer.strategy, pl.strategies.ModelParallelStrategy)
-    assert type(pl_trainer.strategy).__name__ == "GalvatronStrategy"
-    assert lightning_galvatron.__name__ in type(pl_trainer.strategy).__module__
+
+# A Lightning project without Rich: Lightning checks for it by its distribution's version and its module.
+_WITHOUT_RICH = """
+import importlib.abc, importlib.metadata, sys
+class NoRich(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "rich":
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, NoRich())
+version = importlib.metadata.version
+def version_without_rich(name):
+    if name == "rich":
+        raise importlib.metadata.PackageNotFoundError(name)
+    return version(name)
+importlib.metadata.version = version_without_rich
+"""
+_DEFAULT_CALLBACKS = """
+import lightning.pytorch as L
+def callbacks(**kwargs):
+    return sorted(type(c).__name__ for c in L.Trainer(accelerator="cpu", devices=1, logger=False, **kwargs).callbacks)
+before = callbacks()
+import lightning_galvatron
+print(json.dumps([before, callbacks(), callbacks(strategy="galvatron"), "rich" in sys.modules]))
+"""
+
+
+def test_importing_leaves_lightnings_default_progress_bar_and_model_summary():
+    """In a fresh project without Rich (this environment has it: Lightning would pick Rich's bar and summary)."""
+    code = "import json, sys\n" + _WITHOUT_RICH + _DEFAULT_CALLBACKS
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300, check=True)
+    before, after, with_strategy, rich_imported = json.loads(out.stdout.strip().splitlines()[-1])
+    assert before == after == with_strategy == ["ModelCheckpoint", "ModelSummary", "TQDMProgressBar"]
+    assert not rich_imported
 
 
 def test_offline_parts_do_not_load_lightning():

@@ -364,8 +364,8 @@ def _fit(kind: str, layout: GroupLayout, sizes: Sequence[int], times: Sequence[f
         latency = max(times[0] - volume * sizes[0] / bandwidth, 0.0)
     else:
         bandwidth, latency = volume * sizes[-1] / times[-1], min(times)
-    first_rank = not dist.is_initialized() or dist.get_rank() == 0
-    (log.warning if first_rank else log.debug)(
+    # A diagnostic of the measurement, not something a user can act on: shown with DEBUG logging of this package.
+    log.debug(
         "%s over %d ranks: the least-squares fit does not explain the largest message (%.3g s measured, %.3g s "
         "fitted, %.3g s of it transfer): using %.3g GB/s from the smallest and largest message",
         kind, layout.group_size, times[-1], fit.time(sizes[-1]), transfer, bandwidth / 1e9,

@@ -2,15 +2,16 @@
 
 Reading order: check that the runtime can execute the plan exactly; keep this rank's pipeline
 stage only; then for every local block, the relocation of its input from the previous block's
-layout, tensor or sequence parallelism on the block's group, recomputation and data parallelism on
-the block's dp group; then the relocation of the last block's output back to the vocabulary
-layout, vocabulary parallelism, the layers outside the blocks as the FSDP root, and the runner
-that drives micro-batches and the pipeline schedule. Parameter names never change.
+layout, tensor or sequence parallelism on the block's group, compilation (if asked),
+recomputation and data parallelism on the block's dp group; then the relocation of the last
+block's output back to the vocabulary layout, vocabulary parallelism, the layers outside the
+blocks as the FSDP root, and the runner that drives micro-batches and the pipeline schedule.
+Parameter names never change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fs
 
 from lightning_galvatron.layout import ActivationLayout, Layout
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
+from lightning_galvatron.runtime.compile import apply_compile, check_compile_support
 from lightning_galvatron.runtime.gradient_sync import GradientReducer
 from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.runtime.pipeline import PipelineRunner, StagePartition
@@ -116,6 +118,7 @@ def apply_plan(
     boundary_dtype: torch.dtype = torch.float32,
     outside_layers: OutsideLayers | None = None,
     tp_plans: Sequence[BlockTensorParallelPlan | str] = (),
+    compile_options: Mapping[str, Any] | None = None,
 ) -> AppliedPlan:
     """Parallelise ``model`` in place as ``plan`` says.
 
@@ -128,12 +131,15 @@ def apply_plan(
         boundary_dtype: dtype of the activations sent between pipeline stages.
         outside_layers: with ``pp > 1``, which layers outside the blocks run before them and which after
             (:func:`~lightning_galvatron.model.outside_layers.trace_outside_layers` on the user's step).
+        compile_options: ``torch.compile`` arguments to compile each block with (see :mod:`.compile`).
         tp_plans: each block's tensor-parallel plan or why it has none (one per block; needed where tp > 1).
     """
     tp_plans = list(tp_plans) or ["no tensor-parallel plans were given"] * structure.num_blocks
     if len(tp_plans) != structure.num_blocks:
         raise ValueError(f"tp_plans has {len(tp_plans)} entries for {structure.num_blocks} blocks")
     check_runtime_support(plan, structure, tp_plans)
+    if compile_options is not None:
+        check_compile_support(plan, compile_options)
     rank = dist.get_rank()
     stage = Layout.stage(plan)
     # Creating a mesh is collective over all ranks; a pipeline stage only uses its own blocks' layouts,
@@ -191,6 +197,8 @@ def apply_plan(
             assert tp_plan is not None  # checked above
             apply_tensor_parallel(block, tp_plan.styles(strategy.sp == "megatron"), meshes.tp_mesh(layout))
             tp_plan.localize(block, strategy.tp)
+        if compile_options is not None:
+            apply_compile(block, compile_options)
         if strategy.recompute:
             apply_recompute(block)
         apply_data_parallel(block, strategy, _gradient_mesh(meshes, plan, strategy), mp_policy, applied.gradients)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lightning_galvatron.units import format_bytes
@@ -10,7 +11,12 @@ from lightning_galvatron.units import format_bytes
 
 def describe_search(result: Any, title: str) -> str:
     """The best plan's per-block table and stage breakdown, the uniform baselines and the search's cost."""
-    lines = [title, describe_estimate(result.estimate)]
+    return "\n".join([title, describe_estimate(result.estimate), describe_alternatives(result)])
+
+
+def describe_alternatives(result: Any) -> str:
+    """What the search compared its plan with (the uniform baselines), its notes and its cost."""
+    lines = []
     if result.baselines:
         lines.append("\nUniform baselines (same cost model):")
         rows = [("baseline", "samples/s", "step", "peak memory", "plan")]
@@ -36,6 +42,24 @@ def plan_summary(plan: Any) -> str:
     if plan.pp > 1:
         head += f" {plan.schedule}" + (f"x{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
     return f"{head} m{plan.micro_batches} [{', '.join(kinds)}] vocab {plan.vocab.short()}"
+
+
+LABEL_PARTS = {
+    "tpN": "tensor parallel over N devices (tp1: none)",
+    "spN": "Ulysses sequence parallel over N devices",
+    "msp": "with Megatron sequence parallelism",
+    "strided": "tensor-parallel ranks strided, not consecutive",
+    "ddp": "data parallel, whole weights on every device",
+    "zero2": "data parallel, gradients and optimizer states sharded",
+    "zero3": "data parallel, weights, gradients and optimizer states sharded",
+    "rc": "activations recomputed in backward",
+}
+
+
+def legend(labels: Iterable[str]) -> str:
+    """What the parts of strategy labels such as ``tp2-msp-zero3-rc`` mean, for the parts that occur in ``labels``."""
+    present = {re.sub(r"^(tp|sp)\d+$", r"\1N", part) for label in labels for part in label.split("-")}
+    return "Labels: " + "; ".join(f"{part} = {meaning}" for part, meaning in LABEL_PARTS.items() if part in present)
 
 
 def describe_estimate(estimate: Any) -> str:
