@@ -162,3 +162,11 @@ def save_plan_files(directory: Path, plan: Any, profile: Any, write: bool) -> li
         if profile is not None:
             profile.save(files[1])
     return files
+
+
+def output_dir(trainer: Any) -> Path:
+    """Where the plan and profile are saved: the logger's directory. Call on every rank (it broadcasts)."""
+    path = Path(trainer.log_dir or trainer.default_root_dir)
+    if trainer.global_rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    return path

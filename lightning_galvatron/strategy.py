@@ -67,7 +67,7 @@ from lightning_galvatron.errors import leave_to_reporting_rank
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
 from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
 from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans, tensor_parallel_plan_or_reason
-from lightning_galvatron.monitor import GalvatronMonitor, save_plan_files
+from lightning_galvatron.monitor import GalvatronMonitor, output_dir, save_plan_files
 from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
 from lightning_galvatron.precision import (
     boundary_dtype,
@@ -270,7 +270,7 @@ class GalvatronStrategy(ModelParallelStrategy):
                 "makes one file of them) or a plan with pp=1"
             )
         if self._save_plan:  # collective (Lightning broadcasts the log directory)
-            self.plan_files = save_plan_files(_output_dir(trainer), self.plan, self.prediction.profile, self.global_rank == 0)
+            self.plan_files = save_plan_files(output_dir(trainer), self.plan, self.prediction.profile, self.global_rank == 0)
 
         self.model = self.precision_plugin.convert_module(self.model)
         if self._broadcast_initial_weights and self.world_size > 1:
@@ -590,14 +590,6 @@ def _configured_optimizer(module: Any) -> Optimizer | None:
     except Exception:  # noqa: BLE001 - sized as Adam, the common worst case
         return None
     return optimizers[0] if optimizers else None
-
-
-def _output_dir(trainer: Any) -> Path:
-    """Where the plan and profile are saved: the logger's directory. Call on every rank (it broadcasts)."""
-    path = Path(trainer.log_dir or trainer.default_root_dir)
-    if trainer.global_rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 GalvatronStrategy.register_strategies(StrategyRegistry)  # also called by _registry once Lightning is imported
