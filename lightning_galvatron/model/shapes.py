@@ -108,6 +108,7 @@ def architecture_of_module(
         head_parameters=after,
         head_outputs=head.out_features if head is not None else _last_width(structure, hidden),
         tied=tied,
+        vocab_parallel=embedding is not None,
     )
     return ArchitectureShape(
         name=name or type(module).__name__,

@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_galvatron.model.discovery import model_class
+from lightning_galvatron.rules import degree_problem
 from lightning_galvatron.runtime.tensor_parallel import (
     ColwiseConv1D,
     ParallelMultiheadAttention,
@@ -68,15 +69,28 @@ class BlockTensorParallelPlan:
     localize: Callable[[nn.Module, int], None] = field(default=lambda block, tp: None)
 
     def unsupported(self, tp: int, sp: str) -> str | None:
-        """Why ``(tp, sp)`` cannot run exactly on this block, or ``None`` if it can."""
-        bad = [f"{size} {what}" for what, size in self.divisible.items() if size % tp]
-        if bad:
-            return f"degree {tp} does not divide the {', '.join(bad)}"
+        """Why ``(tp, sp)`` cannot run exactly on this block, or ``None`` if it can.
+
+        The block's half of the rules: which styles it has and which sizes they split (Megatron TP: every
+        size in ``divisible``; Ulysses: only the heads, the weights stay whole). The arithmetic is
+        :func:`~lightning_galvatron.rules.degree_problem`; the sequence a sequence-parallel degree must
+        divide is the data's (:func:`~lightning_galvatron.rules.sequence_problem`).
+        """
+        if sp == "ulysses":
+            if not self.ulysses:
+                return "the block cannot run Ulysses (it takes more inputs than the hidden states)"
+            return degree_problem(tp, self.heads)
+        problem = degree_problem(tp, self.divisible)
+        if problem is not None:
+            return problem
         if sp == "megatron" and not self.megatron_sp:
             return "the block has no Megatron sequence-parallel plan"
-        if sp == "ulysses" and not self.ulysses:
-            return "the block cannot run Ulysses (it takes more inputs than the hidden states)"
         return None
+
+    @property
+    def heads(self) -> dict[str, int]:
+        """The head counts among ``divisible`` (names that say "heads"); all of it if none does."""
+        return {what: size for what, size in self.divisible.items() if "heads" in what} or dict(self.divisible)
 
 
 _REGISTRY: dict[type, Callable[[nn.Module], BlockTensorParallelPlan]] = {}

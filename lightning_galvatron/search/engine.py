@@ -29,6 +29,7 @@ import numpy as np
 
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, even_partition
 from lightning_galvatron.profiles import Profile, load_profile
+from lightning_galvatron.rules import divisors, layer_problem, vocab_problem
 from lightning_galvatron.search.calibration import Calibration
 from lightning_galvatron.search.cost import (
     CostModel,
@@ -371,7 +372,7 @@ class _FixedBatchSearch:
         # Lower bound on the step: every block at its fastest, perfectly balanced stages (max >= mean).
         fastest = np.array([c.step_share(m).min() for c in costs])
         total = fastest[self.types].sum() + vocab_time.sum(axis=0).min() + p2p.sum()
-        lower_bound = total * (1.0 / v + (m - 1.0 / v) / pp)
+        lower_bound = float(pipeline_step_time(np.full(pp, total / pp), m, v))
         return _Shape(config, in_flight, strategies, costs, layouts, layout_index, relocation, vsa, vocab_time, vocab_memory, p2p, working, lower_bound, max_blocks)
 
     def _steps(self, shape: _Shape, k: float) -> list[Step]:
@@ -741,7 +742,7 @@ def _baselines(cm: CostModel, world_size: int, budget: int, global_batch: int, o
         return fitting or rest
 
     def uniform(strategy: LayerStrategy, vocab: LayerStrategy, **kw) -> Iterable[ParallelPlan]:
-        for m in _divisors(global_batch):
+        for m in divisors(global_batch):
             try:
                 yield ParallelPlan.uniform(W, L, strategy, vocab=vocab, micro_batches=m, global_batch_size=global_batch, **kw)
             except ValueError:
@@ -754,14 +755,15 @@ def _baselines(cm: CostModel, world_size: int, budget: int, global_batch: int, o
         ),
     ]
     tp_plans = []
-    degrees = [g for g in _divisors(W) if options.max_tp is None or g <= options.max_tp]
+    degrees = [g for g in divisors(W) if options.max_tp is None or g <= options.max_tp]
     for g in sorted(degrees, reverse=True):
-        if all(lt.supports_tensor_parallel and lt.num_heads % g == 0 and lt.hidden_size % g == 0 and lt.ffn_hidden_size % g == 0 for lt in model.layer_types):
-            vg = g if model.vocab.supports_tensor_parallel else 1
-            # Megatron-SP only where every block type has it (the runtime refuses it otherwise).
-            kinds = ("megatron", "none") if all(lt.supports_megatron_sp for lt in model.layer_types) else ("none",)
+        if all(layer_problem(LayerStrategy(tp=g), lt) is None for lt in model.layer_types):
+            vg = g if vocab_problem(LayerStrategy(tp=g), model.vocab.supports_tensor_parallel) is None else 1
+            # Megatron-SP only where every block type runs it.
+            kinds = ("megatron", "none") if g > 1 else ("none",)
+            kinds = [sp for sp in kinds if all(layer_problem(LayerStrategy(tp=g, sp=sp), t) is None for t in model.layer_types)]
             for sp in kinds:
-                tp_plans += list(uniform(LayerStrategy(tp=g, sp=sp if g > 1 else "none"), LayerStrategy(tp=vg)))
+                tp_plans += list(uniform(LayerStrategy(tp=g, sp=sp), LayerStrategy(tp=vg)))
             break
     out.append(Baseline("tp", "pure tensor parallelism (largest Megatron degree), no pipeline", best_of(tp_plans) if tp_plans else None))
     out.append(Baseline("uniform_3d", "best plan with one strategy for every block (any pp, tp, dp type, recompute)", _best_uniform(cm, W, budget, global_batch, options)))
@@ -799,10 +801,6 @@ def _best_uniform(cm: CostModel, W: int, budget: int, B: int, options: SearchOpt
     if best is None:
         return None
     return evaluate(cm.profile, best[1], cost_model=cm, memory_budget_bytes=budget)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _no_plan_message(profile: Profile, world_size: int, batches: Sequence[int], options: SearchOptions) -> str:

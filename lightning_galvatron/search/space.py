@@ -6,13 +6,14 @@ world size, at most the number of blocks), then per block the size of its model-
 sequence parallelism, or Ulysses), the data-parallel degree ``d = n/g`` takes the rest, then how the
 ``d`` replicas hold their states (DDP, ZeRO-2, ZeRO-3), recomputation, and the rank layout.
 
-Everything offered is executable by the runtime: degrees divide heads/hidden/FFN (Megatron) or
-heads/sequence (Ulysses), the global batch divides by ``d * micro_batches`` for every block, layer
-types that have no TP or Ulysses support only get ``g = 1``, and schedules respect what
-``torch.distributed.pipelining`` accepts (1F1B and interleaved need ``m >= pp``; interleaved
-``m % pp == 0``). Pruned because they cannot help: ZeRO at ``d = 1`` (identical to DDP), strided
-layouts where every group stays inside one node (identical costs), GPipe with ``m >= pp`` when 1F1B
-is allowed (same time, never less memory).
+A candidate is offered if and only if it is a valid plan (the global batch divides by
+``d * micro_batches`` for every block, chunks hold at least one block) and no rule of
+:mod:`lightning_galvatron.rules` objects (degrees, sequence splits, styles a layer type has,
+schedules ``torch.distributed.pipelining`` accepts, pipelines over one block list) -- unless the
+user's options leave it out or it is pruned because it cannot help: ZeRO at ``d = 1`` (identical to
+DDP), strided layouts where every group stays inside one node (identical costs), GPipe with
+``m >= pp`` when 1F1B is allowed (same time, never less memory), any schedule but 1F1B without a
+pipeline (the schedule is moot).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 
 from lightning_galvatron.plan import DP_TYPES, SCHEDULES, LayerStrategy
 from lightning_galvatron.profiles import LayerTypeProfile, VocabProfile
+from lightning_galvatron.rules import divisors, layer_problem, pipeline_problem, schedule_problem, vocab_problem
 
 DISABLE_CHOICES = {
     "ddp": "data parallelism with replicated states",
@@ -97,20 +99,16 @@ class PipelineConfig:
     virtual_stages: int = 1
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def pipeline_degrees(world_size: int, num_blocks: int, options: SearchOptions, block_lists: int = 1) -> list[int]:
     """Pipeline degrees: divisors of the world size, at most one stage per block and ``max_pp``.
 
     A model whose blocks sit in several lists (encoder and decoder) gets no pipeline: the runtime
     cuts one list only (see :attr:`~lightning_galvatron.profiles.ModelProfile.block_lists`).
     """
-    if "pipeline" in options.disable or block_lists > 1:
+    if "pipeline" in options.disable:
         return [1]
     limit = min(num_blocks, options.max_pp or world_size)
-    return [p for p in divisors(world_size) if p <= limit]
+    return [p for p in divisors(world_size) if p <= limit and pipeline_problem(p, block_lists) is None]
 
 
 def pipeline_configs(pp: int, global_batch: int, num_blocks: int, options: SearchOptions) -> list[PipelineConfig]:
@@ -125,12 +123,12 @@ def pipeline_configs(pp: int, global_batch: int, num_blocks: int, options: Searc
             dominated = "1f1b" in options.schedules
             configs += [PipelineConfig(pp, "gpipe", m) for m in counts if not (dominated and m >= pp)]
         elif schedule == "1f1b":
-            configs += [PipelineConfig(pp, "1f1b", m) for m in counts if m >= pp]
+            configs += [PipelineConfig(pp, "1f1b", m) for m in counts]
         else:
             for v in options.virtual_stages:
                 if pp * v <= num_blocks:
-                    configs += [PipelineConfig(pp, schedule, m, v) for m in counts if m >= pp and m % pp == 0]
-    return configs
+                    configs += [PipelineConfig(pp, schedule, m, v) for m in counts]
+    return [c for c in configs if schedule_problem(c.schedule, c.pp, c.micro_batches, c.virtual_stages) is None]
 
 
 def _dp_types(d: int, options: SearchOptions) -> list[str]:
@@ -149,14 +147,19 @@ def _layouts(g: int, n: int, stage_spans_nodes: bool, options: SearchOptions) ->
     return [True]
 
 
-def megatron_degree_ok(layer: LayerTypeProfile, g: int) -> bool:
-    """Megatron TP splits heads, hidden and FFN: the degree must divide all three."""
-    return layer.num_heads % g == 0 and layer.hidden_size % g == 0 and layer.ffn_hidden_size % g == 0
-
-
-def ulysses_degree_ok(layer: LayerTypeProfile, g: int) -> bool:
-    """Ulysses splits the sequence and then the heads: the degree must divide both."""
-    return layer.num_heads % g == 0 and layer.seq_length % g == 0
+def _kinds(g: int, options: SearchOptions) -> list[str]:
+    """Model-parallel kinds the options allow for a group of ``g`` (``none``: Megatron TP without SP)."""
+    if g == 1:
+        return ["none"]
+    kinds = []
+    if "tensor_parallel" not in options.disable:
+        if "megatron_sp" not in options.disable:
+            kinds.append("megatron")
+        if "tp_without_sp" not in options.disable:
+            kinds.append("none")
+    if "ulysses" not in options.disable:
+        kinds.append("ulysses")
+    return kinds
 
 
 def layer_candidates(
@@ -178,14 +181,7 @@ def layer_candidates(
         d = n // g
         if batch_per_micro_batch % d:
             continue
-        kinds = ["none"] if g == 1 else []
-        if g > 1 and layer.supports_tensor_parallel and "tensor_parallel" not in options.disable and megatron_degree_ok(layer, g):
-            if layer.supports_megatron_sp and "megatron_sp" not in options.disable:
-                kinds.append("megatron")
-            if "tp_without_sp" not in options.disable:
-                kinds.append("none")
-        if g > 1 and layer.supports_ulysses and "ulysses" not in options.disable and ulysses_degree_ok(layer, g):
-            kinds.append("ulysses")
+        kinds = [sp for sp in _kinds(g, options) if layer_problem(LayerStrategy(tp=g, sp=sp), layer) is None]
         for sp in kinds:
             for dp_type in _dp_types(d, options):
                 for recompute in _recompute(options):
@@ -216,10 +212,9 @@ def vocab_candidates(
         d = n // g
         if batch_per_micro_batch % d:
             continue
-        if g > 1 and not (
-            vocab.supports_tensor_parallel  # any degree: uneven vocabularies are sharded unevenly
-            and not {"vocab_parallel", "tensor_parallel"} & options.disable
-        ):
+        if g > 1 and {"vocab_parallel", "tensor_parallel"} & options.disable:
+            continue
+        if vocab_problem(LayerStrategy(tp=g), vocab.supports_tensor_parallel) is not None:
             continue
         for dp_type in _dp_types(d, options):
             out.append(LayerStrategy(tp=g, sp="none", dp_type=dp_type))
