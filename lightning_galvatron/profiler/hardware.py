@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_galvatron.profiles import COLLECTIVE_KINDS, CollectiveFit, HardwareProfile, bus_volume
+from lightning_galvatron.rules import divisors
 from lightning_galvatron.runtime.mesh import Layout, MeshCache
 from lightning_galvatron.search.cost import ranks_per_node
-from lightning_galvatron.search.space import divisors
 
 log = logging.getLogger(__name__)
 

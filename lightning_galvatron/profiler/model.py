@@ -66,6 +66,7 @@ from lightning_galvatron.model.tensor_parallel_plans import (
     tensor_parallel_plan,
 )
 from lightning_galvatron.profiles import DegreeTable, LayerTypeProfile, LinearFit, ModelProfile, VocabProfile
+from lightning_galvatron.rules import divisors
 from lightning_galvatron.runtime.mesh import local_tensor
 from lightning_galvatron.search.cost import resolve_precision
 
@@ -119,7 +120,7 @@ def profile_model(
     precision_cfg = _PrecisionConfig.of(precision)
     device = torch.device(device) if device is not None else _module_device(module)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    degrees = sorted({1, *(degrees or _divisors(world))})
+    degrees = sorted({1, *(degrees or divisors(world))})
     step = step or default_step
     blocks = structure.blocks
     types = _block_types(blocks)
@@ -979,10 +980,6 @@ def _synchronize(device: torch.device) -> None:
 def _module_device(module: nn.Module) -> torch.device:
     param = next(module.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _batch_size(batch: Any) -> int:

@@ -4,7 +4,7 @@ Every term is a named function; each takes numpy arrays over candidate strategie
 :class:`~lightning_galvatron.search.space.StrategyArrays`) so the search prices all candidates in one
 go, and the evaluator prices a given plan with the very same code.
 
-Notation (DESIGN.md): a stage has ``n = W/pp`` devices; a block with model-parallel group ``g``
+Notation (see :mod:`.solver` for the full legend): a stage has ``n = W/pp`` devices; a block with model-parallel group ``g``
 has ``d = n/g`` data-parallel replicas; with global batch ``B`` and ``m`` micro-batches its local
 micro-batch is ``b = B/(m*d)`` samples (shared by the ``g`` ranks of its group). Times are seconds,
 memory bytes per device.
