@@ -48,7 +48,7 @@ class SearchSettings:
     calibration: Any = None  # a Calibration, its dict or JSON file: price plans with the calibrated cost model
 
     def __post_init__(self) -> None:
-        from lightning_galvatron.search.calibration import load_calibration
+        from lightning_galvatron.search.coefficients import load_calibration
         from lightning_galvatron.search.space import SearchOptions
 
         # A single name is a list of one (YAML users write `disable: zero3`).

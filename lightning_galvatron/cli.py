@@ -285,7 +285,7 @@ def _register_import_galvatron(subparsers: Any) -> None:
 
 
 def _cmd_import_galvatron(args: argparse.Namespace) -> int:
-    from lightning_galvatron.search.galvatron_import import import_galvatron
+    from lightning_galvatron.producers.galvatron_import import import_galvatron
 
     profile = import_galvatron(
         args.directory,

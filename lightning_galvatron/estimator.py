@@ -2,7 +2,7 @@
 
 ``lightning-galvatron estimate --hf-config CONFIG.json --world-size 64 --memory-per-device 80GB --seq-length 4096
 --hardware PROFILE`` (or ``--model MODULE:CLASS``) runs the plan search on an analytic profile of the model
-(:mod:`lightning_galvatron.search.analytic`: exact shapes, compute and activation bytes scaled from a
+(:mod:`lightning_galvatron.producers.analytic`: exact shapes, compute and activation bytes scaled from a
 measured reference profile) with the hardware profile's interconnect, and answers before anything is
 launched. From Python: :func:`estimate_cluster`.
 
@@ -29,8 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from lightning_galvatron.jsonfile import read_json_object
+from lightning_galvatron.producers.analytic import (
+    ArchitectureShape,
+    Scaling,
+    analytic_profile,
+    architecture_from_hf_config,
+)
 from lightning_galvatron.profiles import HardwareProfile, Profile, ProfileError, load_profile
-from lightning_galvatron.search.analytic import ArchitectureShape, Scaling, analytic_profile, architecture_from_hf_config
 from lightning_galvatron.units import format_bytes, parse_bytes
 
 

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from lightning_galvatron.jsonfile import read_json_object
-from lightning_galvatron.rules import divisors
 
 DP_TYPES = ("ddp", "zero2", "zero3")
 SP_KINDS = ("none", "megatron", "ulysses")
@@ -495,6 +494,11 @@ def check_plan_source(source: ParallelPlan | Mapping[str, Any] | str | os.PathLi
         ParallelPlan.from_dict(data)
     except PlanError as err:
         raise PlanError(f"{where}{err}") from None
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order: the degrees a group of ``n`` devices can be split by."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def even_partition(num_layers: int, chunks: int) -> tuple[int, ...]:

@@ -17,15 +17,12 @@ Torch-free, like :mod:`lightning_galvatron.plan`: the search runs offline.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from lightning_galvatron.plan import LayerStrategy, ParallelPlan
-    from lightning_galvatron.profiles import LayerTypeProfile, ModelProfile
+from lightning_galvatron.plan import LayerStrategy, ParallelPlan
+from lightning_galvatron.profiles import LayerTypeProfile, ModelProfile
 
 __all__ = [
     "degree_problem",
-    "divisors",
     "interleaved_rounds",
     "layer_problem",
     "pipeline_problem",
@@ -34,11 +31,6 @@ __all__ = [
     "sequence_problem",
     "vocab_problem",
 ]
-
-
-def divisors(n: int) -> list[int]:
-    """The divisors of ``n`` in increasing order: the degrees a group of ``n`` devices can be split by."""
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # ---------------------------------------------------------------------------------------------- pipeline

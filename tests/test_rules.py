@@ -27,11 +27,11 @@ from torch import nn
 from examples.gpt import GPT, GPTConfig
 from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.model.shapes import architecture_of_module
-from lightning_galvatron.plan import DP_TYPES, SCHEDULES, SP_KINDS, LayerStrategy, ParallelPlan
-from lightning_galvatron.rules import divisors, interleaved_rounds, plan_problems, schedule_problem
+from lightning_galvatron.plan import DP_TYPES, SCHEDULES, SP_KINDS, LayerStrategy, ParallelPlan, divisors
+from lightning_galvatron.producers.analytic import analytic_profile
+from lightning_galvatron.rules import interleaved_rounds, plan_problems, schedule_problem
 from lightning_galvatron.runtime.apply import runtime_problems
 from lightning_galvatron.search import evaluate
-from lightning_galvatron.search.analytic import analytic_profile
 from lightning_galvatron.search.pipeline import in_flight_micro_batches, pipeline_step_time
 from lightning_galvatron.search.space import (
     PipelineConfig,

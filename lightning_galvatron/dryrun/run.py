@@ -248,8 +248,8 @@ def shortened_plan(plan: ParallelPlan) -> ParallelPlan:
 def _predict(plan: ParallelPlan, architecture: Any, seq: int, hardware: Any, reference: Any, profile: Any,
              precision: str, optimizer: str) -> Any:
     """The cost model's estimate of ``plan``: from a full profile, or an analytic one scaled from ``hardware``."""
+    from lightning_galvatron.producers.analytic import analytic_profile
     from lightning_galvatron.profiles import load_profile
-    from lightning_galvatron.search.analytic import analytic_profile
     from lightning_galvatron.search.estimate import evaluate
 
     if profile is not None:

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_galvatron.plan import divisors
 from lightning_galvatron.profiles import COLLECTIVE_KINDS, CollectiveFit, HardwareProfile, bus_volume
-from lightning_galvatron.rules import divisors
 from lightning_galvatron.runtime.mesh import Layout, MeshCache
 from lightning_galvatron.search.cost import ranks_per_node
 

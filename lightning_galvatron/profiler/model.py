@@ -65,8 +65,8 @@ from lightning_galvatron.model.tensor_parallel_plans import (
     _attention_heads,
     tensor_parallel_plan,
 )
+from lightning_galvatron.plan import divisors
 from lightning_galvatron.profiles import DegreeTable, LayerTypeProfile, LinearFit, ModelProfile, VocabProfile
-from lightning_galvatron.rules import divisors
 from lightning_galvatron.runtime.mesh import local_tensor
 from lightning_galvatron.search.cost import resolve_precision
 

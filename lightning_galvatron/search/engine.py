@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from lightning_galvatron.plan import LayerStrategy, ParallelPlan, even_partition
+from lightning_galvatron.plan import LayerStrategy, ParallelPlan, divisors, even_partition
 from lightning_galvatron.profiles import Profile, load_profile
-from lightning_galvatron.rules import divisors, layer_problem, vocab_problem
-from lightning_galvatron.search.calibration import Calibration
+from lightning_galvatron.rules import layer_problem, vocab_problem
+from lightning_galvatron.search.coefficients import Calibration
 from lightning_galvatron.search.cost import CostModel, Precision
 from lightning_galvatron.search.estimate import Estimate, evaluate
 from lightning_galvatron.search.pipeline import pipeline_step_time

@@ -10,7 +10,7 @@ import numpy as np
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 from lightning_galvatron.profiles import Profile, load_profile
 from lightning_galvatron.rules import plan_problems
-from lightning_galvatron.search.calibration import Calibration
+from lightning_galvatron.search.coefficients import Calibration
 from lightning_galvatron.search.cost import (
     CostModel,
     Precision,

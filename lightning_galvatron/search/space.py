@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lightning_galvatron.plan import DP_TYPES, SCHEDULES, LayerStrategy
+from lightning_galvatron.plan import DP_TYPES, SCHEDULES, LayerStrategy, divisors
 from lightning_galvatron.profiles import LayerTypeProfile, VocabProfile
-from lightning_galvatron.rules import divisors, layer_problem, pipeline_problem, schedule_problem, vocab_problem
+from lightning_galvatron.rules import layer_problem, pipeline_problem, schedule_problem, vocab_problem
 
 DISABLE_CHOICES = {
     "ddp": "data parallelism with replicated states",
