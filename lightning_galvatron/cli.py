@@ -21,6 +21,7 @@ decorated with :func:`subcommand` that adds its parser and sets ``func=_cmd_<nam
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -96,6 +97,33 @@ def _add_cost_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
+def add_search_options(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """One flag per field of :class:`~lightning_galvatron.search.options.SearchOptions` (``--max-tp``, ``--disable``,
+    ``--no-baselines``, ...): a knob added there appears in every command that searches. Defaults are the
+    options' own (a flag not given is not passed). ``note`` prefixes each help text."""
+    from lightning_galvatron.search.options import SearchOptions
+
+    for option in dataclasses.fields(SearchOptions):
+        meta, name = option.metadata, option.name.replace("_", "-")
+        flag, text = f"--{name}", note + meta["help"]
+        if isinstance(option.default, bool) and option.default:
+            help_text = f"{note}do not {meta['help']}"
+            parser.add_argument(f"--no-{name}", dest=option.name, action="store_false", default=None, help=help_text)
+        elif isinstance(option.default, bool):
+            parser.add_argument(flag, action="store_true", default=None, help=text)
+        else:
+            kinds = {key: meta[key] for key in ("type", "choices", "metavar") if key in meta}
+            parser.add_argument(flag, nargs="+" if meta.get("many") else None, default=None, help=text, **kinds)
+
+
+def search_options(args: argparse.Namespace) -> Any:
+    """The :class:`~lightning_galvatron.search.options.SearchOptions` the flags of :func:`add_search_options` give."""
+    from lightning_galvatron.search.options import SearchOptions
+
+    names = [option.name for option in dataclasses.fields(SearchOptions)]
+    return SearchOptions.of(**{name: getattr(args, name) for name in names if getattr(args, name, None) is not None})
+
+
 # ---------------------------------------------------------------------------------------------- profile
 @subcommand
 def _register_profile(subparsers: Any) -> None:
@@ -148,22 +176,12 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- search
 @subcommand
 def _register_search(subparsers: Any) -> None:
-    from lightning_galvatron.plan import SCHEDULES
-    from lightning_galvatron.search.space import DISABLE_CHOICES
-
     p = subparsers.add_parser("search", help="search the best hybrid plan for a cluster (offline)")
     p.add_argument("profile", help="profile JSON (our format; see import-galvatron)")
     p.add_argument("--world-size", type=int, required=True, help="number of devices")
     p.add_argument("--memory-per-device", type=_memory_size, help="memory budget per device, e.g. 36GB or 40GiB (default: the profile's device memory)")
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the world size)")
-    p.add_argument("--search-batch-size", action="store_true", help="also search the global batch size for throughput")
-    p.add_argument("--max-global-batch-size", type=int, help="largest batch tried by --search-batch-size (default: 8 x world size)")
-    p.add_argument("--max-tp", type=int, help="largest tensor/sequence-parallel degree")
-    p.add_argument("--max-pp", type=int, help="largest pipeline degree")
-    p.add_argument("--disable", nargs="+", default=[], choices=sorted(DISABLE_CHOICES), metavar="WHAT", help=f"leave out: {', '.join(sorted(DISABLE_CHOICES))}")
-    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, help="pipeline schedules allowed (default: all)")
-    p.add_argument("--memory-tolerance", type=float, default=0.01, help="DP memory resolution as a fraction of the budget (default: 0.01)")
-    p.add_argument("--no-baselines", action="store_true", help="skip the uniform baselines")
+    add_search_options(p)
     p.add_argument("-o", "--output", help="write the plan JSON here")
     _add_cost_options(p)
     p.set_defaults(func=_cmd_search)
@@ -182,16 +200,9 @@ def _cmd_search(args: argparse.Namespace) -> int:
         args.world_size,
         budget,
         global_batch_size=args.global_batch_size,
-        max_tp=args.max_tp,
-        max_pp=args.max_pp,
-        disable=args.disable,
-        schedules=args.schedules,
         optimizer=args.optimizer,
         precision=args.precision,
-        search_batch_size=args.search_batch_size,
-        max_global_batch_size=args.max_global_batch_size,
-        memory_tolerance=args.memory_tolerance,
-        baselines=not args.no_baselines,
+        options=search_options(args),
     )
     if args.output:
         result.plan.save(args.output)
@@ -338,9 +349,6 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- estimate
 @subcommand
 def _register_estimate(subparsers: Any) -> None:
-    from lightning_galvatron.plan import SCHEDULES
-    from lightning_galvatron.search.space import DISABLE_CHOICES
-
     p = subparsers.add_parser(
         "estimate",
         help="will a model fit a cluster you do not have, and how? (plan, memory and time from an analytic profile)",
@@ -359,12 +367,7 @@ def _register_estimate(subparsers: Any) -> None:
     p.add_argument("--hardware", help="profile JSON whose hardware part describes the cluster (default: the newest profile in the local profile cache)")
     p.add_argument("--reference", help="profile JSON whose measured blocks calibrate compute and activations (default: --hardware)")
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the world size)")
-    p.add_argument("--search-batch-size", action="store_true", help="also search the global batch size for throughput")
-    p.add_argument("--max-global-batch-size", type=int, help="largest batch tried by --search-batch-size")
-    p.add_argument("--max-tp", type=int, help="largest tensor/sequence-parallel degree")
-    p.add_argument("--max-pp", type=int, help="largest pipeline degree")
-    p.add_argument("--disable", nargs="+", default=[], choices=sorted(DISABLE_CHOICES), metavar="WHAT", help=f"leave out: {', '.join(sorted(DISABLE_CHOICES))}")
-    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, help="pipeline schedules allowed (default: all)")
+    add_search_options(p)
     p.add_argument("-o", "--output", help="write the plan JSON here (when one fits)")
     p.add_argument("--profile-output", help="write the analytic profile here (for `search` and `evaluate`)")
     _add_cost_options(p)
@@ -374,7 +377,13 @@ def _register_estimate(subparsers: Any) -> None:
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from lightning_galvatron.estimator import run_estimate
 
-    return run_estimate(args)
+    return run_estimate(
+        hf_config=args.hf_config, model=args.model, model_args=args.model_args, layers=args.layers,
+        world_size=args.world_size, memory_per_device=args.memory_per_device, seq_length=args.seq_length,
+        hardware=args.hardware, reference=args.reference, global_batch_size=args.global_batch_size,
+        precision=args.precision, optimizer=args.optimizer, options=search_options(args), output=args.output,
+        profile_output=args.profile_output, as_json=args.json,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- dry-run

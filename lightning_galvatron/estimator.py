@@ -94,7 +94,8 @@ def estimate_cluster(
 
     ``hardware``: a profile whose hardware part describes the cluster; ``reference``: the profile whose
     measured blocks calibrate compute and activations (default: ``hardware``'s). ``search_options``
-    go to :func:`lightning_galvatron.search.search` (``global_batch_size``, ``max_tp``, ``precision``, ...).
+    go to :func:`lightning_galvatron.search.search`: ``global_batch_size``, ``precision``, ``optimizer`` and
+    ``options`` (its knobs, a :class:`~lightning_galvatron.search.options.SearchOptions`) or knobs by name.
     """
     from lightning_galvatron.search import InfeasibleBudgetError, search
 
@@ -220,46 +221,61 @@ def describe(estimate: ClusterEstimate) -> str:
     return "\n".join(lines)
 
 
-def run_estimate(args: Any) -> int:
-    """The ``estimate`` subcommand (see :mod:`lightning_galvatron.cli`)."""
-    if args.hf_config:
-        architecture = architecture_from_config_file(args.hf_config)
-        model_source = args.hf_config
+def run_estimate(
+    *,
+    world_size: int,
+    hf_config: str | None = None,
+    model: str | None = None,
+    model_args: Mapping[str, Any] | None = None,
+    layers: Sequence[str] | None = None,
+    memory_per_device: int | str | None = None,
+    seq_length: int | None = None,
+    hardware: str | None = None,
+    reference: str | None = None,
+    global_batch_size: int | None = None,
+    precision: str = "bf16-mixed",
+    optimizer: str | float = "adamw",
+    options: Any = None,
+    output: str | None = None,
+    profile_output: str | None = None,
+    as_json: bool = False,
+) -> int:
+    """The ``estimate`` subcommand (see :mod:`lightning_galvatron.cli`): print the estimate, write the plan
+    (``output``) and the analytic profile (``profile_output``); 0 when a plan fits, 1 when none does.
+    ``options``: the search's knobs (:class:`~lightning_galvatron.search.options.SearchOptions`)."""
+    if hf_config:
+        architecture = architecture_from_config_file(hf_config)
+        model_source = hf_config
     else:
-        architecture = architecture_from_class(args.model, args.model_args, args.layers)
-        model_source = args.model
-    hardware_path = args.hardware or str(newest_cached_profile())
+        architecture = architecture_from_class(model, model_args, layers)
+        model_source = model
+    hardware_path = hardware or str(newest_cached_profile())
     try:
         estimate = estimate_cluster(
             architecture,
-            args.world_size,
-            args.memory_per_device,
+            world_size,
+            memory_per_device,
             hardware=hardware_path,
-            reference=args.reference,
-            seq_length=args.seq_length,
-            sources={"model": model_source, "hardware": hardware_path, "reference": args.reference or hardware_path},
-            global_batch_size=args.global_batch_size,
-            search_batch_size=args.search_batch_size,
-            max_global_batch_size=args.max_global_batch_size,
-            max_tp=args.max_tp,
-            max_pp=args.max_pp,
-            disable=args.disable,
-            schedules=args.schedules,
-            optimizer=args.optimizer,
-            precision=args.precision,
+            reference=reference,
+            seq_length=seq_length,
+            sources={"model": model_source, "hardware": hardware_path, "reference": reference or hardware_path},
+            global_batch_size=global_batch_size,
+            optimizer=optimizer,
+            precision=precision,
+            options=options,
         )
     except ProfileError as err:
         raise ValueError(str(err)) from None
-    if args.profile_output:
-        estimate.profile.save(args.profile_output)
-    if args.output and estimate.result is not None:
-        estimate.result.plan.save(args.output)
-    if args.json:
+    if profile_output:
+        estimate.profile.save(profile_output)
+    if output and estimate.result is not None:
+        estimate.result.plan.save(output)
+    if as_json:
         print(json.dumps(estimate.to_dict(), indent=2))
     else:
         print(describe(estimate))
-        if args.profile_output:
-            print(f"Analytic profile written to {args.profile_output} (`lightning-galvatron search`/`evaluate` read it)")
-        if args.output and estimate.result is not None:
-            print(f"Plan written to {args.output}")
+        if profile_output:
+            print(f"Analytic profile written to {profile_output} (`lightning-galvatron search`/`evaluate` read it)")
+        if output and estimate.result is not None:
+            print(f"Plan written to {output}")
     return 0 if estimate.fits else 1

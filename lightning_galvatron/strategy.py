@@ -98,8 +98,12 @@ class GalvatronStrategy(ModelParallelStrategy):
             ``max_global_batch_size``); off by default, so training matches DDP's.
         profile_cache: ``True`` for the default profile cache, a directory, or ``False`` to always profile.
         calibration: price plans with the cost model calibrated from measured steps on this machine: a
-            :class:`~lightning_galvatron.search.calibration.Calibration` or its JSON file (see
-            ``benchmarks/README.md``); by default the profile alone.
+            :class:`~lightning_galvatron.search.coefficients.Calibration` or its JSON file (written by
+            ``lightning-galvatron calibrate``); by default the profile alone.
+        search_options: every knob of the automatic search, as a
+            :class:`~lightning_galvatron.search.options.SearchOptions` or a dict of its fields (e.g.
+            ``{"memory_tolerance": 0.005, "virtual_stages": [2, 4]}``). ``max_tp`` ... ``calibration`` above
+            are its fields of the same names; given here, they win over ``search_options``.
         save_plan: write the plan (and, when searched, the profile) next to the logger's files.
         layers: dotted path(s) of the container(s) holding the Transformer blocks, relative to the
             LightningModule (e.g. ``"model.blocks"``); detected when omitted.
@@ -143,6 +147,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         watchdog: bool | Mapping[str, float] | WatchdogSettings = True,
+        search_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -151,9 +156,10 @@ class GalvatronStrategy(ModelParallelStrategy):
         )
         with _reported_by_rank_zero():  # under torchrun every process makes the strategy
             check_strategy_arguments(plan, layers, global_batch_size)
-            self._search = SearchSettings(
-                memory_budget, max_tp, max_pp, disable, schedules, search_batch_size, max_global_batch_size,
-                profile_cache, calibration,
+            self._search = SearchSettings.of(
+                memory_budget, profile_cache, search_options, max_tp=max_tp, max_pp=max_pp, disable=disable,
+                schedules=schedules, search_batch_size=search_batch_size, max_global_batch_size=max_global_batch_size,
+                calibration=calibration,
             )
             self._watchdog = WatchdogSettings.of(watchdog)
         self._monitor: RankMonitor | None = None

@@ -8,10 +8,8 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from lightning_galvatron.cli import _byte_size, _json_object
+    from lightning_galvatron.cli import _byte_size, _json_object, add_search_options
     from lightning_galvatron.dryrun import PHASES
-    from lightning_galvatron.plan import SCHEDULES
-    from lightning_galvatron.search.space import DISABLE_CHOICES
 
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--hf-config", help="a Hugging Face config.json: AutoModelForCausalLM with a next-token loss (nothing is downloaded)")
@@ -29,10 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", help="profile whose measured blocks are scaled to the model (default: --hardware)")
     p.add_argument("--profile", help="instead of --hardware: a full profile of this model")
     p.add_argument("--memory-per-device", type=_byte_size, help="with --plan auto: the memory budget per device")
-    p.add_argument("--max-tp", type=int, help="with --plan auto: largest tensor/sequence-parallel degree")
-    p.add_argument("--max-pp", type=int, help="with --plan auto: largest pipeline degree")
-    p.add_argument("--disable", nargs="+", default=[], choices=sorted(DISABLE_CHOICES), metavar="WHAT", help="with --plan auto: leave out")
-    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, help="with --plan auto: pipeline schedules allowed")
+    add_search_options(p, note="with --plan auto: ")
     p.add_argument("--gradient-clip-val", type=float, help="clip by the global norm before the optimizer step")
     p.add_argument("--real-tensors", action="store_true", help="zero-filled CPU tensors instead of fake ones (faster; small models only)")
     p.add_argument("--no-memory", action="store_true", help="do not measure memory (faster)")
@@ -55,15 +50,12 @@ def run_dry_run(args: Any) -> int:
         except ValueError:
             raise ValueError(f"--ranks {args.ranks!r}: expected 'sample', 'all' or comma-separated ranks") from None
     source = ModelSource.from_hf_config(args.hf_config, args.layers) if args.hf_config else ModelSource.from_class(args.model, args.model_args, args.layers)
-    search_options = {
-        key: value
-        for key, value in {"max_tp": args.max_tp, "max_pp": args.max_pp, "disable": args.disable, "schedules": args.schedules}.items()
-        if value
-    }
+    from lightning_galvatron.cli import search_options
+
     report = dry_run(
         source, args.plan, world_size=args.world_size, ranks=ranks, precision=args.precision, seq_length=args.seq_length,
         global_batch_size=args.global_batch_size, phases=args.phases, hardware=args.hardware, reference=args.reference,
-        profile=args.profile, memory_per_device=args.memory_per_device, search_options=search_options,
+        profile=args.profile, memory_per_device=args.memory_per_device, search_options=search_options(args),
         measure_memory=not args.no_memory, gradient_clip_val=args.gradient_clip_val, real_tensors=args.real_tensors,
         workers=args.workers,
     )

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time as _time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,12 +33,12 @@ import numpy as np
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, divisors, even_partition
 from lightning_galvatron.profiles import Profile, load_profile
 from lightning_galvatron.rules import layer_problem, vocab_problem
-from lightning_galvatron.search.coefficients import Calibration
 from lightning_galvatron.search.cost import CostModel, Precision
 from lightning_galvatron.search.estimate import Estimate, evaluate
+from lightning_galvatron.search.options import SearchOptions
 from lightning_galvatron.search.pipeline import pipeline_step_time
 from lightning_galvatron.search.solver import Choice, FixedBatchSolver, NoAssignment, rank_chunks
-from lightning_galvatron.search.space import PipelineConfig, SearchOptions, pipeline_configs, pipeline_degrees
+from lightning_galvatron.search.space import PipelineConfig, pipeline_configs, pipeline_degrees
 from lightning_galvatron.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "Estimate",
     "InfeasibleBudgetError",
     "NoValidPlanError",
+    "SearchOptions",
     "SearchResult",
     "evaluate",
     "search",
@@ -152,27 +153,19 @@ def search(
     memory_budget_bytes: int | str,
     *,
     global_batch_size: int | None = None,
-    max_tp: int | None = None,
-    max_pp: int | None = None,
-    disable: Iterable[str] = (),
-    schedules: Sequence[str] | None = None,
     optimizer: str | float = "adamw",
     precision: str | Precision = "bf16-mixed",
-    search_batch_size: bool = False,
-    max_global_batch_size: int | None = None,
-    virtual_stages: Sequence[int] = (2,),
-    memory_tolerance: float = 0.01,
-    baselines: bool = True,
-    calibration: Calibration | str | None = None,
+    options: SearchOptions | Mapping[str, Any] | None = None,
+    **knobs: Any,
 ) -> SearchResult:
     """Find the plan with the highest predicted throughput that fits ``memory_budget_bytes`` per device.
 
-    The global batch is fixed (``global_batch_size``, default ``world_size``: one sample per device
-    as DDP would train) unless ``search_batch_size`` is set, in which case batch sizes up to
-    ``max_global_batch_size`` (default ``8 * world_size``) are tried for the best throughput.
-
-    ``calibration`` (a :class:`~lightning_galvatron.search.calibration.Calibration` or its JSON file)
-    prices plans with the cost model calibrated from measured steps.
+    ``options`` holds the knobs (:class:`~.options.SearchOptions`, or a dict of its fields); any of them may
+    also be given by name (``max_tp=2``, ``disable=["zero3"]``), over ``options``. The global batch is fixed
+    (``global_batch_size``, default ``world_size``: one sample per device as DDP would train) unless
+    ``search_batch_size`` is set, in which case batch sizes up to ``max_global_batch_size`` (default
+    ``8 * world_size``) are tried for the best throughput. ``calibration`` prices plans with the cost model
+    calibrated from measured steps.
 
     Raises :class:`InfeasibleBudgetError` (naming the smallest budget that fits) or
     :class:`NoValidPlanError`; both are ``ValueError``.
@@ -182,17 +175,10 @@ def search(
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     budget = parse_bytes(memory_budget_bytes)
-    options = SearchOptions(
-        max_tp=max_tp,
-        max_pp=max_pp,
-        disable=frozenset(disable),
-        schedules=tuple(schedules) if schedules else SearchOptions().schedules,
-        virtual_stages=tuple(virtual_stages),
-        memory_tolerance=memory_tolerance,
-    )
-    cm = CostModel(profile, precision, optimizer, calibration)
-    if search_batch_size:
-        limit = max_global_batch_size or 8 * world_size
+    options = SearchOptions.of(options, **knobs)
+    cm = CostModel(profile, precision, optimizer, options.calibration)
+    if options.search_batch_size:
+        limit = options.max_global_batch_size or 8 * world_size
         batches = batch_size_candidates(limit)
     else:
         if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
@@ -231,18 +217,18 @@ def search(
     if estimate.peak_memory_bytes > budget:
         raise AssertionError(f"internal error: the searched plan needs {estimate.peak_memory_bytes} > budget {budget}")
     notes = []
-    if search_batch_size:
+    if options.search_batch_size:
         notes.append(f"global batch size searched up to {batches[-1]}: chose {best.batch}")
     if profile.model.activation_dtype_bytes != cm.precision.compute_bytes:
         notes.append("activation bytes rescaled to the compute dtype; compute times are those of the profiled dtype")
-    base = _baselines(cm, world_size, budget, best.batch, options) if baselines else ()
+    base = _baselines(cm, world_size, budget, best.batch, options) if options.baselines else ()
     return SearchResult(
         plan=estimate.plan,
         estimate=estimate,
         baselines=base,
         search_time_s=_time.perf_counter() - started,
         memory_budget_bytes=budget,
-        memory_tolerance=memory_tolerance,
+        memory_tolerance=options.memory_tolerance,
         shapes_considered=considered,
         shapes_solved=solved,
         notes=tuple(notes),

@@ -19,74 +19,14 @@ pipeline (the schedule is moot).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_galvatron.plan import DP_TYPES, SCHEDULES, LayerStrategy, divisors
+from lightning_galvatron.plan import DP_TYPES, LayerStrategy, divisors
 from lightning_galvatron.profiles import LayerTypeProfile, VocabProfile
 from lightning_galvatron.rules import layer_problem, pipeline_problem, schedule_problem, vocab_problem
-
-DISABLE_CHOICES = {
-    "ddp": "data parallelism with replicated states",
-    "zero2": "ZeRO-2 (sharded gradients and optimizer states)",
-    "zero3": "ZeRO-3 (everything sharded)",
-    "recompute": "activation recomputation",
-    "tensor_parallel": "Megatron tensor parallelism (with or without sequence parallelism)",
-    "tp_without_sp": "Megatron tensor parallelism without sequence parallelism",
-    "megatron_sp": "Megatron sequence parallelism",
-    "ulysses": "Ulysses sequence parallelism",
-    "vocab_parallel": "vocabulary-parallel embedding and head",
-    "strided": "strided tensor-parallel rank layouts",
-    "pipeline": "pipeline parallelism (pp > 1)",
-}
-
-
-@dataclass(frozen=True)
-class SearchOptions:
-    """User limits and knobs of the search.
-
-    Attributes:
-        max_tp: largest model-parallel group (TP or Ulysses degree) to consider.
-        max_pp: largest pipeline degree.
-        disable: names from :data:`DISABLE_CHOICES` to leave out.
-        schedules: pipeline schedules allowed.
-        virtual_stages: model chunks per rank tried with ``interleaved_1f1b``.
-        memory_tolerance: ``eps`` of the DP's guarantee: its plan is at least as fast as the best
-            plan under a budget smaller by ``eps * (budget - fixed memory)``, and never over budget.
-        max_stage_imbalance: a stage holds at most this many times the even share of blocks.
-    """
-
-    max_tp: int | None = None
-    max_pp: int | None = None
-    disable: frozenset[str] = field(default_factory=frozenset)
-    schedules: tuple[str, ...] = SCHEDULES
-    virtual_stages: tuple[int, ...] = (2,)
-    memory_tolerance: float = 0.01
-    max_stage_imbalance: float = 2.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "disable", frozenset(self.disable))
-        object.__setattr__(self, "schedules", tuple(self.schedules))
-        object.__setattr__(self, "virtual_stages", tuple(self.virtual_stages))
-        unknown = self.disable - set(DISABLE_CHOICES)
-        if unknown:
-            raise ValueError(f"cannot disable {sorted(unknown)}; choose from {sorted(DISABLE_CHOICES)}")
-        bad = [s for s in self.schedules if s not in SCHEDULES]
-        if bad or not self.schedules:
-            raise ValueError(f"schedules must be a non-empty subset of {SCHEDULES}, got {list(self.schedules)}")
-        if any(not isinstance(v, int) or v < 2 for v in self.virtual_stages):
-            raise ValueError(f"virtual_stages must be integers >= 2, got {list(self.virtual_stages)}")
-        for name in ("max_tp", "max_pp"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if not 0 < self.memory_tolerance < 1:
-            raise ValueError(f"memory_tolerance must be in (0, 1), got {self.memory_tolerance!r}")
-        if self.max_stage_imbalance < 1:
-            raise ValueError(f"max_stage_imbalance must be >= 1, got {self.max_stage_imbalance!r}")
-        if {"ddp", "zero2", "zero3"} <= self.disable:
-            raise ValueError("disabling ddp, zero2 and zero3 leaves no way to hold the model states")
+from lightning_galvatron.search.options import SearchOptions
 
 
 @dataclass(frozen=True)
