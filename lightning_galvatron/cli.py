@@ -5,6 +5,8 @@ Subcommands:
 * ``profile --model MODULE:CLASS --datamodule MODULE:CLASS -o profile.json`` -- measure a model and
   the cluster it runs on (under ``torchrun``, or ``--devices N`` with Lightning's launcher);
 * ``search PROFILE --world-size N --memory-per-device 36GB`` -- the best plan for any cluster;
+* ``calibrate PROFILE --model MODULE:CLASS --datamodule MODULE:CLASS -o calibration.json`` -- fit the cost
+  model to short runs of probe plans on this machine (under ``torchrun``, or ``--devices N``);
 * ``evaluate PROFILE --plan PLAN`` -- predicted time and memory of a plan (ours or the reference
   system's format): a what-if tool;
 * ``import-galvatron DIR --hidden-size H --seq-length S -o profile.json`` -- convert the reference
@@ -171,6 +173,39 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from lightning_galvatron.profiler.command import run_profile
 
     return run_profile(args)
+
+
+# ---------------------------------------------------------------------------------------------- calibrate
+@subcommand
+def _register_calibrate(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "calibrate",
+        help="fit the cost model to short runs of probe plans on this machine (under torchrun, or with --devices)",
+        description="Train a few probe plans briefly (every kind of block strategy, two micro-batch sizes, a "
+        "pipeline), time them with the runtime profiler and fit the cost model's calibration; rank 0 writes it for "
+        "GalvatronStrategy(calibration=...) and `search --calibration`.",
+    )
+    p.add_argument("profile", help="the profile of this model on this machine (`lightning-galvatron profile`)")
+    p.add_argument("--model", help="the LightningModule class, MODULE:CLASS or path/to/file.py:CLASS")
+    p.add_argument("--model-args", type=_json_object, default={}, help="its init arguments as a JSON object")
+    p.add_argument("--datamodule", help="the LightningDataModule class, MODULE:CLASS")
+    p.add_argument("--datamodule-args", type=_json_object, default={}, help="its init arguments as a JSON object")
+    p.add_argument("--config", help="a LightningCLI YAML with model/data sections (command-line arguments win)")
+    p.add_argument("--layers", nargs="+", help="dotted path(s) of the block container(s) (default: detected)")
+    p.add_argument("--precision", help="32-true, bf16-mixed or bf16-true (default: the config's, else 32-true)")
+    p.add_argument("--global-batch-size", type=int, help="samples per step (default: the datamodule's batch_size x devices)")
+    p.add_argument("--warmup-steps", type=int, default=2, help="steps of each probe before timing (default: 2)")
+    p.add_argument("--timed-steps", type=int, default=4, help="timed steps of each probe (default: 4)")
+    p.add_argument("--devices", type=int, help="without torchrun: processes to launch on this machine (Lightning's launcher)")
+    p.add_argument("--accelerator", default="auto", help="cpu, cuda or auto (default: auto)")
+    p.add_argument("-o", "--output", required=True, help="where rank 0 writes the calibration JSON")
+    p.set_defaults(func=_cmd_calibrate)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from lightning_galvatron.profiler.command import run_calibrate
+
+    return run_calibrate(args)
 
 
 # ---------------------------------------------------------------------------------------------- search

@@ -54,6 +54,34 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_calibrate(args: argparse.Namespace) -> int:
+    """``lightning-galvatron calibrate``: :func:`~lightning_galvatron.calibrate.calibrate` on every rank; rank 0
+    writes the calibration."""
+    import torch.distributed as dist
+
+    from lightning_galvatron.calibrate import calibrate
+
+    model_cls, model_args, data_cls, data_args, precision = _resolve_inputs(args)
+    datamodule = data_cls(**data_args)
+    world = int(os.environ.get("WORLD_SIZE") or args.devices or 0)
+    hparams = getattr(datamodule, "hparams", None)
+    per_device = getattr(datamodule, "batch_size", None) or getattr(hparams, "batch_size", None)
+    batch = args.global_batch_size or (per_device or 0) * world
+    if not batch:
+        raise ValueError("say how many samples a step trains on: --global-batch-size (no batch_size in the datamodule)")
+    started = time.perf_counter()
+    calibration = calibrate(
+        args.profile, lambda: model_cls(**model_args), datamodule, global_batch_size=batch, layers=args.layers,
+        warmup_steps=args.warmup_steps, timed_steps=args.timed_steps, precision=precision,
+        accelerator=args.accelerator, devices=args.devices,
+    )
+    if dist.get_rank() == 0:
+        calibration.save(args.output)
+        print(f"Calibrated in {time.perf_counter() - started:.1f} s: {calibration.describe()}")
+        print(f"Wrote {args.output} (for GalvatronStrategy(calibration=...) and `search --calibration`)")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- inputs
 def _resolve_inputs(args: argparse.Namespace) -> tuple[type, dict, type, dict, str]:
     """Classes, init arguments and precision from ``--config`` and the command line (which wins)."""
