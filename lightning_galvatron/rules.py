@@ -84,26 +84,33 @@ def pipeline_problem(pp: int, block_lists: int | Sequence[str]) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- degrees
-def degree_problem(degree: int, sizes: Mapping[str, int]) -> str | None:
+def degree_problem(degree: int, sizes: Mapping[str, int] | Sequence[tuple[str, int]]) -> str | None:
     """A group of ``degree`` ranks splits each named size (heads, widths, positions) in equal parts."""
-    bad = [f"{size} {what}" for what, size in sizes.items() if size % degree]
+    items = sizes.items() if isinstance(sizes, Mapping) else sizes
+    bad = [f"{size} {what}" for what, size in items if size % degree]
     return f"degree {degree} does not divide the {', '.join(bad)}" if bad else None
 
 
 def sequence_problem(degree: int, sp: str, seq_length: int) -> str | None:
     """Sequence parallelism (Megatron-SP, Ulysses) hands activations between blocks split in equal parts of the
-    sequence."""
+    sequence; Ulysses leaves each rank at least two positions (attention code tells a causal pass from a
+    one-token decoding step by the length it sees)."""
     if sp == "none" or degree == 1:
         return None
-    return degree_problem(degree, {"sequence positions": seq_length})
+    problem = degree_problem(degree, {"sequence positions": seq_length})
+    if problem is None and sp == "ulysses" and seq_length // degree < 2:
+        problem = f"Ulysses of degree {degree} leaves {seq_length // degree} of the {seq_length} positions per rank"
+    return problem
 
 
 def layer_problem(strategy: LayerStrategy, layer: LayerTypeProfile) -> str | None:
     """Whether a block type, described by its profile, runs ``strategy``'s model-parallel group.
 
-    Megatron TP splits heads, hidden and FFN; Ulysses splits the heads (and keeps whole weights);
-    both sequence-parallel kinds split the sequence between blocks. Which styles a block type has at
-    all is the profile's ``supports_*`` (from its tensor-parallel plan).
+    Megatron TP splits what the block's tensor-parallel plan splits (the profile's ``tensor_parallel_divisors``:
+    heads, key/value heads, widths; heads, hidden and FFN for profiles without them); Ulysses splits the
+    (query) heads (``ulysses_divisors``, else ``num_heads``) and keeps whole weights; both sequence-parallel
+    kinds split the sequence between blocks. Which styles a block type has at all is the profile's
+    ``supports_*`` (from its tensor-parallel plan).
     """
     g, sp = strategy.tp, strategy.sp
     if g == 1:
@@ -111,13 +118,17 @@ def layer_problem(strategy: LayerStrategy, layer: LayerTypeProfile) -> str | Non
     if sp == "ulysses":
         if not layer.supports_ulysses:
             return f"{layer.name} cannot run Ulysses sequence parallelism"
-        problem = degree_problem(g, {"attention heads": layer.num_heads, "sequence positions": layer.seq_length})
+        heads = [("attention heads", size) for size in layer.ulysses_divisors or (layer.num_heads,)]
+        problem = degree_problem(g, heads) or sequence_problem(g, sp, layer.seq_length)
         return None if problem is None else f"Ulysses degree {g} is not executable for {layer.name}: {problem}"
     if not layer.supports_tensor_parallel:
         return f"TP degree {g} is not executable for {layer.name}: it has no tensor-parallel plan"
-    problem = degree_problem(
-        g, {"attention heads": layer.num_heads, "hidden size": layer.hidden_size, "FFN width": layer.ffn_hidden_size}
-    ) or sequence_problem(g, sp, layer.seq_length)
+    if layer.tensor_parallel_divisors:
+        sizes = [("(a size its tensor-parallel plan splits)", size) for size in layer.tensor_parallel_divisors]
+    else:
+        sizes = [("attention heads", layer.num_heads), ("hidden size", layer.hidden_size),
+                 ("FFN width", layer.ffn_hidden_size)]
+    problem = degree_problem(g, sizes) or sequence_problem(g, sp, layer.seq_length)
     if problem is not None:
         return f"TP degree {g} is not executable for {layer.name}: {problem}"
     if sp == "megatron" and not layer.supports_megatron_sp:

@@ -43,37 +43,46 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_galvatron import _registry
+from lightning_galvatron._compat import override
 from lightning_galvatron.arguments import check_strategy_arguments
 from lightning_galvatron.autoplan import SearchSettings, check_memory_budget, optimizer_kind, plan_automatically
-from lightning_galvatron.checkpoint import load_checkpoint
-from lightning_galvatron.data import loader_batch_size, rebatch, shard_batch_size
+from lightning_galvatron.checkpoint import hf_models, load_checkpoint, whole_strided_tensors
+from lightning_galvatron.data import example_batch, first_dataloader, loader_batch_size, rebatch, shard_batch_size
 from lightning_galvatron.display import plan_table
 from lightning_galvatron.errors import leave_to_reporting_rank
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
 from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
-from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
+from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans, tensor_parallel_plan_or_reason
 from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
-from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_flag, precision_plugin_for
+from lightning_galvatron.precision import (
+    boundary_dtype,
+    check_precision_first,
+    mixed_precision_policy,
+    precision_flag,
+    precision_plugin_for,
+)
 from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan, check_runtime_support, input_shard
 from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.runtime.pipeline import PipelineRunner, join_micro_batches, loss_of
-from lightning_galvatron.runtime.sync import agree_across_ranks, broadcast_module_states
+from lightning_galvatron.runtime.sync import agree_across_ranks, broadcast_module_states, destroy_process_group
 from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 from lightning_galvatron.runtime.watchdog import RankMonitor, WatchdogSettings
 from lightning_galvatron.step_logs import recording_logs, replay_logs
 
+_DESCRIPTION = "Hybrid parallelism with a per-layer plan searched by Galvatron"
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 _STEP_OF = {
     TrainerFn.FITTING: "training_step",
@@ -97,13 +106,9 @@ class GalvatronStrategy(ModelParallelStrategy):
         search_batch_size: let the automatic search change the global batch size for throughput (up to
             ``max_global_batch_size``); off by default, so training matches DDP's.
         profile_cache: ``True`` for the default profile cache, a directory, or ``False`` to always profile.
-        calibration: price plans with the cost model calibrated from measured steps on this machine: a
-            :class:`~lightning_galvatron.search.coefficients.Calibration` or its JSON file (written by
-            ``lightning-galvatron calibrate``); by default the profile alone.
-        search_options: every knob of the automatic search, as a
-            :class:`~lightning_galvatron.search.options.SearchOptions` or a dict of its fields (e.g.
-            ``{"memory_tolerance": 0.005, "virtual_stages": [2, 4]}``). ``max_tp`` ... ``calibration`` above
-            are its fields of the same names; given here, they win over ``search_options``.
+        calibration, search_options: price plans with the cost model calibrated on this machine (a Calibration or
+            its JSON file, see ``lightning-galvatron calibrate``); every knob of the search, a dict of the fields of
+            :class:`~lightning_galvatron.search.options.SearchOptions` (or one; the arguments above win over it).
         save_plan: write the plan (and, when searched, the profile) next to the logger's files.
         layers: dotted path(s) of the container(s) holding the Transformer blocks, relative to the
             LightningModule (e.g. ``"model.blocks"``); detected when omitted.
@@ -156,11 +161,9 @@ class GalvatronStrategy(ModelParallelStrategy):
         )
         with _reported_by_rank_zero():  # under torchrun every process makes the strategy
             check_strategy_arguments(plan, layers, global_batch_size)
-            self._search = SearchSettings.of(
-                memory_budget, profile_cache, search_options, max_tp=max_tp, max_pp=max_pp, disable=disable,
-                schedules=schedules, search_batch_size=search_batch_size, max_global_batch_size=max_global_batch_size,
-                calibration=calibration,
-            )
+            knobs = dict(max_tp=max_tp, max_pp=max_pp, disable=disable, schedules=schedules, calibration=calibration,
+                         search_batch_size=search_batch_size, max_global_batch_size=max_global_batch_size)
+            self._search = SearchSettings.of(memory_budget, profile_cache, search_options, **knobs)
             self._watchdog = WatchdogSettings.of(watchdog)
         self._monitor: RankMonitor | None = None
         self._plan_source = plan
@@ -175,7 +178,16 @@ class GalvatronStrategy(ModelParallelStrategy):
         self._parallelised: torch.nn.Module | None = None  # the model the plan was applied to
         self._applied: AppliedPlan | None = None
 
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """``strategy="galvatron"``; the Trainer then checks the precision with our message before Lightning's."""
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description=_DESCRIPTION)
+        check_precision_first(_AcceleratorConnector, cls)
+
     # ------------------------------------------------------------------ launch and environment
+    @override
     def _configure_launcher(self) -> None:
         """Before any worker starts: what depends on the devices (precision, the plan's world size, the budget)."""
         assert self.parallel_devices is not None
@@ -188,15 +200,17 @@ class GalvatronStrategy(ModelParallelStrategy):
                 check_memory_budget(self._search.memory_budget_bytes, device, len(self.parallel_devices))
         super()._configure_launcher()
 
+    @override
     def setup_environment(self) -> None:
         initialised_here = not dist.is_initialized()
         self._setup_distributed()
         if initialised_here:
-            atexit.register(_destroy_process_group)
+            atexit.register(destroy_process_group)
         self._meshes = MeshCache.shared(self.root_device.type)
         self._monitor = RankMonitor.connect(self.global_rank, self.world_size, self._watchdog)
 
     # ------------------------------------------------------------------ setup: resolve and apply the plan
+    @override
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -231,7 +245,8 @@ class GalvatronStrategy(ModelParallelStrategy):
             self.plan = self._search_plan(trainer, self.structure)
         else:
             self.plan = self._load_plan(self.world_size)
-        check_runtime_support(self.plan, self.structure)  # before the plan is printed or applied
+        tp_plans = block_tensor_parallel_plans(self.structure)  # the model side's plans, handed to the runtime
+        check_runtime_support(self.plan, self.structure, tp_plans)  # before the plan is printed or applied
         if self._plan_source != "auto":
             rank_zero_info(plan_table(self.plan, self.structure.block_names))
         outside = self._trace_outside_layers(trainer) if self.plan.pp > 1 else None
@@ -260,6 +275,7 @@ class GalvatronStrategy(ModelParallelStrategy):
             parallel_loss=self._uses_parallel_loss,
             boundary_dtype=boundary_dtype(precision_flag(self.precision_plugin)),
             outside_layers=outside,
+            tp_plans=tp_plans,
         )
         _materialize_distributed_module(self.model, self.root_device)
         self._parallelised = self.model
@@ -275,7 +291,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         assert self.structure is not None
         self._progress("setup: tracing the step for the pipeline")
         step = _STEP_OF[trainer.state.fn]
-        batch = _example_batch(_first_dataloader(trainer))
+        batch = example_batch(first_dataloader(trainer))
         return agree_across_ranks(
             lambda: trace_outside_layers(self.lightning_module, self.structure, step, batch),
             "which layers run before and after the blocks",
@@ -296,21 +312,19 @@ class GalvatronStrategy(ModelParallelStrategy):
                 "(empty_init / configure_model); create it with real weights, or pass a plan (e.g. one from "
                 "`lightning-galvatron search`)"
             )
-        loader = _first_dataloader(trainer)
+        loader = first_dataloader(trainer)
         per_device = loader_batch_size(loader)
         if per_device is None:
             raise PlanError(
                 'plan="auto" needs a DataLoader with a batch_size to profile with and to size the global batch; '
                 "pass a plan, or global_batch_size= with a DataLoader that has batch_size"
             )
-        example = move_data_to_device(_example_batch(loader), self.root_device)
+        example = move_data_to_device(example_batch(loader), self.root_device)
         global_batch = self._global_batch_size or per_device * self.world_size
         for block_type, example_block in {type(b).__name__: b for b in structure.blocks}.items():
-            if tensor_parallel_plan(example_block) is None:
-                rank_zero_info(
-                    f"Galvatron: {block_type} has no tensor-parallel plan, so its blocks are planned with tp=1 "
-                    "(declare one with lightning_galvatron.register_tensor_parallel_plan)"
-                )
+            reason = tensor_parallel_plan_or_reason(example_block)
+            if isinstance(reason, str):
+                rank_zero_info(f"Galvatron: {block_type} blocks are planned with tp=1: {reason}")
         if self.world_size == 1:
             rank_zero_info(
                 "Galvatron: one device: nothing communicates, so no hardware profile is measured; the plan chooses "
@@ -344,10 +358,12 @@ class GalvatronStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ data: batch semantics
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         num_shards, shard = input_shard(self._require_plan(), self.global_rank)
         return {"num_replicas": num_shards, "rank": shard}
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         plan = self._require_plan()
         num_shards, _ = input_shard(plan, self.global_rank)
@@ -378,6 +394,7 @@ class GalvatronStrategy(ModelParallelStrategy):
     def _runner(self) -> PipelineRunner | None:
         return self._applied.runner if self._applied is not None else None
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
             self._monitor.step_started(self.lightning_module.trainer.global_step)
@@ -386,6 +403,7 @@ class GalvatronStrategy(ModelParallelStrategy):
                 return super().training_step(*args, **kwargs)
         return self._run_micro_batches("training_step", self.precision_plugin.train_step_context, args, kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
             self._monitor.evaluation_step("validation", _batch_index(args, kwargs))
@@ -394,6 +412,7 @@ class GalvatronStrategy(ModelParallelStrategy):
                 return super().validation_step(*args, **kwargs)
         return self._run_micro_batches("validation_step", self.precision_plugin.val_step_context, args, kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
             self._monitor.evaluation_step("test", _batch_index(args, kwargs))
@@ -402,6 +421,7 @@ class GalvatronStrategy(ModelParallelStrategy):
                 return super().test_step(*args, **kwargs)
         return self._run_micro_batches("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
             self._monitor.evaluation_step("predict", _batch_index(args, kwargs))
@@ -459,12 +479,14 @@ class GalvatronStrategy(ModelParallelStrategy):
             call._call_lightning_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
 
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator:
         """Lightning accumulates gradients (``accumulate_grad_batches``): the ddp layers sum theirs once, at the
         window's last backward, as ``DistributedDataParallel.no_sync`` does."""
         with self._applied.gradients.deferred() if self._applied is not None else nullcontext():
             yield
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         # Each data shard returns the mean over its own samples; gradients are summed over dp groups,
         # so the shard loss is scaled to its share of the global-batch mean.
@@ -472,6 +494,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         with self._step_context():  # loss_parallel's backward rules apply in backward too
             return super().backward(closure_loss / num_shards, optimizer, *args, **kwargs)
 
+    @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(*args, **kwargs)  # runs the training step (the closure) in automatic optimization
         if self._monitor is not None:
@@ -479,13 +502,17 @@ class GalvatronStrategy(ModelParallelStrategy):
         return output
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self.plan is not None:
-            checkpoint["galvatron"] = {"plan": self.plan.to_dict()}
+        if self.plan is not None:  # hf_models: what `lightning-galvatron consolidate --hf` rebuilds
+            checkpoint["galvatron"] = {"plan": self.plan.to_dict(), "hf_models": hf_models(self.lightning_module)}
         self._progress(f"saving the checkpoint {filepath}")
+        if self._save_distributed_checkpoint:
+            checkpoint = whole_strided_tensors(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)
         self._progress(f"saved the checkpoint {filepath}")
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # Lightning's loader needs a DTensor parameter (a plan of plain DDP blocks has none) and restores the
         # optimizer's hyper-parameters only where the saving rank held the same parameters; ours loads any plan.
@@ -499,6 +526,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         return loaded
 
     # ------------------------------------------------------------------ failures and the end
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Every rank calls this when its run fails: one rank prints the error (or names the rank that died)."""
         super().on_exception(exception)
@@ -517,6 +545,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         elif not first:
             leave_to_reporting_rank(exception)
 
+    @override
     def teardown(self) -> None:
         if self._monitor is not None:
             self._monitor.stop()
@@ -550,27 +579,6 @@ def _batch_index(args: tuple, kwargs: dict) -> int:
     return index if isinstance(index, int) else 0
 
 
-def _first_dataloader(trainer: Any) -> Any:
-    """The DataLoader of the stage being set up (its first one), to take an example batch from."""
-    loop = {
-        TrainerFn.FITTING: trainer.fit_loop,
-        TrainerFn.VALIDATING: trainer.validate_loop,
-        TrainerFn.TESTING: trainer.test_loop,
-        TrainerFn.PREDICTING: trainer.predict_loop,
-    }[trainer.state.fn]
-    loaders = loop._data_source.dataloader()
-    while isinstance(loaders, (list, tuple, dict)):
-        loaders = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders[0]
-    return loaders
-
-
-def _example_batch(loader: Any) -> Any:
-    """The loader's first batch, without moving the random state training will use (a shuffling sampler draws
-    its seed from it)."""
-    with torch.random.fork_rng():
-        return next(iter(loader))
-
-
 def _configured_optimizer(module: Any) -> Optimizer | None:
     """The optimizer the module's configure_optimizers returns (the search sizes its states)."""
     try:
@@ -588,10 +596,4 @@ def _output_dir(trainer: Any) -> Path:
     return path
 
 
-def _destroy_process_group() -> None:
-    # Without this, gloo processes sometimes abort (SIGABRT) while tearing down at exit.
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-_registry.register_lightning()  # when this module was imported before Lightning itself
+GalvatronStrategy.register_strategies(StrategyRegistry)  # also called by _registry once Lightning is imported

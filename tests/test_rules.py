@@ -6,8 +6,8 @@ tensor-parallel plan knows -- and valid plans for them. The profile is made from
 and ``dry-run`` make one (block shapes, then an analytic profile). For every plan:
 
 - ``evaluate`` warns exactly the rules' problems;
-- the runtime's pure check (:func:`~lightning_galvatron.runtime.apply.runtime_problems`, from the modules and
-  their tensor-parallel plans) objects at the same places (plan, vocab, which layers);
+- the runtime's pure check (:func:`~lightning_galvatron.runtime.apply.runtime_problems`, from the modules and the
+  tensor-parallel plans the glue resolves for them) objects at the same places (plan, vocab, which layers);
 - the search's space offers the plan (under options that do not prune it as unable to win) iff there is no
   problem.
 """
@@ -27,6 +27,7 @@ from torch import nn
 from examples.gpt import GPT, GPTConfig
 from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.model.shapes import architecture_of_module
+from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans
 from lightning_galvatron.plan import DP_TYPES, SCHEDULES, SP_KINDS, LayerStrategy, ParallelPlan, divisors
 from lightning_galvatron.producers.analytic import analytic_profile
 from lightning_galvatron.rules import interleaved_rounds, plan_problems, schedule_problem
@@ -101,7 +102,8 @@ def model(key: tuple):
             module = GPT(GPTConfig(vocab_size=16, seq_length=8, n_layer=key[1], n_head=key[2], n_embd=2 * key[2]))
         else:
             module = TorchSeq2Seq() if key[0] == "seq2seq" else PlainBlocksLM()
-    return find_blocks(module), architecture_of_module(module)
+    structure = find_blocks(module)
+    return structure, architecture_of_module(module), block_tensor_parallel_plans(structure)
 
 
 @functools.cache
@@ -115,7 +117,7 @@ def profile(key: tuple, seq: int, per_node: int):
 @st.composite
 def cases(draw: st.DrawFn) -> tuple[tuple, int, int, ParallelPlan]:
     key = draw(MODELS)
-    structure, _ = model(key)
+    structure = model(key)[0]
     num_blocks = structure.num_blocks
     seq, world, per_node = draw(st.integers(1, 12)), draw(st.integers(1, 8)), draw(st.sampled_from([1, 2, 4, 8]))
     pp = draw(st.sampled_from([p for p in divisors(world) if p <= num_blocks]))
@@ -182,11 +184,11 @@ def _where(problem: str) -> str:
 @given(cases())
 def test_search_evaluate_and_runtime_agree_on_what_is_executable(case):
     key, seq, per_node, plan = case
-    structure, _ = model(key)
+    structure, _, tp_plans = model(key)
     prof = profile(key, seq, per_node)
     problems = plan_problems(plan, prof.model)
     assert list(evaluate(prof, plan).warnings) == problems
-    refused = runtime_problems(plan, structure, seq_length=seq)
+    refused = runtime_problems(plan, structure, tp_plans, seq_length=seq)
     assert {_where(p) for p in refused} == {_where(p) for p in problems}, (refused, problems)
     assert offered(plan, prof.model, per_node) == (not problems), problems
 

@@ -37,7 +37,7 @@ from lightning_galvatron.search.cost import CostModel, Precision
 from lightning_galvatron.search.estimate import Estimate, evaluate
 from lightning_galvatron.search.options import SearchOptions
 from lightning_galvatron.search.pipeline import pipeline_step_time
-from lightning_galvatron.search.solver import Choice, FixedBatchSolver, NoAssignment, rank_chunks
+from lightning_galvatron.search.solver import Choice, FixedBatchSolver, NoAssignment, rank_blocks
 from lightning_galvatron.search.space import PipelineConfig, pipeline_configs, pipeline_degrees
 from lightning_galvatron.units import format_bytes, parse_bytes
 
@@ -264,7 +264,7 @@ def solve_configuration(
     cm = CostModel(profile, precision, optimizer)
     solver = FixedBatchSolver(cm, world_size, budget, global_batch_size, options or SearchOptions())
     pp, v = config.pp, config.virtual_stages
-    shape = solver.shape(config, max_blocks=max(len(rank_chunks(partition, pp, r)[0]) for r in range(pp)))
+    shape = solver.shape(config, max_blocks=max(len(rank_blocks(partition, pp, r)[0]) for r in range(pp)))
     if shape is None:
         return None
     if vocab not in shape.vocab.strategies:
@@ -345,7 +345,7 @@ def _best_uniform(cm: CostModel, W: int, budget: int, B: int, options: SearchOpt
                 continue
             pp, m, v = config.pp, config.micro_batches, config.virtual_stages
             sizes = even_partition(L, pp * v)
-            per_rank = np.array([len(rank_chunks(sizes, pp, r)[0]) for r in range(pp)])
+            per_rank = np.array([len(rank_blocks(sizes, pp, r)[0]) for r in range(pp)])
             c = shape.costs[0]
             share = c.step_share(m)  # (S,)
             memory = np.stack([c.memory(k) for k in shape.in_flight])  # (pp, S)

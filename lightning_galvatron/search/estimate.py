@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 from lightning_galvatron.profiles import Profile, load_profile
 from lightning_galvatron.rules import plan_problems
@@ -171,7 +172,7 @@ def evaluate(
         time = 0.0
         states = acts = 0.0
         cache: dict[tuple[int, LayerStrategy], Any] = {}
-        for chunk in range(rank, pp * v, pp):
+        for chunk in rank_chunks(rank, pp, v):
             previous = None
             for i in plan.chunk_layers(chunk):
                 t = model.blocks[i]

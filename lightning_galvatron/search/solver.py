@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, even_partition
 from lightning_galvatron.search.cost import (
     CostModel,
@@ -63,7 +64,7 @@ from lightning_galvatron.search.space import (
     vocab_candidates,
 )
 
-__all__ = ["Choice", "FixedBatchSolver", "NoAssignment", "Shape", "rank_chunks"]
+__all__ = ["Choice", "FixedBatchSolver", "NoAssignment", "Shape", "rank_blocks"]
 
 
 @dataclass
@@ -160,7 +161,7 @@ class FixedBatchSolver:
         if v == 1:
             max_blocks = self.L if pp == 1 else min(self.L - pp + 1, math.ceil(self.options.max_stage_imbalance * self.L / pp))
         else:
-            max_blocks = max(sum(even_partition(self.L, pp * v)[c] for c in range(r, pp * v, pp)) for r in range(pp))
+            max_blocks = max(len(rank_blocks(even_partition(self.L, pp * v), pp, r)[0]) for r in range(pp))
         max_blocks = max(max_blocks, max_blocks_override or 0)
         last = np.arange(self.L + 1)[:, None] + np.arange(max_blocks + 1)[None, :] - 1  # last block of [a, a+j)
         valid = (last >= np.arange(self.L + 1)[:, None]) & (last < self.L)
@@ -197,7 +198,7 @@ class FixedBatchSolver:
                 sizes = even_partition(self.L, pp * v)
                 starts = np.concatenate([[0], np.cumsum(sizes)])
                 need = max(
-                    consts[r] + reserve + sum(weights[r, starts[c] : starts[c + 1]].sum() for c in range(r, pp * v, pp))
+                    consts[r] + reserve + sum(weights[r, starts[c] : starts[c + 1]].sum() for c in rank_chunks(r, pp, v))
                     for r in range(pp)
                 )
             else:
@@ -356,7 +357,7 @@ class FixedBatchSolver:
         V = shape.vocab_time.shape[1]
         stage_time = np.empty((V, pp))
         for r in range(pp):
-            blocks, resets = rank_chunks(even_partition(self.L, pp * v), pp, r)
+            blocks, resets = rank_blocks(even_partition(self.L, pp * v), pp, r)
             steps = self.steps(shape, shape.in_flight[r])
             best = LayerDP([steps[self.types[i]] for i in blocks], resets, cell, M).tables()[-1]
             working = max(shape.working[i, 1] for i in blocks)
@@ -393,7 +394,7 @@ class FixedBatchSolver:
         cell, M = self.cell(shape)
         layers: list[LayerStrategy | None] = [None] * self.L
         for r in range(pp):
-            blocks, resets = rank_chunks(partition, pp, r)
+            blocks, resets = rank_blocks(partition, pp, r)
             steps = self.steps(shape, shape.in_flight[r])
             working = max(shape.working[i, 1] for i in blocks)
             if shape.config.virtual_stages == 1:
@@ -414,12 +415,13 @@ class NoAssignment(Exception):
     """A stage whose blocks fit no assignment of strategies."""
 
 
-def rank_chunks(sizes: Sequence[int], pp: int, rank: int) -> tuple[list[int], list[bool]]:
-    """The blocks of pipeline rank ``rank`` (its chunks ``rank, rank + pp, ...`` of ``sizes`` blocks each), and
-    whether each starts a chunk (activations arrive by point-to-point there: no relocation)."""
+def rank_blocks(sizes: Sequence[int], pp: int, rank: int) -> tuple[list[int], list[bool]]:
+    """The blocks of pipeline rank ``rank`` (its chunks, :func:`~lightning_galvatron.layout.rank_chunks`, of
+    ``sizes`` blocks each), and whether each starts a chunk (activations arrive by point-to-point there: no
+    relocation)."""
     starts = np.concatenate([[0], np.cumsum(sizes)])
     blocks, resets = [], []
-    for c in range(rank, len(sizes), pp):
+    for c in rank_chunks(rank, pp, len(sizes) // pp):
         for i in range(int(starts[c]), int(starts[c + 1])):
             blocks.append(i)
             resets.append(i == starts[c])

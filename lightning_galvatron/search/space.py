@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_galvatron.layout import ActivationForm, activation_form
 from lightning_galvatron.plan import DP_TYPES, LayerStrategy, divisors
 from lightning_galvatron.profiles import LayerTypeProfile, VocabProfile
 from lightning_galvatron.rules import layer_problem, pipeline_problem, schedule_problem, vocab_problem
@@ -165,23 +166,13 @@ def vocab_candidates(
 DP_CODE = {t: i for i, t in enumerate(DP_TYPES)}
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How activations between blocks are laid out: group size, replicated or split, rank order.
-
-    Blocks with the same layout hand activations over as they are; others need a relocation.
-    Megatron-SP and Ulysses of the same degree both split the sequence over the same group.
-    """
-
-    group: int
-    replicated: bool
-    consecutive: bool
+#: How activations between blocks are laid out (group size, replicated or split, rank order): blocks with the
+#: same layout hand activations over as they are; others need a relocation. Owned by :mod:`lightning_galvatron.layout`.
+Layout = ActivationForm
 
 
 def layout_of(strategy: LayerStrategy, devices_per_stage: int) -> Layout:
-    g = strategy.tp
-    consecutive = strategy.tp_consecutive or g in (1, devices_per_stage)
-    return Layout(g, g > 1 and strategy.sp == "none", consecutive)
+    return activation_form(strategy, devices_per_stage)
 
 
 @dataclass(frozen=True, eq=False)
