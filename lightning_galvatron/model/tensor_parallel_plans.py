@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_galvatron.model.discovery import ModelStructure, model_class
+from lightning_galvatron.model.plan_registry import PlanFactory, add_plan, find_plan
 
 # The runtime defines the plan type it executes; families fill it in (model/ -> runtime/).
 from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
@@ -54,10 +55,6 @@ __all__ = [
 ]
 
 
-#: A plan for a block, or the reason the block cannot be split.
-PlanFactory = Callable[[nn.Module], "BlockTensorParallelPlan | str"]
-
-_REGISTRY: dict[str, PlanFactory] = {}
 _BUILTINS_LOADED = False
 
 
@@ -67,10 +64,6 @@ def _load_builtin_families() -> None:
     if not _BUILTINS_LOADED:
         _BUILTINS_LOADED = True
         import lightning_galvatron.model.families  # noqa: F401 - registers through register_tensor_parallel_plan
-
-
-def _class_key(block_class: type | str) -> str:
-    return block_class if isinstance(block_class, str) else f"{block_class.__module__}.{block_class.__qualname__}"
 
 
 def register_tensor_parallel_plan(
@@ -110,16 +103,15 @@ def register_tensor_parallel_plan(
             sizes = divisible(block) if callable(divisible) else dict(divisible or {})
             return BlockTensorParallelPlan(styles_fn, dict(sizes), megatron_sp, ulysses, localize or (lambda b, tp: None))
 
-    _REGISTRY[_class_key(block_class)] = plan
+    add_plan(block_class, plan)
 
 
 def tensor_parallel_plan_or_reason(block: nn.Module) -> BlockTensorParallelPlan | str:
     """The plan for ``block``'s type, or why it has none."""
     _load_builtin_families()
-    for cls in model_class(block).__mro__:
-        make = _REGISTRY.get(_class_key(cls))
-        if make is not None:
-            return make(block)
+    make = find_plan(model_class(block).__mro__)
+    if make is not None:
+        return make(block)
     from lightning_galvatron.model.families.bert import bert_style_plan, is_bert_style_layer
 
     if is_bert_style_layer(block):

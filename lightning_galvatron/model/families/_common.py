@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_galvatron.model.tensor_parallel_plans import HF_POSITION_INPUTS, BlockTensorParallelPlan
-from lightning_galvatron.runtime.tensor_parallel import GatherSequence, RowwiseConv1D
+from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, GatherSequence, RowwiseConv1D
 
 
 class Compose(ParallelStyle):

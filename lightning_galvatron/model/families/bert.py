@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_galvatron.model.families._common import hf_sdpa, local_heads, megatron_plan
-from lightning_galvatron.model.tensor_parallel_plans import BlockTensorParallelPlan
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan
 
 _BERT_LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
                  "intermediate.dense", "output.dense")

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from lightning_galvatron.model.families._common import hf_sdpa, local_heads, megatron_plan
-from lightning_galvatron.model.tensor_parallel_plans import BlockTensorParallelPlan, register_tensor_parallel_plan
-from lightning_galvatron.runtime.tensor_parallel import ColwiseFused, CopyOutput, SliceHeads
+from lightning_galvatron.model.plan_registry import add_plan
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, ColwiseFused, CopyOutput, SliceHeads
 
 
 def alibi_heads(heads: int) -> SliceHeads:
@@ -82,5 +82,5 @@ def bloom_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     )
 
 
-register_tensor_parallel_plan("transformers.models.falcon.modeling_falcon.FalconDecoderLayer", plan=falcon_plan)
-register_tensor_parallel_plan("transformers.models.bloom.modeling_bloom.BloomBlock", plan=bloom_plan)
+add_plan("transformers.models.falcon.modeling_falcon.FalconDecoderLayer", falcon_plan)
+add_plan("transformers.models.bloom.modeling_bloom.BloomBlock", bloom_plan)

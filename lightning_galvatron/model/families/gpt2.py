@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_galvatron.model.families._common import hf_sdpa, local_heads, megatron_plan
-from lightning_galvatron.model.tensor_parallel_plans import BlockTensorParallelPlan, register_tensor_parallel_plan
-from lightning_galvatron.runtime.tensor_parallel import ColwiseFused
+from lightning_galvatron.model.plan_registry import add_plan
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, ColwiseFused
 
 
 def gpt2_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
@@ -29,4 +29,4 @@ def gpt2_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     )
 
 
-register_tensor_parallel_plan("transformers.models.gpt2.modeling_gpt2.GPT2Block", plan=gpt2_plan)
+add_plan("transformers.models.gpt2.modeling_gpt2.GPT2Block", gpt2_plan)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_galvatron.model.families._common import hf_sdpa, local_heads, megatron_plan
-from lightning_galvatron.model.tensor_parallel_plans import BlockTensorParallelPlan, register_tensor_parallel_plan
-from lightning_galvatron.runtime.tensor_parallel import ColwiseFused
+from lightning_galvatron.model.plan_registry import add_plan
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, ColwiseFused
 
 
 def gpt_bigcode_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
@@ -37,4 +37,4 @@ def gpt_bigcode_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     )
 
 
-register_tensor_parallel_plan("transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeBlock", plan=gpt_bigcode_plan)
+add_plan("transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeBlock", gpt_bigcode_plan)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_galvatron.model.families._common import hf_sdpa, megatron_plan
-from lightning_galvatron.model.tensor_parallel_plans import BlockTensorParallelPlan, register_tensor_parallel_plan
+from lightning_galvatron.model.plan_registry import add_plan
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan
 
 
 def gpt_neox_plan(block: nn.Module) -> BlockTensorParallelPlan:
@@ -22,4 +23,4 @@ def gpt_neox_plan(block: nn.Module) -> BlockTensorParallelPlan:
     )
 
 
-register_tensor_parallel_plan("transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer", plan=gpt_neox_plan)
+add_plan("transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer", gpt_neox_plan)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_galvatron.model.families._common import hf_sdpa, local_heads, megatron_plan
-from lightning_galvatron.model.tensor_parallel_plans import BlockTensorParallelPlan, register_tensor_parallel_plan
+from lightning_galvatron.model.plan_registry import add_plan
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan
 
 
 def gptj_plan(block: nn.Module) -> BlockTensorParallelPlan:
@@ -22,4 +23,4 @@ def gptj_plan(block: nn.Module) -> BlockTensorParallelPlan:
     )
 
 
-register_tensor_parallel_plan("transformers.models.gptj.modeling_gptj.GPTJBlock", plan=gptj_plan)
+add_plan("transformers.models.gptj.modeling_gptj.GPTJBlock", gptj_plan)

@@ -15,8 +15,8 @@ import copy
 from torch import nn
 
 from lightning_galvatron.model.families._common import megatron_plan
-from lightning_galvatron.model.tensor_parallel_plans import BlockTensorParallelPlan, register_tensor_parallel_plan
-from lightning_galvatron.runtime.tensor_parallel import ColwiseFused
+from lightning_galvatron.model.plan_registry import add_plan
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, ColwiseFused
 
 _MLPS = {"GptNeoxMLP": ("fc",), "LLaMAMLP": ("fc_1", "fc_2"), "GemmaMLP": ("fc_1", "fc_2")}
 
@@ -59,4 +59,4 @@ def litgpt_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     )
 
 
-register_tensor_parallel_plan("litgpt.model.Block", plan=litgpt_plan)
+add_plan("litgpt.model.Block", litgpt_plan)

@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_galvatron.model.families._common import hf_sdpa, megatron_plan
-from lightning_galvatron.model.tensor_parallel_plans import BlockTensorParallelPlan, register_tensor_parallel_plan
-from lightning_galvatron.runtime.tensor_parallel import ColwiseFused
+from lightning_galvatron.model.plan_registry import add_plan
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, ColwiseFused
 
 
 def attention_projections(attn: nn.Module, prefix: str) -> tuple[dict[str, ParallelStyle | None], dict[str, int], int]:
@@ -79,5 +79,5 @@ for _name in (
     "mistral.modeling_mistral.MistralDecoderLayer",
     "gemma.modeling_gemma.GemmaDecoderLayer",
 ):
-    register_tensor_parallel_plan(f"transformers.models.{_name}", plan=llama_plan)
-register_tensor_parallel_plan("transformers.models.phi.modeling_phi.PhiDecoderLayer", plan=phi_plan)
+    add_plan(f"transformers.models.{_name}", llama_plan)
+add_plan("transformers.models.phi.modeling_phi.PhiDecoderLayer", phi_plan)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_galvatron.model.families._common import hf_sdpa, local_heads, megatron_plan
-from lightning_galvatron.model.tensor_parallel_plans import BlockTensorParallelPlan, register_tensor_parallel_plan
+from lightning_galvatron.model.plan_registry import add_plan
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan
 
 
 def _attention_columns(prefix: str) -> dict[str, None]:
@@ -50,6 +51,6 @@ def bart_plan(block: nn.Module) -> BlockTensorParallelPlan:
     )
 
 
-register_tensor_parallel_plan("transformers.models.opt.modeling_opt.OPTDecoderLayer", plan=opt_plan)
+add_plan("transformers.models.opt.modeling_opt.OPTDecoderLayer", opt_plan)
 for _name in ("BartEncoderLayer", "BartDecoderLayer"):
-    register_tensor_parallel_plan(f"transformers.models.bart.modeling_bart.{_name}", plan=bart_plan)
+    add_plan(f"transformers.models.bart.modeling_bart.{_name}", bart_plan)

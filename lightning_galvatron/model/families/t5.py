@@ -18,8 +18,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_galvatron.model.families._common import Compose, local_heads, megatron_plan
-from lightning_galvatron.model.tensor_parallel_plans import BlockTensorParallelPlan, register_tensor_parallel_plan
-from lightning_galvatron.runtime.tensor_parallel import ColwiseEmbedding, SliceHeads, all_gather_heads, head_slice
+from lightning_galvatron.model.plan_registry import add_plan
+from lightning_galvatron.runtime.tensor_parallel import (
+    BlockTensorParallelPlan,
+    ColwiseEmbedding,
+    SliceHeads,
+    all_gather_heads,
+    head_slice,
+)
 
 
 class _WholePositionBias(ParallelStyle):
@@ -65,4 +71,4 @@ def t5_plan(block: nn.Module) -> BlockTensorParallelPlan:
     )
 
 
-register_tensor_parallel_plan("transformers.models.t5.modeling_t5.T5Block", plan=t5_plan)
+add_plan("transformers.models.t5.modeling_t5.T5Block", t5_plan)

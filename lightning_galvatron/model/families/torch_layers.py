@@ -11,8 +11,12 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from lightning_galvatron.model.tensor_parallel_plans import BlockTensorParallelPlan, register_tensor_parallel_plan
-from lightning_galvatron.runtime.tensor_parallel import ParallelMultiheadAttention, multihead_attention_unsupported
+from lightning_galvatron.model.plan_registry import add_plan
+from lightning_galvatron.runtime.tensor_parallel import (
+    BlockTensorParallelPlan,
+    ParallelMultiheadAttention,
+    multihead_attention_unsupported,
+)
 
 _NO_SEQUENCE_PARALLEL = (
     "nn.MultiheadAttention checks its masks against the sequence it receives, so these layers run on whole sequences"
@@ -43,4 +47,4 @@ def torch_transformer_layer_plan(block: nn.Module) -> BlockTensorParallelPlan | 
 
 
 for _name in ("TransformerEncoderLayer", "TransformerDecoderLayer"):
-    register_tensor_parallel_plan(f"torch.nn.modules.transformer.{_name}", plan=torch_transformer_layer_plan)
+    add_plan(f"torch.nn.modules.transformer.{_name}", torch_transformer_layer_plan)
