@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -205,9 +207,36 @@ def _register_calibrate(subparsers: Any) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from lightning_galvatron.profiler.command import run_calibrate
+    """:func:`~lightning_galvatron.calibrate.calibrate` on every rank; rank 0 writes the calibration."""
+    import torch.distributed as dist
 
-    return run_calibrate(args)
+    from lightning_galvatron.calibrate import calibrate
+    from lightning_galvatron.profiler.command import _resolve_inputs
+
+    inputs = _resolve_inputs(args)  # the model and data as `profile` reads them
+    datamodule = inputs.build()[1]
+    world = int(os.environ.get("WORLD_SIZE") or args.devices or 0)
+    hparams = getattr(datamodule, "hparams", None)
+    per_device = getattr(datamodule, "batch_size", None) or getattr(hparams, "batch_size", None)
+    batch = args.global_batch_size or (per_device or 0) * world
+    if not batch:
+        raise ValueError("say how many samples a step trains on: --global-batch-size (no batch_size in the datamodule)")
+    started = time.perf_counter()
+    calibration = calibrate(
+        args.profile, lambda: inputs.build()[0], datamodule, global_batch_size=batch, layers=args.layers,
+        warmup_steps=args.warmup_steps, timed_steps=args.timed_steps, precision=inputs.precision,
+        accelerator=args.accelerator, devices=args.devices,
+    )
+    if dist.get_rank() == 0:
+        calibration.save(args.output)
+        seconds = time.perf_counter() - started
+        if getattr(args, "json", False):
+            result = {"output": args.output, "calibration": calibration.to_dict(), "seconds": seconds}
+            print(json.dumps(result, indent=2))
+        else:
+            print(f"Calibrated in {seconds:.1f} s: {calibration.describe()}")
+            print(f"Wrote {args.output} (for GalvatronStrategy(calibration=...) and `search --calibration`)")
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------------- search
