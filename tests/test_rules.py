@@ -20,7 +20,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -187,6 +187,7 @@ def test_search_evaluate_and_runtime_agree_on_what_is_executable(case):
     structure, _, tp_plans = model(key)
     prof = profile(key, seq, per_node)
     problems = plan_problems(plan, prof.model)
+    event("executable" if not problems else "refused for " + ", ".join(sorted({_where(p) for p in problems})))
     assert list(evaluate(prof, plan).warnings) == problems
     refused = runtime_problems(plan, structure, tp_plans, seq_length=seq)
     assert {_where(p) for p in refused} == {_where(p) for p in problems}, (refused, problems)
