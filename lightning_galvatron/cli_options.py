@@ -81,7 +81,8 @@ def add_cost_options(parser: argparse.ArgumentParser) -> None:
         "--optimizer",
         type=optimizer_kind_or_bytes,
         default="adamw",
-        help=f"optimizer kind ({', '.join(sorted(OPTIMIZER_STATES))}) or its state bytes per parameter (default: adamw)",
+        help=f"optimizer kind ({', '.join(sorted(OPTIMIZER_STATES))}) or its state bytes per parameter "
+        "(default: adamw)",
     )
     add_json_option(parser)
 

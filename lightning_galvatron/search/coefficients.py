@@ -9,9 +9,10 @@ most of the step, and they differ between strategies (tensor parallelism several
 parallelism), so they change which plan is fastest.
 
 A :class:`Calibration` says what a machine adds, in terms the search can use; it is fitted
-(:func:`~lightning_galvatron.search.calibration.fit_calibration`) from observations -- what :class:`~lightning_galvatron.profiler.runtime.RuntimeProfiler` measured on
-each rank over a few training steps of one or more plans (e.g. a probe plan with one block of each kind
-of strategy, at two micro-batch sizes). Per block call (forward and backward of one micro-batch)::
+(:func:`~lightning_galvatron.search.calibration.fit_calibration`) from observations -- what
+:class:`~lightning_galvatron.profiler.runtime.RuntimeProfiler` measured on each rank over a few training
+steps of one or more plans (e.g. a probe plan with one block of each kind of strategy, at two micro-batch
+sizes; :mod:`lightning_galvatron.calibrate`). Per block call (forward and backward of one micro-batch)::
 
     time = c_compute[family] * (1 + beta) * f(b/g)  # the profiled compute, rescaled per family
                                                     # (plain, Megatron TP, Ulysses)
@@ -158,8 +159,10 @@ class Calibration:
         ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
         b = {t: self.block.get(t, IDENTITY_BLOCK.get(t, 0.0)) for t in BLOCK_TERMS}
         return (
-            f"compute x{b['compute']:.2f} (Megatron TP x{b['compute_tensor_parallel']:.2f}, Ulysses x{b['compute_ulysses']:.2f}), recompute replay x{b['recompute']:.2f} forwards, communication x{b['communication']:.2f}; "
-            f"per block call {ms(b['call'])} (+ZeRO-2 {ms(b['zero2'])}, +ZeRO-3 {ms(b['zero3'])}, +TP {ms(b['tensor_parallel'])}, "
+            f"compute x{b['compute']:.2f} (Megatron TP x{b['compute_tensor_parallel']:.2f}, "
+            f"Ulysses x{b['compute_ulysses']:.2f}), recompute replay x{b['recompute']:.2f} forwards, "
+            f"communication x{b['communication']:.2f}; per block call {ms(b['call'])} (+ZeRO-2 {ms(b['zero2'])}, "
+            f"+ZeRO-3 {ms(b['zero3'])}, +TP {ms(b['tensor_parallel'])}, "
             f"+Megatron-SP {ms(b['megatron_sp'])}, +Ulysses {ms(b['ulysses'])}, +recompute {ms(b['recompute_call'])}); "
             f"embedding/head x{self.vocab_compute:.2f} + {ms(self.vocab_call_s)} per micro-batch; optimizer "
             f"{self.optimizer_s_per_tensor * 1e6:.0f} us/tensor ({self.optimizer_s_per_dtensor_or_tensor * 1e6:.0f} "

@@ -374,7 +374,8 @@ def _no_plan_message(profile: Profile, world_size: int, batches: Sequence[int], 
     return (
         f"no executable plan for {profile.model.num_blocks} blocks on {world_size} devices with {batch}: "
         f"every block needs its data-parallel degree times the micro-batches to divide the batch, tensor-parallel "
-        f"degrees must divide heads/hidden/FFN ({', '.join(f'{t.num_heads}/{t.hidden_size}/{t.ffn_hidden_size}' for t in lt)}) "
+        f"degrees must divide heads/hidden/FFN "
+        f"({', '.join(f'{t.num_heads}/{t.hidden_size}/{t.ffn_hidden_size}' for t in lt)}) "
         f"and pipeline degrees the world size (at most one stage per block"
         + (f", max_tp={options.max_tp}" if options.max_tp else "")
         + (f", max_pp={options.max_pp}" if options.max_pp else "")
