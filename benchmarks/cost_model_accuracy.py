@@ -11,7 +11,7 @@ Two predictions per plan:
 * ``uncalibrated``: the cost model as the search uses it from the profile alone;
 * ``calibrated``: the same model calibrated (``lightning_galvatron.search.calibration``) from what the
   runtime profiler measured on three *probe* plans -- one block of every kind, at two micro-batch sizes,
-  and a pipeline (``harness.probe_plans``); no evaluated plan is a probe;
+  and a pipeline (``lightning_galvatron.calibrate.probe_plans``); no evaluated plan is a probe;
 * ``held out``: calibrated from the runtime profiler's measurements of every *other* plan and the probes
   (leave one out: a plan's own measurements never price it) -- what a strategy that has run other plans
   on this machine predicts for a new one.
@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import harness
-from harness import RESULTS, BenchModel, fit_from_runs, interleaved, mape, measure_run, mib, probe_plans, spearman, worker_pool
+from harness import RESULTS, BenchModel, fit_from_runs, interleaved, mape, measure_run, mib, spearman, worker_pool
 
 from lightning_galvatron import GalvatronStrategy
+from lightning_galvatron.calibrate import probe_plans
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiles import Profile
@@ -133,7 +134,7 @@ def main() -> None:
     args = parser.parse_args()
     model = BenchModel()
     started = time.perf_counter()
-    probes = probe_plans(model, WORLD)
+    probes: dict[str, ParallelPlan] = {}
     runs: dict[str, list[dict]] = {}
 
     def run(name: str, plan: ParallelPlan, memory: bool) -> None:
@@ -145,6 +146,7 @@ def main() -> None:
     with worker_pool(WORLD) as pool:
         profile_dict, profile_s = pool.run(profile_on_ranks, model)[0]
         profile = Profile.from_dict(profile_dict)
+        probes.update(probe_plans(profile, WORLD, model.global_batch))
         print(f"profiled in {profile_s:.1f} s; calibration probes:")
         for name, plan in probes.items():
             run(name, plan, memory=False)

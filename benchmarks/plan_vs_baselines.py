@@ -4,8 +4,8 @@ On 4 CPU processes (gloo), same model (``harness.BenchModel``), data, global bat
 
 * ``auto``: ``GalvatronStrategy(plan="auto", memory_budget=..., calibration=...)`` -- the strategy profiles
   (the profile measured at the start of this run, from its cache), searches with the cost model calibrated
-  from the runtime profiler's measurements of three probe plans (``harness.probe_plans``; none of them is a
-  baseline), and trains the plan it found;
+  from the runtime profiler's measurements of three probe plans (``lightning_galvatron.calibrate.probe_plans``;
+  none of them is a baseline), and trains the plan it found;
 * ``auto-uncalibrated``: the same without the calibration (the profile alone), for reference;
 * the search's uniform baselines, executed by the same runtime: pure DDP, pure ZeRO-3 (FSDP2), pure TP
   (degree 4, vocabulary too);
@@ -33,20 +33,20 @@ from typing import Any
 
 import harness
 from harness import (
+    FSDP2GPT,
     RESULTS,
     BenchModel,
-    FSDP2GPT,
     fit_from_runs,
     interleaved,
     make_module,
     measure_run,
     mib,
     model_parallel_fsdp2,
-    probe_plans,
     worker_pool,
 )
 
 from lightning_galvatron import GalvatronStrategy
+from lightning_galvatron.calibrate import probe_plans
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiles import Profile
@@ -129,7 +129,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch, worker_pool(WORLD) as pool:
         cache = str(Path(scratch) / "profiles")
         profile = Profile.from_dict(pool.run(profile_into_cache, model, cache)[0])
-        probes = probe_plans(model, WORLD)
+        probes = probe_plans(profile, WORLD, model.global_batch)
         print("calibration probes:")
         probe_runs = []
         for name, plan in probes.items():

@@ -23,7 +23,6 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import harness
 from harness import RESULTS, BenchModel, FSDP2GPT, interleaved, make_module, measure_run, mib, model_parallel_fsdp2, worker_pool

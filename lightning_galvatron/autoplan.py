@@ -8,9 +8,9 @@ is changed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,30 +35,17 @@ class SearchSettings:
     """What ``GalvatronStrategy`` passes on to the search (see its arguments), checked when it is made.
 
     The strategy makes these in its constructor, so a wrong limit or budget stops the program before any
-    process is launched or anything is profiled; the rules are the search's own (:class:`SearchOptions`).
+    process is launched or anything is profiled. The knobs are one
+    :class:`~lightning_galvatron.search.options.SearchOptions`, passed to the search whole.
     """
 
     memory_budget: int | str | None = None
-    max_tp: int | None = None
-    max_pp: int | None = None
-    disable: Sequence[str] = ()
-    schedules: Sequence[str] | None = None
-    search_batch_size: bool = False
-    max_global_batch_size: int | None = None
     profile_cache: bool | str | os.PathLike = True
-    calibration: Any = None  # a Calibration, its dict or JSON file: price plans with the calibrated cost model
+    options: Any = None  # a SearchOptions (None: the defaults)
 
     def __post_init__(self) -> None:
-        from lightning_galvatron.search.calibration import load_calibration
-        from lightning_galvatron.search.space import SearchOptions
+        from lightning_galvatron.search.options import SearchOptions
 
-        # A single name is a list of one (YAML users write `disable: zero3`).
-        for name in ("disable", "schedules"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                object.__setattr__(self, name, (value,))
-            elif value is not None:
-                object.__setattr__(self, name, tuple(value))
         if self.memory_budget is not None:
             try:
                 budget = parse_bytes(self.memory_budget)
@@ -66,18 +53,24 @@ class SearchSettings:
                 raise ValueError(f"memory_budget: {err}") from None
             if budget <= 0:
                 raise ValueError(f"memory_budget must be a positive size such as '24GB', got {self.memory_budget!r}")
-        SearchOptions(
-            max_tp=self.max_tp,
-            max_pp=self.max_pp,
-            disable=frozenset(self.disable),
-            schedules=self.schedules or SearchOptions().schedules,
-        )
-        value = self.max_global_batch_size
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"max_global_batch_size must be a positive integer or None, got {value!r}")
         if not isinstance(self.profile_cache, (bool, str, os.PathLike)):
             raise ValueError(f"profile_cache must be True, False or a directory, got {self.profile_cache!r}")
-        object.__setattr__(self, "calibration", load_calibration(self.calibration))
+        object.__setattr__(self, "options", SearchOptions.of(self.options))
+
+    @classmethod
+    def of(
+        cls, memory_budget: Any, profile_cache: Any, search_options: Any = None, **shorthands: Any
+    ) -> SearchSettings:
+        """The strategy's arguments: ``search_options`` (a SearchOptions or a dict of its fields) and its
+        fields given by name, which win where given (not None, False or empty: the strategy's defaults)."""
+        from lightning_galvatron.search.options import SearchOptions
+
+        given = {
+            name: value
+            for name, value in shorthands.items()
+            if value is not None and value is not False and not (isinstance(value, (list, tuple, set)) and not value)
+        }
+        return cls(memory_budget, profile_cache, SearchOptions.of(search_options, **given))
 
     @property
     def memory_budget_bytes(self) -> int | None:
@@ -171,8 +164,13 @@ def plan_automatically(
     )
     profiled = time.perf_counter()
     budget = settings.memory_budget_bytes or default_memory_budget(device, devices_per_node)
-    # Pipelines cannot carry an encoder's output to decoder stages (see runtime.pipeline).
-    max_pp = 1 if len(structure.block_lists) > 1 else settings.max_pp
+    # Pipelines cannot carry an encoder's output to decoder stages (see runtime.pipeline); on one device every
+    # uniform plan is the same, so there are no baselines to compare with.
+    options = dataclasses.replace(
+        settings.options,
+        max_pp=1 if len(structure.block_lists) > 1 else settings.options.max_pp,
+        baselines=settings.options.baselines and world_size > 1,
+    )
     outcome: tuple[dict | None, str, str | None] = (None, "", None)
     if dist.get_rank() == 0:
         try:
@@ -181,16 +179,9 @@ def plan_automatically(
                 world_size,
                 budget,
                 global_batch_size=global_batch_size,
-                max_tp=settings.max_tp,
-                max_pp=max_pp,
-                disable=settings.disable,
-                schedules=settings.schedules,
                 optimizer=optimizer,
                 precision=precision,
-                search_batch_size=settings.search_batch_size,
-                max_global_batch_size=settings.max_global_batch_size,
-                calibration=settings.calibration,
-                baselines=world_size > 1,  # on one device every uniform plan is the same
+                options=options,
             )
             outcome = (result.plan.to_dict(), describe_alternatives(result), None)
         except ValueError as error:  # infeasible budget, no valid plan: say it on every rank

@@ -5,6 +5,8 @@ Subcommands:
 * ``profile --model MODULE:CLASS --datamodule MODULE:CLASS -o profile.json`` -- measure a model and
   the cluster it runs on (under ``torchrun``, or ``--devices N`` with Lightning's launcher);
 * ``search PROFILE --world-size N --memory-budget 36GB`` -- the best plan for any cluster;
+* ``calibrate PROFILE --model MODULE:CLASS --datamodule MODULE:CLASS -o calibration.json`` -- fit the cost
+  model to short runs of probe plans on this machine (under ``torchrun``, or ``--devices N``);
 * ``evaluate PROFILE --plan PLAN`` -- predicted time and memory of a plan (ours or the reference
   system's format): a what-if tool;
 * ``import-galvatron DIR --hidden-size H --seq-length S -o profile.json`` -- convert the reference
@@ -31,14 +33,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_galvatron.cli_options import (
+    add_cost_options,
+    add_json_option,
+    add_memory_budget_option,
+    add_model_options,
+    add_search_options,
+    byte_size,
+    json_object,
+    memory_size,
+    precision_of,
+    profile_path,
+    search_options,
+)
 from lightning_galvatron.search.report import describe_estimate, describe_search
-from lightning_galvatron.units import format_bytes, parse_bytes
+from lightning_galvatron.units import format_bytes
 
 EXIT_OK, EXIT_NO, EXIT_USAGE = 0, 1, 2
 
@@ -121,120 +138,6 @@ def _fail(code: int, kind: str, message: str, command: str | None, as_json: bool
     return code
 
 
-# ---------------------------------------------------------------------------------------------- shared options
-_BARE_NUMBER = re.compile(r"^\s*[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?\s*$", re.IGNORECASE)
-
-
-def _byte_size(text: str) -> int:
-    """A memory size with its unit (``36GB``, ``40GiB``, ``512MB``; ``0`` alone is allowed)."""
-    if _BARE_NUMBER.match(text) and float(text) != 0:
-        raise argparse.ArgumentTypeError(
-            f"{text.strip()!r} has no unit: write e.g. '{text.strip()}GB' (decimal) or '{text.strip()}GiB' (binary), "
-            f"or '{text.strip()}B' if you mean bytes"
-        )
-    try:
-        return parse_bytes(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _memory_size(text: str) -> int:
-    """A device's memory or budget: a byte size above zero."""
-    size = _byte_size(text)
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"a device's memory must be more than 0 bytes, got {text!r}")
-    return size
-
-
-def _optimizer(text: str) -> str | float:
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {err}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"n_layer\": 4}'")
-    return value
-
-
-def add_json_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object (errors included) instead of text")
-
-
-def add_memory_budget_option(parser: argparse.ArgumentParser, help: str) -> None:
-    """``--memory-budget`` (``GalvatronStrategy(memory_budget=...)``; ``--memory-per-device`` is its old name)."""
-    parser.add_argument("--memory-budget", "--memory-per-device", dest="memory_budget", type=_memory_size, help=help)
-
-
-def add_search_options(parser: argparse.ArgumentParser, *, prefix: str = "") -> None:
-    """The search's limits, named as ``GalvatronStrategy``'s arguments. ``prefix`` starts each help text."""
-    from lightning_galvatron.plan import SCHEDULES
-    from lightning_galvatron.search.space import DISABLE_CHOICES
-
-    p = parser
-    p.add_argument("--search-batch-size", action="store_true", help=f"{prefix}also search the global batch size for throughput")
-    p.add_argument("--max-global-batch-size", type=int, help=f"{prefix}largest batch tried by --search-batch-size (default: 8 x world size)")
-    p.add_argument("--max-tp", type=int, help=f"{prefix}largest tensor/sequence-parallel degree")
-    p.add_argument("--max-pp", type=int, help=f"{prefix}largest pipeline degree")
-    p.add_argument("--disable", nargs="+", default=[], choices=sorted(DISABLE_CHOICES), metavar="WHAT", help=f"{prefix}leave out: {', '.join(sorted(DISABLE_CHOICES))}")
-    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, help=f"{prefix}pipeline schedules allowed (default: all)")
-
-
-def add_precision_option(parser: argparse.ArgumentParser) -> None:
-    from lightning_galvatron.search.cost import PRECISIONS
-
-    parser.add_argument(
-        "--precision", choices=sorted(PRECISIONS),
-        help="training precision (default: the precision the profile was measured in)",
-    )
-
-
-def _add_cost_options(parser: argparse.ArgumentParser) -> None:
-    from lightning_galvatron.search.cost import OPTIMIZER_STATES
-
-    add_precision_option(parser)
-    parser.add_argument(
-        "--optimizer",
-        type=_optimizer,
-        default="adamw",
-        help=f"optimizer kind ({', '.join(sorted(OPTIMIZER_STATES))}) or its state bytes per parameter (default: adamw)",
-    )
-    add_json_option(parser)
-
-
-def add_model_options(parser: argparse.ArgumentParser, *, hf_help: str, model_help: str) -> None:
-    """The model of a question about a cluster at hand or not: a Hugging Face config or a class, built on meta."""
-    model = parser.add_mutually_exclusive_group(required=True)
-    model.add_argument("--hf-config", help=hf_help)
-    model.add_argument("--model", help=model_help)
-    parser.add_argument("--model-args", type=_json_object, default={}, help="with --model: its init arguments as a JSON object")
-    parser.add_argument("--layers", nargs="+", help="dotted path(s) of the block container(s) (default: detected)")
-    parser.add_argument("--seq-length", type=int, help="tokens per sample (default: the config's maximum positions)")
-
-
-def precision_of(args: argparse.Namespace, profile: Any) -> tuple[str, str]:
-    """The precision asked for, else the profile's; and where it came from (for the report)."""
-    if args.precision:
-        return args.precision, "given"
-    if profile is not None and profile.measured_precision:
-        return profile.measured_precision, "the profile's"
-    assumed = "32-true" if profile is not None and profile.model.activation_dtype_bytes == 4 else "bf16-mixed"
-    return assumed, "assumed: the profile does not record its precision; pass --precision"
-
-
-def profile_path(text: str) -> str:
-    """A profile file, or the name of a reference profile shipped with the package (``a100``)."""
-    from lightning_galvatron import reference_profiles
-
-    return reference_profiles.resolve(text)
-
-
 # ---------------------------------------------------------------------------------------------- profile
 @subcommand
 def _register_profile(subparsers: Any) -> None:
@@ -246,21 +149,9 @@ def _register_profile(subparsers: Any) -> None:
         "rank: `torchrun --nproc-per-node 4 --no-python lightning-galvatron profile ...`, or let Lightning launch the "
         "processes with --devices 4.",
     )
-    p.add_argument("--model", help="the LightningModule class, MODULE:CLASS or path/to/file.py:CLASS")
-    p.add_argument("--model-args", type=_json_object, default={}, help="its init arguments as a JSON object")
-    p.add_argument("--datamodule", help="the LightningDataModule class giving the example batch, MODULE:CLASS")
-    p.add_argument("--datamodule-args", type=_json_object, default={}, help="its init arguments as a JSON object")
-    p.add_argument(
-        "--config",
-        help="a LightningCLI YAML (read as LightningCLI reads it): its model, data and trainer.precision are used; "
-        "--model/--datamodule name the classes when the YAML has no class_path; command-line arguments win",
-    )
-    p.add_argument("--layers", nargs="+", help="dotted path(s) of the block container(s) (default: detected)")
-    p.add_argument("--precision", help="32-true, bf16-mixed or bf16-true (default: the config's, else 32-true)")
+    _add_training_inputs(p)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="local batch sizes to time (default: 1 4)")
     p.add_argument("--budget", type=float, default=3.0, help="rough seconds for the collective measurements (default: 3)")
-    p.add_argument("--devices", type=int, help="without torchrun: processes to launch on this machine (Lightning's launcher)")
-    p.add_argument("--accelerator", default="auto", help="with --devices: cpu, cuda or auto (default: auto)")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument(
         "--profile-cache", "--cache-dir", dest="cache_dir",
@@ -272,10 +163,80 @@ def _register_profile(subparsers: Any) -> None:
     p.set_defaults(func=_cmd_profile)
 
 
+def _add_training_inputs(p: argparse.ArgumentParser) -> None:
+    """What a command that trains or measures the model on this machine builds it from, and on how many processes."""
+    p.add_argument("--model", help="the LightningModule class, MODULE:CLASS or path/to/file.py:CLASS")
+    p.add_argument("--model-args", type=json_object, default={}, help="its init arguments as a JSON object")
+    p.add_argument("--datamodule", help="the LightningDataModule class giving the training batches, MODULE:CLASS")
+    p.add_argument("--datamodule-args", type=json_object, default={}, help="its init arguments as a JSON object")
+    p.add_argument(
+        "--config",
+        help="a LightningCLI YAML (read as LightningCLI reads it): its model, data and trainer.precision are used; "
+        "--model/--datamodule name the classes when the YAML has no class_path; command-line arguments win",
+    )
+    p.add_argument("--layers", nargs="+", help="dotted path(s) of the block container(s) (default: detected)")
+    p.add_argument("--precision", help="32-true, bf16-mixed or bf16-true (default: the config's, else 32-true)")
+    p.add_argument("--devices", type=int, help="without torchrun: processes to launch on this machine (Lightning's launcher)")
+    p.add_argument("--accelerator", default="auto", help="with --devices: cpu, cuda or auto (default: auto)")
+
+
 def _cmd_profile(args: argparse.Namespace) -> int:
     from lightning_galvatron.profiler.command import run_profile
 
     return run_profile(args)
+
+
+# ---------------------------------------------------------------------------------------------- calibrate
+@subcommand
+def _register_calibrate(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "calibrate",
+        help="fit the cost model to short runs of probe plans on this machine (under torchrun, or with --devices)",
+        description="Train a few probe plans briefly (every kind of block strategy, two micro-batch sizes, a "
+        "pipeline), time them with the runtime profiler and fit the cost model's calibration; rank 0 writes it for "
+        "GalvatronStrategy(calibration=...) and `search --calibration`.",
+    )
+    p.add_argument("profile", help="the profile of this model on this machine (`lightning-galvatron profile`)")
+    _add_training_inputs(p)
+    p.add_argument("--global-batch-size", type=int, help="samples per step (default: the datamodule's batch_size x devices)")
+    p.add_argument("--warmup-steps", type=int, default=2, help="steps of each probe before timing (default: 2)")
+    p.add_argument("--timed-steps", type=int, default=4, help="timed steps of each probe (default: 4)")
+    p.add_argument("-o", "--output", required=True, help="where rank 0 writes the calibration JSON")
+    add_json_option(p)
+    p.set_defaults(func=_cmd_calibrate)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    """:func:`~lightning_galvatron.calibrate.calibrate` on every rank; rank 0 writes the calibration."""
+    import torch.distributed as dist
+
+    from lightning_galvatron.calibrate import calibrate
+    from lightning_galvatron.profiler.command import _resolve_inputs
+
+    inputs = _resolve_inputs(args)  # the model and data as `profile` reads them
+    datamodule = inputs.build()[1]
+    world = int(os.environ.get("WORLD_SIZE") or args.devices or 0)
+    hparams = getattr(datamodule, "hparams", None)
+    per_device = getattr(datamodule, "batch_size", None) or getattr(hparams, "batch_size", None)
+    batch = args.global_batch_size or (per_device or 0) * world
+    if not batch:
+        raise ValueError("say how many samples a step trains on: --global-batch-size (no batch_size in the datamodule)")
+    started = time.perf_counter()
+    calibration = calibrate(
+        args.profile, lambda: inputs.build()[0], datamodule, global_batch_size=batch, layers=args.layers,
+        warmup_steps=args.warmup_steps, timed_steps=args.timed_steps, precision=inputs.precision,
+        accelerator=args.accelerator, devices=args.devices,
+    )
+    if dist.get_rank() == 0:
+        calibration.save(args.output)
+        seconds = time.perf_counter() - started
+        if getattr(args, "json", False):
+            result = {"output": args.output, "calibration": calibration.to_dict(), "seconds": seconds}
+            print(json.dumps(result, indent=2))
+        else:
+            print(f"Calibrated in {seconds:.1f} s: {calibration.describe()}")
+            print(f"Wrote {args.output} (for GalvatronStrategy(calibration=...) and `search --calibration`)")
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------------- search
@@ -289,10 +250,8 @@ def _register_search(subparsers: Any) -> None:
     add_memory_budget_option(p, "memory budget per device, e.g. 36GB or 40GiB (default: the profile's device memory)")
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the world size)")
     add_search_options(p)
-    p.add_argument("--memory-tolerance", type=float, default=0.01, help="DP memory resolution as a fraction of the budget (default: 0.01)")
-    p.add_argument("--no-baselines", action="store_true", help="skip the uniform baselines")
     p.add_argument("-o", "--output", help="write the plan JSON here")
-    _add_cost_options(p)
+    add_cost_options(p)
     p.set_defaults(func=_cmd_search)
 
 
@@ -310,16 +269,9 @@ def _cmd_search(args: argparse.Namespace) -> int:
         args.world_size,
         budget,
         global_batch_size=args.global_batch_size,
-        max_tp=args.max_tp,
-        max_pp=args.max_pp,
-        disable=args.disable,
-        schedules=args.schedules,
         optimizer=args.optimizer,
         precision=precision,
-        search_batch_size=args.search_batch_size,
-        max_global_batch_size=args.max_global_batch_size,
-        memory_tolerance=args.memory_tolerance,
-        baselines=not args.no_baselines,
+        options=search_options(args),
     )
     if args.output:
         result.plan.save(args.output)
@@ -349,7 +301,7 @@ def _register_evaluate(subparsers: Any) -> None:
     p.add_argument("--world-size", type=int, help="devices (needed for a reference-format plan unless its file name says, e.g. 1nodes_8gpus_per_node)")
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the plan's)")
     add_memory_budget_option(p, "budget to check the plan against (default: the profile's device memory)")
-    _add_cost_options(p)
+    add_cost_options(p)
     p.set_defaults(func=_cmd_evaluate)
 
 
@@ -415,15 +367,15 @@ def _register_import_galvatron(subparsers: Any) -> None:
     p.add_argument("--tied-embeddings", action="store_true", help="the head shares the embedding's weights")
     p.add_argument("--model-name", help="name of the model (default: from the file names)")
     p.add_argument("--hardware-name", help="name of the devices measured, e.g. 'NVIDIA A100 x8 per node'")
-    p.add_argument("--memory-overhead", type=_byte_size, default=0, help="fixed memory per device the model does not account for, e.g. 2GB")
-    p.add_argument("--device-memory", type=_memory_size, help="memory of one device, e.g. 80GB")
+    p.add_argument("--memory-overhead", type=byte_size, default=0, help="fixed memory per device the model does not account for, e.g. 2GB")
+    p.add_argument("--device-memory", type=memory_size, help="memory of one device, e.g. 80GB")
     p.add_argument("-o", "--output", required=True, help="where to write the profile JSON")
     add_json_option(p)
     p.set_defaults(func=_cmd_import_galvatron)
 
 
 def _cmd_import_galvatron(args: argparse.Namespace) -> int:
-    from lightning_galvatron.search.galvatron_import import import_galvatron
+    from lightning_galvatron.producers.galvatron_import import import_galvatron
 
     profile = import_galvatron(
         args.directory,
@@ -539,14 +491,18 @@ def _register_estimate(subparsers: Any) -> None:
     add_search_options(p)
     p.add_argument("-o", "--output", help="write the plan JSON here (when one fits)")
     p.add_argument("--profile-output", help="write the analytic profile here (for `search` and `evaluate`)")
-    _add_cost_options(p)
+    add_cost_options(p)
     p.set_defaults(func=_cmd_estimate)
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from lightning_galvatron.estimator import run_estimate
 
-    return run_estimate(args)
+    names = ("hf_config", "model", "model_args", "layers", "world_size", "memory_budget", "seq_length", "hardware",
+             "reference", "accelerator", "allow_other_device", "global_batch_size", "precision", "optimizer", "output",
+             "profile_output")
+    given = {name: getattr(args, name) for name in names}
+    return run_estimate(**given, options=search_options(args), as_json=args.json)
 
 
 # ---------------------------------------------------------------------------------------------- dry-run

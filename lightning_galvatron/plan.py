@@ -169,14 +169,14 @@ class ParallelPlan:
             raise PlanError(f"vocab must be a LayerStrategy, got {type(self.vocab).__name__}")
         if self.world_size % self.pp:
             raise PlanError(
-                f"pp={self.pp} does not divide world_size={self.world_size}: choose pp among {_divisors(self.world_size)}"
+                f"pp={self.pp} does not divide world_size={self.world_size}: choose pp among {divisors(self.world_size)}"
             )
         n = self.devices_per_stage
         for where, strategy in [*((f"layers[{i}]", s) for i, s in enumerate(self.layers)), ("vocab", self.vocab)]:
             if n % strategy.tp:
                 raise PlanError(
                     f"{where}: tp={strategy.tp} does not divide the {n} devices of a pipeline stage "
-                    f"(world_size={self.world_size} / pp={self.pp}); choose tp among {_divisors(n)}"
+                    f"(world_size={self.world_size} / pp={self.pp}); choose tp among {divisors(n)}"
                 )
         if self.schedule not in SCHEDULES:
             raise PlanError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
@@ -496,6 +496,11 @@ def check_plan_source(source: ParallelPlan | Mapping[str, Any] | str | os.PathLi
         raise PlanError(f"{where}{err}") from None
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order: the degrees a group of ``n`` devices can be split by."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def even_partition(num_layers: int, chunks: int) -> tuple[int, ...]:
     """Split ``num_layers`` into ``chunks`` nearly equal parts, larger parts first."""
     base, extra = divmod(num_layers, chunks)
@@ -505,10 +510,6 @@ def even_partition(num_layers: int, chunks: int) -> tuple[int, ...]:
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise PlanError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _int_list(value: str | Sequence[int] | int) -> list[int]:

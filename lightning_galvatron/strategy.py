@@ -110,9 +110,9 @@ class GalvatronStrategy(ModelParallelStrategy):
         search_batch_size: let the automatic search change the global batch size for throughput (up to
             ``max_global_batch_size``); off by default, so training matches DDP's.
         profile_cache: ``True`` for the default profile cache, a directory, or ``False`` to always profile.
-        calibration: price plans with the cost model calibrated from measured steps on this machine: a
-            :class:`~lightning_galvatron.search.calibration.Calibration` or its JSON file (see
-            ``benchmarks/README.md``); by default the profile alone.
+        calibration, search_options: price plans with the cost model calibrated on this machine (a Calibration or
+            its JSON file, see ``lightning-galvatron calibrate``); every knob of the search, a dict of the fields of
+            :class:`~lightning_galvatron.search.options.SearchOptions` (or one; the arguments above win over it).
         save_plan: write the plan (and, when searched, the profile) next to the logger's files.
         layers: dotted path(s) of the container(s) holding the Transformer blocks, relative to the
             LightningModule (e.g. ``"model.blocks"``); detected when omitted.
@@ -163,6 +163,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         watchdog: bool | Mapping[str, float] | WatchdogSettings = True,
         compile: bool | Mapping[str, Any] = False,
         monitor: bool = True,
+        search_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -171,10 +172,9 @@ class GalvatronStrategy(ModelParallelStrategy):
         )
         with _reported_by_rank_zero():  # under torchrun every process makes the strategy
             check_strategy_arguments(plan, layers, global_batch_size)
-            self._search = SearchSettings(
-                memory_budget, max_tp, max_pp, disable, schedules, search_batch_size, max_global_batch_size,
-                profile_cache, calibration,
-            )
+            knobs = dict(max_tp=max_tp, max_pp=max_pp, disable=disable, schedules=schedules, calibration=calibration,
+                         search_batch_size=search_batch_size, max_global_batch_size=max_global_batch_size)
+            self._search = SearchSettings.of(memory_budget, profile_cache, search_options, **knobs)
             self._watchdog = WatchdogSettings.of(watchdog)
             self._compile = compile_options(compile)
         self._monitor: RankMonitor | None = None

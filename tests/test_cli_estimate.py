@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from lightning_galvatron.cli import main
+from lightning_galvatron.producers.analytic import analytic_profile, architecture_from_hf_config
 from lightning_galvatron.profiles import Profile
 from lightning_galvatron.search import search
-from lightning_galvatron.search.analytic import analytic_profile, architecture_from_hf_config
 from lightning_galvatron.units import parse_bytes
 
 REPO = Path(__file__).resolve().parents[1]

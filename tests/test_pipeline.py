@@ -37,6 +37,8 @@ PLANS = {
     "pp4_gpipe": pipelined(4, 4, "gpipe", 4),
     "pp4_1f1b": pipelined(4, 4, "1f1b", 4),
     "pp2_interleaved_1f1b_2_virtual_stages": pipelined(2, 2, "interleaved_1f1b", 2, virtual_stages=2),
+    # Fewer micro-batches than stages: torch's interleaved schedule runs them (one round), so the rules admit it.
+    "pp2_interleaved_1f1b_one_micro_batch": pipelined(2, 2, "interleaved_1f1b", 1, virtual_stages=2),
     "pp2_tp2_zero3": PP2_TP2,
     "pp1_four_micro_batches": pipelined(4, 1, "1f1b", 2, S(tp=2, dp_type="zero2")),
 }
@@ -47,6 +49,15 @@ WORLD = {name: plan.world_size for name, plan in PLANS.items()}
 def test_pipeline_parity(pools, name):
     expected = run_single()
     result = pools(WORLD[name]).run(run_distributed, PLANS[name])[0]
+    assert_close_runs(result, expected, **FP32_TOL)
+
+
+def test_interleaved_with_micro_batches_not_a_multiple_of_pp(pools):
+    """m = 3 at pp = 2: torch's interleaved schedule runs one round of 3, so the rules admit it; it trains as one
+    process does."""
+    plan = pipelined(2, 2, "interleaved_1f1b", 3, virtual_stages=2)
+    expected = run_single(global_batch=6)
+    result = pools(2).run(run_distributed, plan, global_batch=6)[0]
     assert_close_runs(result, expected, **FP32_TOL)
 
 

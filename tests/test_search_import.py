@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
+from lightning_galvatron.producers.galvatron_import import import_galvatron
 from lightning_galvatron.profiles import Profile, ProfileError
-from lightning_galvatron.search.galvatron_import import import_galvatron
 from tests.search_profiles import A100_PROFILE, GALVATRON_DIR
 
 MIB = 2**20

@@ -8,7 +8,7 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from lightning_galvatron.cli import (
+    from lightning_galvatron.cli_options import (
         add_json_option,
         add_memory_budget_option,
         add_model_options,
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_dry_run(args: Any) -> int:
     import torch
 
-    from lightning_galvatron.cli import profile_path
+    from lightning_galvatron.cli_options import profile_path, search_options
     from lightning_galvatron.dryrun.models import ModelSource
     from lightning_galvatron.dryrun.run import dry_run
 
@@ -55,20 +55,12 @@ def run_dry_run(args: Any) -> int:
         except ValueError:
             raise ValueError(f"--ranks {args.ranks!r}: expected 'sample', 'all' or comma-separated ranks") from None
     source = ModelSource.from_hf_config(args.hf_config, args.layers) if args.hf_config else ModelSource.from_class(args.model, args.model_args, args.layers)
-    search_options = {
-        key: value
-        for key, value in {
-            "max_tp": args.max_tp, "max_pp": args.max_pp, "disable": args.disable, "schedules": args.schedules,
-            "search_batch_size": args.search_batch_size, "max_global_batch_size": args.max_global_batch_size,
-        }.items()
-        if value
-    }
     hardware, reference, profile = (profile_path(p) if p else None for p in (args.hardware, args.reference, args.profile))
     precision = args.precision or _measured_precision(profile or reference or hardware)
     report = dry_run(
         source, args.plan, world_size=args.world_size, ranks=ranks, precision=precision, seq_length=args.seq_length,
         global_batch_size=args.global_batch_size, phases=args.phases, hardware=hardware, reference=reference,
-        profile=profile, memory_per_device=args.memory_budget, search_options=search_options,
+        profile=profile, memory_per_device=args.memory_budget, search_options=search_options(args),
         measure_memory=not args.no_memory, gradient_clip_val=args.gradient_clip_val, real_tensors=args.real_tensors,
         workers=args.workers,
     )

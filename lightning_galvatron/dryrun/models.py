@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_galvatron.search.analytic import ArchitectureShape
+from lightning_galvatron.producers.analytic import ArchitectureShape
 
 
 class CausalLMModule(L.LightningModule):
@@ -88,7 +88,7 @@ class ModelSource:
     @classmethod
     def from_hf_config(cls, config: str | Path | Mapping[str, Any], layers: str | Sequence[str] | None = None) -> ModelSource:
         from lightning_galvatron.estimator import architecture_from_config_file
-        from lightning_galvatron.search.analytic import architecture_from_hf_config
+        from lightning_galvatron.producers.analytic import architecture_from_hf_config
 
         if isinstance(config, Mapping):
             data, label = dict(config), str(config.get("_name_or_path") or config.get("model_type", "model"))

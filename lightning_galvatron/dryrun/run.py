@@ -133,7 +133,7 @@ def dry_run(
     reference: str | Any | None = None,
     profile: str | Any | None = None,
     memory_per_device: int | str | None = None,
-    search_options: dict[str, Any] | None = None,
+    search_options: Any = None,
     make_batch: Callable[[int, int], Any] = token_batch,
     measure_memory: bool = True,
     check_collective_order: bool | None = None,
@@ -194,7 +194,7 @@ def dry_run(
 
         found = estimate_cluster(
             architecture, world_size, memory_per_device, hardware=hardware, reference=reference, seq_length=seq,
-            global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, **(search_options or {}),
+            global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, options=search_options,
         )
         if found.result is None:
             raise PlanError(f"the search found no plan: {found.error}")
@@ -249,8 +249,8 @@ def shortened_plan(plan: ParallelPlan) -> ParallelPlan:
 def _predict(plan: ParallelPlan, architecture: Any, seq: int, hardware: Any, reference: Any, profile: Any,
              precision: str, optimizer: str) -> Any:
     """The cost model's estimate of ``plan``: from a full profile, or an analytic one scaled from ``hardware``."""
+    from lightning_galvatron.producers.analytic import analytic_profile
     from lightning_galvatron.profiles import load_profile
-    from lightning_galvatron.search.analytic import analytic_profile
     from lightning_galvatron.search.estimate import evaluate
 
     if profile is not None:

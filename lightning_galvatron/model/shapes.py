@@ -1,4 +1,4 @@
-"""The shape of a model built on the meta device, for the analytic estimator (:mod:`lightning_galvatron.search.analytic`).
+"""The shape of a model built on the meta device, for the analytic estimator (:mod:`lightning_galvatron.producers.analytic`).
 
 :func:`architecture_of_module` reads what the estimator needs from a module without running it (on
 the meta device nothing is allocated): the blocks (:func:`~lightning_galvatron.model.discovery.find_blocks`,
@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks, model_class
 from lightning_galvatron.model.tensor_parallel_plans import _attention_heads, tensor_parallel_plan
-from lightning_galvatron.search.analytic import ArchitectureShape, BlockShape, VocabShape
+from lightning_galvatron.producers.analytic import ArchitectureShape, BlockShape, VocabShape
 
 #: Config attributes that count blocks in ``transformers`` models (decoder-only, encoder-only, T5, BART, ...).
 HF_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
@@ -108,6 +108,7 @@ def architecture_of_module(
         head_parameters=after,
         head_outputs=head.out_features if head is not None else _last_width(structure, hidden),
         tied=tied,
+        vocab_parallel=embedding is not None,
     )
     return ArchitectureShape(
         name=name or type(module).__name__,

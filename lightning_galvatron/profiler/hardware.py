@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_galvatron.layout import Layout, p2p_ranks_per_node, ranks_per_node
+from lightning_galvatron.plan import divisors
 from lightning_galvatron.profiles import COLLECTIVE_KINDS, CollectiveFit, HardwareProfile, bus_volume
 from lightning_galvatron.runtime.mesh import MeshCache
-from lightning_galvatron.search.space import divisors
 
 log = logging.getLogger(__name__)
 

@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_galvatron.rules import degree_problem
 from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
 
 # ---------------------------------------------------------------------------------------------- block plans
@@ -104,16 +105,17 @@ class BlockTensorParallelPlan:
         return heads or dict(self.divisible)
 
     def unsupported(self, tp: int, sp: str) -> str | None:
-        """Why ``(tp, sp)`` cannot run exactly on this block, or ``None`` if it can."""
-        if sp == "ulysses":
-            if not self.ulysses:
-                return self.why_not_ulysses
-            sizes = self.ulysses_sizes
-        else:
-            sizes = self.divisible
-        bad = [f"{size} {what}" for what, size in sizes.items() if size % tp]
-        if bad:
-            return f"degree {tp} does not divide the {', '.join(bad)}"
+        """Why ``(tp, sp)`` cannot run exactly on this block, or ``None`` if it can.
+
+        The block's half of the rules of :mod:`lightning_galvatron.rules`: which styles it has and which sizes
+        they split; the arithmetic is :func:`~lightning_galvatron.rules.degree_problem`. The sequence a
+        sequence-parallel degree must divide is the data's (:func:`~lightning_galvatron.rules.sequence_problem`).
+        """
+        if sp == "ulysses" and not self.ulysses:
+            return self.why_not_ulysses
+        problem = degree_problem(tp, self.ulysses_sizes if sp == "ulysses" else self.divisible)
+        if problem is not None:
+            return problem
         if sp == "megatron" and not self.megatron_sp:
             return self.why_not_megatron_sp
         return None

@@ -4,7 +4,7 @@ Every term is a named function; each takes numpy arrays over candidate strategie
 :class:`~lightning_galvatron.search.space.StrategyArrays`) so the search prices all candidates in one
 go, and the evaluator prices a given plan with the very same code.
 
-Notation (DESIGN.md): a stage has ``n = W/pp`` devices; a block with model-parallel group ``g``
+Notation (see :mod:`.solver` for the full legend): a stage has ``n = W/pp`` devices; a block with model-parallel group ``g``
 has ``d = n/g`` data-parallel replicas; with global batch ``B`` and ``m`` micro-batches its local
 micro-batch is ``b = B/(m*d)`` samples (shared by the ``g`` ranks of its group). Times are seconds,
 memory bytes per device.
@@ -26,7 +26,7 @@ What a block costs per micro-batch (what the runtime executes):
 Overlap of ``x`` and ``y`` costs ``max(x, y) + (alpha - 1) * min(x, y)`` with the profile's overlap
 coefficient ``alpha``.
 
-With a :class:`~lightning_galvatron.search.calibration.Calibration` (fitted from measured steps), a
+With a :class:`~lightning_galvatron.search.coefficients.Calibration` (fitted from measured steps), a
 block's time per micro-batch is the calibrated combination of these terms plus fixed costs per call of
 each mechanism, the optimizer step is priced per parameter tensor and element, and a step and each
 pipeline micro-batch add fixed overheads (see :mod:`.calibration`).
@@ -44,7 +44,7 @@ import numpy as np
 from lightning_galvatron.layout import p2p_ranks_per_node, ranks_per_node
 from lightning_galvatron.plan import LayerStrategy
 from lightning_galvatron.profiles import LayerTypeProfile, LinearFit, Profile, bus_volume
-from lightning_galvatron.search.calibration import Calibration, block_features, load_calibration, vocab_time
+from lightning_galvatron.search.coefficients import Calibration, block_features, load_calibration, vocab_time
 from lightning_galvatron.search.space import Layout, StrategyArrays
 
 

@@ -10,7 +10,8 @@ import numpy as np
 from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 from lightning_galvatron.profiles import Profile, load_profile
-from lightning_galvatron.search.calibration import Calibration
+from lightning_galvatron.rules import plan_problems
+from lightning_galvatron.search.coefficients import Calibration
 from lightning_galvatron.search.cost import (
     CostModel,
     Precision,
@@ -21,7 +22,7 @@ from lightning_galvatron.search.cost import (
     vocab_costs,
 )
 from lightning_galvatron.search.pipeline import in_flight_micro_batches, p2p_transfers, pipeline_step_time
-from lightning_galvatron.search.space import StrategyArrays, layout_of, megatron_degree_ok, ulysses_degree_ok
+from lightning_galvatron.search.space import StrategyArrays, layout_of
 from lightning_galvatron.units import parse_bytes
 
 
@@ -161,7 +162,7 @@ def evaluate(
         raise PlanError("the plan does not fix its global batch size: pass global_batch_size")
     plan.check_batch_size(B)
     budget = None if memory_budget_bytes is None else parse_bytes(memory_budget_bytes)
-    warnings = _executability_warnings(profile, plan)
+    warnings = plan_problems(plan, model)  # what the runtime would refuse: still priced, as a what-if
     W, pp, m, v = plan.world_size, plan.pp, plan.micro_batches, plan.virtual_stages
     hw = profile.hardware
     stages, blocks = [], []
@@ -213,34 +214,3 @@ def evaluate(
         memory_budget_bytes=budget,
         warnings=tuple(warnings),
     )
-
-
-def _executability_warnings(profile: Profile, plan: ParallelPlan) -> list[str]:
-    """What the runtime could not execute for this model (evaluate still predicts it, as a what-if)."""
-    out = []
-    model = profile.model
-    for i, s in enumerate(plan.layers):
-        lt = model.block_type(i)
-        if s.tp == 1:
-            continue
-        if s.sp == "ulysses":
-            if not lt.supports_ulysses or not ulysses_degree_ok(lt, s.tp):
-                out.append(f"layers[{i}]: Ulysses degree {s.tp} is not executable for {lt.name} (heads {lt.num_heads}, sequence {lt.seq_length})")
-        elif not lt.supports_tensor_parallel or not megatron_degree_ok(lt, s.tp):
-            out.append(f"layers[{i}]: TP degree {s.tp} is not executable for {lt.name} (heads {lt.num_heads}, hidden {lt.hidden_size}, FFN {lt.ffn_hidden_size})")
-        elif s.sp == "megatron" and not lt.supports_megatron_sp:
-            out.append(f"layers[{i}]: {lt.name} has no Megatron sequence parallelism")
-        elif s.sp == "megatron" and not megatron_degree_ok(lt, s.tp, True):
-            out.append(f"layers[{i}]: Megatron-SP degree {s.tp} does not divide the sequence of {lt.seq_length}")
-    vocab, v = model.vocab, plan.vocab
-    if v.sp != "none":
-        out.append(f"vocab: sp={v.sp!r} is not executable: the embedding and head run on whole sequences (use sp='none')")
-    elif v.tp > 1 and not vocab.supports_tensor_parallel:
-        out.append(f"vocab: the model has no vocabulary-parallel embedding/head, so degree {v.tp} is not executable")
-    if plan.pp > 1 and model.block_lists > 1:
-        out.append(f"pp={plan.pp} is not executable: the blocks sit in {model.block_lists} lists (encoder and decoder); use pp=1")
-    if plan.schedule in ("1f1b", "interleaved_1f1b") and plan.pp > 1 and plan.micro_batches < plan.pp:
-        out.append(f"schedule {plan.schedule} needs micro_batches >= pp ({plan.micro_batches} < {plan.pp}) in torch.distributed.pipelining")
-    if plan.schedule == "interleaved_1f1b" and plan.micro_batches % plan.pp:
-        out.append("interleaved_1f1b needs micro_batches to be a multiple of pp in torch.distributed.pipelining")
-    return out

@@ -111,6 +111,7 @@ class VocabShape:
         head_outputs: outputs per position of the head (the vocabulary for a language model, the
             classes of a classifier).
         tied: the head's weight is the token embedding.
+        vocab_parallel: there is a token embedding (an ``nn.Embedding`` outside the blocks) to split by vocabulary.
     """
 
     vocab_size: int
@@ -118,6 +119,7 @@ class VocabShape:
     head_parameters: int
     head_outputs: int
     tied: bool = False
+    vocab_parallel: bool = True
 
 
 @dataclass(frozen=True)
@@ -369,7 +371,7 @@ def scaled_model_profile(
         head_activation_bytes_per_sample=scaled_table(ref_vocab.head_activation_bytes_per_sample, head_bytes),
         tied=vocab.tied,
         backward_to_forward=ref_vocab.backward_to_forward,
-        supports_tensor_parallel=True,
+        supports_tensor_parallel=vocab.vocab_parallel,
         supports_sequence_split=False,
     )
     model = ModelProfile(
