@@ -14,7 +14,7 @@ run's by position, so both runs must take the same compiled graph:
   dynamic graph compiled since (for another block or batch size) that saves the same tensors in another
   order -- silently wrong gradients (pytorch/pytorch#166926); plans that recompute refuse other settings;
 * in training a compiled block gets no KV cache (Hugging Face models pass one by default, even in
-  training; the re-run cannot have one, see :mod:`lightning_galvatron.model.call_state`). A training
+  training; the re-run cannot have one, see :mod:`lightning_galvatron.runtime.structure`). A training
   step's cache starts empty for the block, so it computes the same thing -- what Hugging Face's own
   gradient checkpointing does (``use_cache=False``). Without a cache the block's graph does not depend
   on the layer's index, so all blocks of a layout share one graph instead of one per layer.
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_galvatron.model.call_state import without_kv_caches
+from lightning_galvatron.runtime.structure import without_kv_caches
 from lightning_galvatron.plan import ParallelPlan, PlanError
 
 _COMPILE_ARGUMENTS = tuple(name for name in inspect.signature(torch.compile).parameters if name != "model")
