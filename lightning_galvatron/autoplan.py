@@ -91,6 +91,8 @@ class AutoPlan:
     memory_budget_bytes: int
     seconds: dict[str, float] = field(default_factory=dict)
     profile_cached: bool = False
+    search_result: Any = None  # the search's SearchResult (rank 0; None elsewhere)
+    search_arguments: dict[str, Any] = field(default_factory=dict)  # what the search was given (rank 0)
 
 
 def device_memory(device: torch.device, processes_per_node: int) -> tuple[int, str]:
@@ -172,24 +174,24 @@ def plan_automatically(
     # Pipelines cannot carry an encoder's output to decoder stages (see runtime.pipeline).
     max_pp = 1 if len(structure.block_lists) > 1 else settings.max_pp
     outcome: tuple[dict | None, str, str | None] = (None, "", None)
+    arguments: dict[str, Any] = {
+        "world_size": world_size,
+        "memory_budget_bytes": budget,
+        "global_batch_size": global_batch_size,
+        "max_tp": settings.max_tp,
+        "max_pp": max_pp,
+        "disable": settings.disable,
+        "schedules": settings.schedules,
+        "optimizer": optimizer,
+        "precision": precision,
+        "search_batch_size": settings.search_batch_size,
+        "max_global_batch_size": settings.max_global_batch_size,
+        "calibration": settings.calibration,
+    }
+    result = None
     if dist.get_rank() == 0:
         try:
-            result = search(
-                measured,
-                world_size,
-                budget,
-                global_batch_size=global_batch_size,
-                max_tp=settings.max_tp,
-                max_pp=max_pp,
-                disable=settings.disable,
-                schedules=settings.schedules,
-                optimizer=optimizer,
-                precision=precision,
-                search_batch_size=settings.search_batch_size,
-                max_global_batch_size=settings.max_global_batch_size,
-                calibration=settings.calibration,
-                baselines=world_size > 1,  # on one device every uniform plan is the same
-            )
+            result = search(measured, **arguments, baselines=world_size > 1)  # on one device every uniform plan is the same
             devices = f"{world_size} device{'s' if world_size > 1 else ''}"
             title = (
                 f"Galvatron plan for {devices}, {format_bytes(budget)} per device, "
@@ -211,4 +213,6 @@ def plan_automatically(
         memory_budget_bytes=budget,
         seconds={"profile": profiled - started, "search": time.perf_counter() - profiled},
         profile_cached=bool(cache_info.get("cached")),
+        search_result=result,
+        search_arguments=arguments,
     )

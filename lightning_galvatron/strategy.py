@@ -72,6 +72,15 @@ from lightning_galvatron.runtime.pipeline import PipelineRunner, join_micro_batc
 from lightning_galvatron.runtime.sync import agree_across_ranks, broadcast_module_states
 from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 from lightning_galvatron.runtime.watchdog import RankMonitor, WatchdogSettings
+from lightning_galvatron.selection import Selection, SelectionCache, TrialSettings, select_by_measurement
+from lightning_galvatron.selection.running import StepClock
+from lightning_galvatron.selection.trials import (
+    TrialRunner,
+    TrialUnavailable,
+    global_batch_samples,
+    no_trials_reason,
+    preserved_rng,
+)
 from lightning_galvatron.step_logs import recording_logs, replay_logs
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -100,6 +109,12 @@ class GalvatronStrategy(ModelParallelStrategy):
         calibration: price plans with the cost model calibrated from measured steps on this machine: a
             :class:`~lightning_galvatron.search.calibration.Calibration` or its JSON file (see
             ``benchmarks/README.md``); by default the profile alone.
+        trials: measured selection with ``plan="auto"``: the search's best plan, the best of each other kind and the
+            uniform plans that fit each train a few steps on a copy of the model, the cost model is calibrated from
+            them and searches again, and the fastest measured plan that fits is trained (the model, its optimizer
+            and the random state are untouched by the trials; the result is cached with the profile). ``True``
+            (default: 20 s at most), ``False`` (train the search's plan), a budget in seconds, or a dict of
+            :class:`~lightning_galvatron.selection.TrialSettings` fields, e.g. ``{"budget_s": 60, "timed_steps": 5}``.
         save_plan: write the plan (and, when searched, the profile) next to the logger's files.
         layers: dotted path(s) of the container(s) holding the Transformer blocks, relative to the
             LightningModule (e.g. ``"model.blocks"``); detected when omitted.
@@ -136,6 +151,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         max_global_batch_size: int | None = None,
         profile_cache: bool | str | os.PathLike = True,
         calibration: Any = None,
+        trials: bool | float | Mapping[str, Any] | TrialSettings = True,
         save_plan: bool = True,
         broadcast_initial_weights: bool = True,
         vocab_parallel_loss: bool = False,
@@ -156,6 +172,9 @@ class GalvatronStrategy(ModelParallelStrategy):
                 profile_cache, calibration,
             )
             self._watchdog = WatchdogSettings.of(watchdog)
+            self._trials = TrialSettings.of(trials)
+        self.selection: Selection | None = None  # what measured selection decided (plan="auto", trials on)
+        self._step_clock: StepClock | None = None
         self._monitor: RankMonitor | None = None
         self._plan_source = plan
         self._save_plan = save_plan
@@ -222,7 +241,8 @@ class GalvatronStrategy(ModelParallelStrategy):
         self.structure = find_blocks(module, self._layers)
         if self._plan_source == "auto":
             self._progress("setup: profiling and searching the plan")
-            self.plan = self._search_plan(trainer, self.structure)
+            with preserved_rng(self.root_device):  # profiles and trials draw random numbers; training must not see them
+                self.plan = self._search_plan(trainer, self.structure)
         else:
             self.plan = self._load_plan(self.world_size)
         check_runtime_support(self.plan, self.structure)  # before the plan is printed or applied
@@ -330,11 +350,56 @@ class GalvatronStrategy(ModelParallelStrategy):
                 f"Galvatron: the search changed the global batch size from {global_batch} to "
                 f"{auto.plan.global_batch_size} (search_batch_size=True)"
             )
+        plan = auto.plan
+        if self._trials is not None:
+            plan = self._select_by_measurement(trainer, auto, loader)
+        elif self.global_rank == 0 and auto.search_result is not None:
+            self._step_clock = StepClock(auto.search_result.estimate.step_time_s, None, None, rank_zero_info)
         if self._save_plan:
             directory = _output_dir(trainer)  # collective (Lightning broadcasts the log directory)
             if self.global_rank == 0:
                 auto.profile.save(directory / "galvatron_profile.json")
-        return auto.plan
+        return plan
+
+    def _select_by_measurement(self, trainer: Any, auto: Any, loader: Any) -> ParallelPlan:
+        """``trials``: try the candidates on copies of the model, train the fastest measured (the same everywhere)."""
+        module = self.lightning_module
+        reason = no_trials_reason(module)
+        try:
+            if reason is not None:
+                raise TrialUnavailable(reason)
+            batch = global_batch_samples(loader, auto.plan.global_batch_size)
+        except TrialUnavailable as why:
+            rank_zero_info(f"Galvatron: no trials ({why}): training the search's plan")
+            return auto.plan
+        flag = precision_flag(self.precision_plugin)
+        traced: dict[str, OutsideLayers] = {}
+
+        def outside_layers() -> OutsideLayers:  # traced once, for the first pipelined candidate (collective)
+            if "layers" not in traced:
+                traced["layers"] = self._trace_outside_layers(trainer)
+            return traced["layers"]
+
+        runner = TrialRunner(
+            module, trainer, self._layers, batch, self._meshes, self.precision_plugin, mixed_precision_policy(flag),
+            boundary_dtype(flag), self.root_device, [name for name in _STEP_METHODS if is_overridden(name, module)],
+            self._vocab_parallel_loss, outside_layers,
+        )
+        assert self.structure is not None
+        rank_zero_info(f"Galvatron: measured selection: trying candidate plans for up to {self._trials.budget_s:g} s")
+        self.selection = select_by_measurement(
+            auto, runner, self._trials, cache=SelectionCache.of(self._search.profile_cache),
+            check=lambda plan: check_runtime_support(plan, self.structure), report=rank_zero_info, progress=self._progress,
+        )
+        rank_zero_info(self.selection.report())
+        if self.global_rank == 0:
+            chosen, runner_up = self.selection.chosen, self.selection.runner_up
+            predicted = (chosen.calibrated_step_s or chosen.predicted_step_s) if chosen is not None else None
+            self._step_clock = StepClock(
+                predicted, chosen.step_s if chosen is not None else None,
+                (runner_up.name, runner_up.plan, runner_up.step_s) if runner_up is not None else None, rank_zero_info,
+            )
+        return self.selection.plan
 
     # ------------------------------------------------------------------ data: batch semantics
     @property
@@ -375,6 +440,8 @@ class GalvatronStrategy(ModelParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
             self._monitor.step_started(self.lightning_module.trainer.global_step)
+        if self._step_clock is not None:
+            self._step_clock.step_started()
         if self._runner is None:
             with self._step_context():
                 return super().training_step(*args, **kwargs)
