@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from examples.gpt import GPTModule
 from lightning_galvatron import GalvatronStrategy
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
@@ -13,7 +14,6 @@ from lightning_galvatron.profiles import Profile
 from lightning_galvatron.search import search
 from lightning_galvatron.search.candidates import diverse_candidates, plan_kind
 from lightning_galvatron.selection import TrialSettings
-from examples.gpt import GPTModule
 from tests.helpers.training import TINY_GPT, dataset, run_distributed
 
 pytestmark = pytest.mark.timeout(600)
@@ -68,7 +68,7 @@ def test_measured_selection_trains_exactly_the_chosen_plan_is_cached_and_can_be_
 class _CountingGPT(GPTModule):
     """The tiny GPT, counting the optimizers it made (trials make theirs on copies)."""
 
-    def configure_optimizers(self):  # noqa: ANN201
+    def configure_optimizers(self):
         self.optimizers_made = getattr(self, "optimizers_made", 0) + 1
         return super().configure_optimizers()
 
