@@ -351,7 +351,7 @@ class GalvatronStrategy(ModelParallelStrategy):
                 f"{auto.plan.global_batch_size} (search_batch_size=True)"
             )
         plan = auto.plan
-        if self._trials is not None:
+        if self._trials is not None and trainer.state.fn == TrainerFn.FITTING:  # trials train
             plan = self._select_by_measurement(trainer, auto, loader)
         elif self.global_rank == 0 and auto.search_result is not None:
             self._step_clock = StepClock(auto.search_result.estimate.step_time_s, None, None, rank_zero_info)

@@ -151,3 +151,13 @@ def test_candidates_are_distinct_fit_and_cover_other_kinds():
 def test_bad_trials_argument_is_refused_when_the_strategy_is_made(value, message):
     with pytest.raises(ValueError, match=message):
         GalvatronStrategy(trials=value)
+
+
+def test_the_calibrated_search_leaves_out_what_no_trial_measured():
+    from lightning_galvatron.search.candidates import unmeasured
+
+    ddp = ParallelPlan.uniform(4, 4, S(), global_batch_size=8)
+    tp_pipeline = ParallelPlan.uniform(4, 4, S(tp=2, sp="megatron", dp_type="zero3"), vocab=S(tp=2), pp=2, global_batch_size=8)
+    assert unmeasured([ddp]) == {"zero2", "zero3", "recompute", "tensor_parallel", "tp_without_sp", "megatron_sp",
+                                 "ulysses", "vocab_parallel", "strided", "pipeline"}
+    assert unmeasured([ddp, tp_pipeline]) == {"zero2", "recompute", "tp_without_sp", "ulysses", "strided"}

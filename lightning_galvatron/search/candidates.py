@@ -127,6 +127,35 @@ def diverse_candidates(
     return trial_order(found)[:max_candidates]
 
 
+def unmeasured(plans: Iterable[ParallelPlan]) -> frozenset[str]:
+    """The search's ``disable`` names of every mechanism none of ``plans`` uses.
+
+    A calibration fitted to measurements of some plans prices a mechanism none of them used by its shared terms
+    only (its own per-call terms come out as zero), so the calibrated search would favour exactly what was not
+    measured: it searches without these.
+    """
+    plans = list(plans)
+    blocks = [s for p in plans for s in p.layers]
+    used = {s.dp_type for p in plans for s in (*p.layers, p.vocab)}
+    if any(s.recompute for s in blocks):
+        used.add("recompute")
+    if any(s.tp > 1 and s.sp == "none" for s in blocks):
+        used |= {"tensor_parallel", "tp_without_sp"}
+    if any(s.sp == "megatron" for s in blocks):
+        used |= {"tensor_parallel", "megatron_sp"}
+    if any(s.sp == "ulysses" for s in blocks):
+        used.add("ulysses")
+    if any(p.vocab.tp > 1 for p in plans):
+        used.add("vocab_parallel")
+    if any(s.tp > 1 and not s.tp_consecutive for s in blocks):
+        used.add("strided")
+    if any(p.pp > 1 for p in plans):
+        used.add("pipeline")
+    names = {"ddp", "zero2", "zero3", "recompute", "tensor_parallel", "tp_without_sp", "megatron_sp", "ulysses",
+             "vocab_parallel", "strided", "pipeline"}
+    return frozenset(names - used)
+
+
 def trial_order(candidates: Iterable[Candidate]) -> list[Candidate]:
     """Distinct plans: the first given, then greedily the fastest predicted plan of a kind not yet listed,
     then the remaining plans by predicted time."""
@@ -196,4 +225,4 @@ def _other_uniform_plans(result: SearchResult, world_size: int, disable: frozens
     return out
 
 
-__all__ = ["Candidate", "PlanKind", "diverse_candidates", "plan_kind", "trial_order"]
+__all__ = ["Candidate", "PlanKind", "diverse_candidates", "plan_kind", "trial_order", "unmeasured"]

@@ -300,12 +300,40 @@ def _select(auto, runner, settings, check, report, progress, started) -> Selecti
     if extra[0] is not None:
         name, plan, step, peak = extra[0]
         trial(len(records) + 1, name, ParallelPlan.from_dict(plan), step, peak)
+    _confirm_close_call(records, runner, settings, budget, started, report, progress)
 
     decision: list[Any] = [None]
     if rank == 0:
         decision = [_decide(auto, records, calibration, budget, note, time.perf_counter() - started).to_dict()]
     dist.broadcast_object_list(decision, src=0)
     return Selection.from_dict(decision[0])
+
+
+#: The two fastest plans are measured again when the runner-up is within this factor of the fastest.
+CLOSE_CALL = 1.25
+
+
+def _confirm_close_call(records, runner, settings, budget, started, report, progress) -> None:
+    """Where the two fastest fitting plans measured within :data:`CLOSE_CALL` of each other, try both once more
+    (time permitting) and keep each one's faster measurement: a disturbance of one trial cannot decide alone."""
+    fitting = sorted((t for t in records if t.fits(budget)), key=lambda t: t.step_s)[:2]
+    if len(fitting) < 2 or fitting[1].step_s > CLOSE_CALL * fitting[0].step_s:
+        return
+    go = [dist.get_rank() == 0 and _expect_within(records, started, settings.budget_s, trials_left=2)]
+    dist.broadcast_object_list(go, src=0)
+    if not go[0]:
+        return
+    for first in reversed(fitting):  # the runner-up first: the machine warms up over the trials
+        progress(f"setup: trial of {first.name} again")
+        again, _ = runner.run(first.plan, settings, observe=False)
+        index = records.index(first)
+        if again.step_s is not None:
+            peaks = [p for p in (first.peak_bytes, again.peak_bytes) if p is not None]
+            records[index] = dataclasses.replace(
+                first, step_s=min(first.step_s, again.step_s), seconds=first.seconds + again.seconds,
+                peak_bytes=max(peaks) if peaks else None,
+            )
+        report(f"Galvatron: trial of {first.name} again: {'failed' if again.step_s is None else f'{again.step_s * 1e3:.1f} ms per step'}")
 
 
 def _record(name: str, plan: ParallelPlan, step: float, peak: float, m: Measurement) -> TrialRecord:
@@ -324,10 +352,17 @@ def _calibrate_and_search(auto, observations, records, started, settings):
     there is time to try it."""
     from lightning_galvatron.search import search
     from lightning_galvatron.search.calibration import fit_calibration
+    from lightning_galvatron.search.candidates import unmeasured
 
     arguments = dict(auto.search_arguments)
     if not observations:
         return None, None, ""
+    measured = [t.plan for t in records if t.step_s is not None]
+    if not measured:
+        return None, None, ""
+    # Only what the trials measured: the calibration prices anything else too cheaply (see unmeasured).
+    arguments["disable"] = frozenset(arguments.get("disable") or ()) | unmeasured(measured)
+    arguments.update(search_batch_size=False, global_batch_size=measured[0].global_batch_size)
     try:
         calibration = fit_calibration(
             auto.profile, observations, precision=arguments["precision"], optimizer=arguments["optimizer"],

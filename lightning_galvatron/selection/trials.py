@@ -6,7 +6,8 @@ precision, entry methods, pipeline stages), makes the copy's own optimizers with
 and trains it on one real global batch of the user's data:
 
 * ``warmup_steps`` untimed steps (lazy initialisation, first collectives);
-* ``timed_steps`` steps timed on every rank; a step's time is the slowest rank's, the trial's the median;
+* ``timed_steps`` steps timed on every rank; a step's time is the slowest rank's, the trial's the fastest step
+  (other work on the machine only ever adds to a step, so the fastest is the least disturbed);
 * on CPU the runtime profiler (:mod:`lightning_galvatron.profiler.runtime`) records the same steps (its hooks
   cost microseconds there); on CUDA, where it synchronises the device at every boundary, two more steps;
 * the peak memory of a step (:mod:`.memory`), the largest over the ranks.
@@ -20,7 +21,6 @@ import copy
 import gc
 import math
 import random
-import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -106,7 +106,7 @@ class TrialSettings:
 class Measurement:
     """What a trial measured, the same on every rank."""
 
-    step_s: float | None  # median over the timed steps of the slowest rank's step; None: the trial failed
+    step_s: float | None  # the fastest timed step (each the slowest rank's); None: the trial failed
     peak_bytes: int | None  # the largest peak over the ranks; None: not measured
     seconds: float  # the whole trial: copying, applying the plan, all its steps
     error: str | None = None
@@ -223,7 +223,7 @@ class TrialRunner:
         steps = [max(column) for column in zip(*(times for times, *_ in gathered))]
         peaks = [peak for _, peak, *_ in gathered if peak is not None]
         observations = [obs for _, _, obs, _ in gathered if obs is not None] if dist.get_rank() == 0 else []
-        return Measurement(statistics.median(steps), max(peaks) if peaks else None, seconds), observations
+        return Measurement(min(steps), max(peaks) if peaks else None, seconds), observations
 
     # ------------------------------------------------------------------ one trial on this rank
     def _train(
