@@ -1,11 +1,9 @@
 """Trials: a few real training steps of a candidate plan, on a copy of the user's model.
 
-A trial copies the LightningModule with its parameters on the meta device (never touching the user's module,
-whose first optimizer step must be that of the chosen plan), applies the plan to the copy exactly as the strategy
-would (precision, FSDP mixed precision, entry methods, pipeline stages), allocates this rank's shards of the
-parameters and gives them the user's values (so a trial needs the memory of the plan, not of a second full
-model), makes the copy's own optimizers with its ``configure_optimizers`` and trains it on one real global batch
-of the user's data:
+A trial deep-copies the LightningModule (never touching the user's module, whose first optimizer step must be
+that of the chosen plan), applies the plan to the copy exactly as the strategy would (precision, FSDP mixed
+precision, entry methods, pipeline stages), makes the copy's own optimizers with its ``configure_optimizers``
+and trains it on one real global batch of the user's data:
 
 * ``warmup_steps`` untimed steps (lazy initialisation, first collectives);
 * ``timed_steps`` steps timed on every rank; a step's time is the slowest rank's, the trial's the fastest step
@@ -31,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
@@ -240,9 +239,8 @@ class TrialRunner:
             model, structure, plan, self.meshes, self.mp_policy, entry_methods=self.entry_methods,
             parallel_loss=self._parallel_loss(plan), boundary_dtype=self.boundary_dtype, outside_layers=outside,
         )
-        self._materialise(model)
-        if applied.runner is not None:
-            applied.runner.device = self.device  # it took the device of the parameters, still on meta when applied
+        _materialize_distributed_module(model, self.device)
+        model.to(self.device)
         optimizers = [o for o in _init_optimizers_and_lr_schedulers(model)[0] if o.param_groups]
         for optimizer in optimizers:
             optimizer.register_step_post_hook(lambda *_: applied.gradients.optimizer_stepped())
@@ -310,32 +308,15 @@ class TrialRunner:
         return self.vocab_parallel_loss and plan.vocab.tp > 1
 
     def _copy(self) -> nn.Module:
-        """A copy of the user's module with its parameters on the meta device (allocated once the plan has
-        sharded them, see :meth:`_materialise`) and everything else copied; it shares the Trainer (Lightning
-        drops it when copying) and logs nothing."""
-        memo: dict[int, Any] = {}
-        for p in self.module.parameters():
-            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        """A deep copy of the user's module that shares the Trainer (Lightning drops it when copying) and logs
+        nothing."""
         try:
-            model = copy.deepcopy(self.module, memo)
+            model = copy.deepcopy(self.module)
         except Exception as error:
             raise TrialUnavailable(f"the LightningModule cannot be copied for trials ({type(error).__name__}: {error})") from error
         model._trainer = self.trainer
         model.log = _ignore_log  # type: ignore[method-assign]
         return model
-
-    def _materialise(self, model: nn.Module) -> None:
-        """Allocate this rank's shards of the parameters on the device and give them the user's values (only the
-        shards: a trial never holds a second full copy of the model); buffers keep their copied values."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-
-        buffers = [(owner, name, b) for owner in model.modules() for name, b in owner._buffers.items() if b is not None]
-        model.to_empty(device=self.device)
-        for owner, name, b in buffers:
-            owner._buffers[name] = b.to(self.device)
-        full = self.module.state_dict()
-        local = {name: full[name] for name in get_model_state_dict(model) if name in full}
-        set_model_state_dict(model, local, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def _finish(runtime: Any) -> Observation | None:
