@@ -5,8 +5,9 @@ only accepts subclasses of ``pytorch_lightning.strategies.Strategy``. The Lightn
 are written once against ``lightning.pytorch``; for ``pytorch_lightning`` they are loaded again
 with the imports renamed -- the same source mapping Lightning uses to build its mirror package.
 
-Registration waits until the user's program imports Lightning (a ``sys.meta_path`` hook), so that
-``import lightning_galvatron`` stays light: the offline search and the CLI never load Lightning.
+Registration itself is the strategy's (``GalvatronStrategy.register_strategies``, Lightning's pattern); this
+module only calls it, once the user's program has imported Lightning (a ``sys.meta_path`` hook), so
+that ``import lightning_galvatron`` stays light: the offline search and the CLI never load Lightning.
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ import inspect
 import sys
 import types
 from collections.abc import Callable
-from typing import Any
 
 # Modules that import Lightning, in dependency order.
-_GLUE_MODULES = ("precision", "data", "strategy")
+_GLUE_MODULES = ("precision", "data", "trials", "strategy")
 _MIRROR_PACKAGE = "lightning_galvatron._pytorch_lightning"
-_DESCRIPTION = "Hybrid parallelism with a per-layer plan searched by Galvatron"
 
 
 def install() -> None:
@@ -69,31 +68,8 @@ def register_lightning() -> type | None:
 
     from lightning_galvatron.strategy import GalvatronStrategy
 
-    if "galvatron" not in StrategyRegistry:
-        StrategyRegistry.register("galvatron", GalvatronStrategy, description=_DESCRIPTION)
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
-
-    from lightning_galvatron.precision import check_precision
-
-    _check_our_precision_first(_AcceleratorConnector, GalvatronStrategy, check_precision)
+    GalvatronStrategy.register_strategies(StrategyRegistry)
     return GalvatronStrategy
-
-
-def _check_our_precision_first(connector: type, strategy: type, check: Callable[[str], None]) -> None:
-    """Have the Trainer refuse a precision we do not run with our message, before Lightning's own check (which, for
-    any ``ModelParallelStrategy``, speaks of ``Fabric(...)`` and suggests ``16-true``). Only our strategy's checks
-    change; the connector validates every other strategy as before."""
-    original = connector._validate_precision_choice
-    if getattr(original, "_galvatron_strategy", None) is strategy:
-        return
-
-    def validate_precision_choice(self: Any) -> None:
-        if isinstance(getattr(self, "strategy", None), strategy) or isinstance(self._strategy_flag, strategy):
-            check(self._precision_flag)
-        original(self)
-
-    validate_precision_choice._galvatron_strategy = strategy  # type: ignore[attr-defined]
-    connector._validate_precision_choice = validate_precision_choice
 
 
 def register_pytorch_lightning() -> type | None:
@@ -103,12 +79,7 @@ def register_pytorch_lightning() -> type | None:
     strategy_module = _mirror_glue_modules()
     from pytorch_lightning.strategies import StrategyRegistry
 
-    if "galvatron" not in StrategyRegistry:
-        StrategyRegistry.register("galvatron", strategy_module.GalvatronStrategy, description=_DESCRIPTION)
-    from pytorch_lightning.trainer.connectors.accelerator_connector import _AcceleratorConnector
-
-    precision_module = sys.modules[f"{_MIRROR_PACKAGE}.precision"]
-    _check_our_precision_first(_AcceleratorConnector, strategy_module.GalvatronStrategy, precision_module.check_precision)
+    strategy_module.GalvatronStrategy.register_strategies(StrategyRegistry)
     return strategy_module.GalvatronStrategy
 
 

@@ -158,17 +158,18 @@ def plan_automatically(
 
     started = time.perf_counter()
     cache_info: dict[str, Any] = {}
-    measured = profile(
-        module,
-        structure,
-        example_batch,
-        world_size=world_size,
-        devices_per_node=devices_per_node,
-        precision=precision,
-        cache=settings.profile_cache,
-        device=device,
-        info=cache_info,
-    )
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training must not see its draws
+        measured = profile(
+            module,
+            structure,
+            example_batch,
+            world_size=world_size,
+            devices_per_node=devices_per_node,
+            precision=precision,
+            cache=settings.profile_cache,
+            device=device,
+            info=cache_info,
+        )
     profiled = time.perf_counter()
     budget = settings.memory_budget_bytes or default_memory_budget(device, devices_per_node)
     # Pipelines cannot carry an encoder's output to decoder stages (see runtime.pipeline).

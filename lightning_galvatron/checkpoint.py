@@ -5,7 +5,8 @@
 plain model whatever the plan, so a checkpoint loads into any other plan or world size
 (:func:`load_checkpoint`, what ``Trainer.fit(ckpt_path=...)`` runs) and assembles into the
 unparallelised model's state dict (:func:`consolidate`, ``lightning-galvatron consolidate CKPT_DIR -o
-model.pt``).
+model.pt``) or, for a Hugging Face model inside the LightningModule, into a directory that
+``from_pretrained`` loads (:func:`export_hf`, ``lightning-galvatron consolidate CKPT_DIR --hf OUT_DIR``).
 
 Lightning's own loader (``ModelParallelStrategy.load_checkpoint``) needs a model with at least one
 DTensor parameter, so it cannot resume a plan of plain DDP blocks; and DCP stores the optimizer's
@@ -18,8 +19,11 @@ layout of this format and fails on it.)
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +99,54 @@ def load_checkpoint(
         raise CheckpointError(f"cannot read {str(path / METADATA_FILE)!r} ({type(err).__name__}: {err})") from None
 
 
+# DCP writes a DTensor's local chunk at the offset a plain ``Shard`` would have: a ``_StridedShard`` (a fused
+# q/k/v projection split by heads, see runtime/tensor_parallel.ColwiseFused) would land on its neighbours'
+# rows. Such tensors are saved whole (every rank holds the same copy: DCP writes one) and split again on load.
+def _is_strided(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
+
+
+def whole_strided_tensors(state: Any) -> Any:
+    """``state`` (nested dicts/lists) with every strided-sharded DTensor replaced by the whole tensor (to save)."""
+    if isinstance(state, dict):
+        return {k: whole_strided_tensors(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [whole_strided_tensors(v) for v in state]
+    return state.full_tensor() if _is_strided(state) else state
+
+
+def _whole_holders(state: dict[str, Any]) -> dict[str, Any]:
+    """Load targets: a whole, empty tensor for every strided-sharded DTensor of ``state`` (nested)."""
+    holders: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            holders[k] = _whole_holders(v)
+        elif _is_strided(v):
+            holders[k] = torch.empty(v.shape, dtype=v.dtype, device=v.to_local().device)
+        else:
+            holders[k] = v
+    return holders
+
+
+def _split_like(loaded: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """Loaded whole tensors split again as ``own``'s strided-sharded DTensors are (nested)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    out: dict[str, Any] = {}
+    for k, v in loaded.items():
+        mine = own.get(k)
+        if isinstance(v, dict) and isinstance(mine, dict):
+            out[k] = _split_like(v, mine)
+        elif _is_strided(mine):
+            out[k] = distribute_tensor(v, mine.device_mesh, mine.placements)
+        else:
+            out[k] = v
+    return out
+
+
 def _load_model(path: Path, model: nn.Module, saved: set[str], strict: bool) -> None:
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint import load as dcp_load
@@ -108,9 +160,9 @@ def _load_model(path: Path, model: nn.Module, saved: set[str], strict: bool) -> 
             "from another model; load it into that model, or set the LightningModule's strict_loading = False"
         )
     state = {name: value for name, value in state.items() if name not in missing}
-    holder = {MODEL_KEY: state}
+    holder = {MODEL_KEY: _whole_holders(state)}
     dcp_load(holder, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=not strict))
-    set_model_state_dict(model, holder[MODEL_KEY], options=StateDictOptions(strict=False))
+    set_model_state_dict(model, _split_like(holder[MODEL_KEY], state), options=StateDictOptions(strict=False))
 
 
 def _load_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, key: str, saved: set[str], strict: bool) -> None:
@@ -129,9 +181,9 @@ def _load_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         )
     state = get_optimizer_state_dict(model, optimizer)
     own_groups = [list(group["params"]) for group in state["param_groups"]]
-    holder = {key: state}
+    holder = {key: {**state, "state": _whole_holders(state["state"])}}
     dcp_load(holder, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=not strict))
-    loaded = holder[key]
+    loaded = {**holder[key], "state": _split_like(holder[key]["state"], state["state"])}
     if len(loaded["param_groups"]) != len(own_groups):
         raise CheckpointError(
             f"checkpoint {str(path)!r}: optimizer {key[len('optimizer_'):]} has {len(own_groups)} parameter groups but "
@@ -192,12 +244,44 @@ def _first(names: Sequence[str], count: int = 3) -> str:
     return ", ".join(names[:count]) + (", ..." if len(names) > count else "")
 
 
-def load_model_state(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The full model state dict of a sharded checkpoint, assembled in this process (no process group)."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+def load_model_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """The full model state dict of a sharded checkpoint, assembled in this process (no process group).
 
-    check_sharded_checkpoint(checkpoint_dir)
-    return dict(_load_state_dict_from_keys({MODEL_KEY}, checkpoint_id=str(checkpoint_dir))[MODEL_KEY])
+    DCP's public API only: the index gives every entry's shape and dtype, ``load(..., no_dist=True)`` fills them.
+    """
+    import warnings
+
+    from torch.distributed.checkpoint import TensorStorageMetadata
+    from torch.distributed.checkpoint import load as dcp_load
+
+    index = check_sharded_checkpoint(checkpoint_dir)
+    root: dict[str, Any] = {}
+    for key, entry in index.state_dict_metadata.items():
+        path = (index.planner_data or {}).get(key) or tuple(key.split(".", 1))  # the nesting DCP flattened
+        if path[0] != MODEL_KEY:
+            continue
+        node = root
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        is_tensor = isinstance(entry, TensorStorageMetadata)
+        node[path[-1]] = torch.empty(entry.size, dtype=entry.properties.dtype) if is_tensor else None  # None: DCP fills in
+    if MODEL_KEY not in root:
+        raise CheckpointError(f"checkpoint {str(checkpoint_dir)!r} holds no model state ({MODEL_KEY!r} entries)")
+    with warnings.catch_warnings():  # one process on purpose; DCP warns that no process group is initialised
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp_load(root, checkpoint_id=str(checkpoint_dir), no_dist=True)
+    return root[MODEL_KEY]
+
+
+def _metadata(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """Lightning's loop state and hyper-parameters saved next to the shards (empty if absent)."""
+    meta_file = Path(checkpoint_dir) / METADATA_FILE
+    if not meta_file.is_file():
+        return {}
+    try:
+        return torch.load(meta_file, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - say which file
+        raise CheckpointError(f"cannot read {str(meta_file)!r} ({type(err).__name__}: {err})") from None
 
 
 def consolidate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, lightning: bool = False) -> Path:
@@ -212,11 +296,131 @@ def consolidate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, li
     state = load_model_state(checkpoint_dir)
     payload: dict[str, Any] | dict[str, torch.Tensor] = state
     if lightning:
-        meta_file = Path(checkpoint_dir) / METADATA_FILE
-        metadata = torch.load(meta_file, weights_only=False) if meta_file.is_file() else {}
+        metadata = _metadata(checkpoint_dir)
         metadata.pop("galvatron", None)
         payload = {**metadata, MODEL_KEY: state}
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(payload, output)
     return output
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face
+def hf_models(module: nn.Module) -> list[dict[str, Any]]:
+    """The Hugging Face models inside ``module`` (outermost only): their prefix, class and config, recorded in the
+    checkpoint so that :func:`export_hf` can rebuild them without the LightningModule's code."""
+    transformers = sys.modules.get("transformers")  # a model of transformers means it is imported already
+    if transformers is None:
+        return []
+    found: list[dict[str, Any]] = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, transformers.PreTrainedModel) and not any(_under(name, r["prefix"]) for r in found):
+            cls = type(sub)
+            found.append({
+                "prefix": name,
+                "class": f"{cls.__module__}:{cls.__qualname__}",
+                "config": json.loads(sub.config.to_json_string(use_diff=False)),
+            })
+    return found
+
+
+def _under(name: str, prefix: str) -> bool:
+    return prefix == "" or name == prefix or name.startswith(prefix + ".")
+
+
+@dataclass(frozen=True)
+class HFExport:
+    """What :func:`export_hf` wrote."""
+
+    directory: Path
+    class_name: str
+    prefix: str
+    tensors: int
+
+
+def export_hf(
+    checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, config: str | os.PathLike | None = None
+) -> HFExport:
+    """Write the Hugging Face model of a sharded checkpoint as a directory that ``from_pretrained`` loads.
+
+    The checkpoint records the model's prefix in the LightningModule, class and config when it is saved
+    (``GalvatronStrategy`` does); for a checkpoint without that record pass ``config`` (a ``config.json`` or a
+    directory holding one): the class is its ``architectures[0]`` and the prefix is found by the names of the
+    model's tensors. The model is built on the meta device, given the checkpoint's tensors and saved with
+    ``save_pretrained`` (safetensors and ``config.json``).
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise CheckpointError(
+            "--hf needs transformers: pip install 'lightning_galvatron[hf]'"
+        ) from None
+
+    state = load_model_state(checkpoint_dir)
+    if config is not None:
+        hf_config = transformers.AutoConfig.from_pretrained(str(config))
+        if not hf_config.architectures:
+            raise CheckpointError(f"config {str(config)!r} does not name its model class (architectures): add it")
+        cls = getattr(transformers, hf_config.architectures[0])
+        prefix = _find_prefix(state, cls, hf_config, checkpoint_dir)
+    else:
+        records = (_metadata(checkpoint_dir).get("galvatron") or {}).get("hf_models") or []
+        if len(records) != 1:
+            found = "no Hugging Face model" if not records else f"{len(records)} ({', '.join(r['prefix'] for r in records)})"
+            raise CheckpointError(
+                f"checkpoint {str(checkpoint_dir)!r} records {found}: pass the model's config (--hf-config CONFIG.json) "
+                "to say which model to export"
+            )
+        (record,) = records
+        module_name, _, qualname = record["class"].partition(":")
+        cls = _import_class(module_name, qualname)
+        hf_config = cls.config_class.from_dict(record["config"])
+        prefix = record["prefix"]
+    start = len(prefix) + 1 if prefix else 0
+    own = {name[start:]: value for name, value in state.items() if _under(name, prefix) and name != prefix}
+    with torch.device("meta"):
+        model = cls(hf_config)
+    missing, unexpected = model.load_state_dict(own, strict=False, assign=True)
+    missing = [name for name in missing if name not in _tied_names(model)]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {str(checkpoint_dir)!r}: the tensors under {prefix or 'the top level'!r} do not make a "
+            f"{cls.__name__} (missing {_first(missing)}; unexpected {_first(unexpected)})"
+        )
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir)
+    return HFExport(output_dir, cls.__name__, prefix, len(own))
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """Names the model ties to another tensor (its head to the embedding): a checkpoint may hold only one of them."""
+    return set(getattr(model, "_tied_weights_keys", None) or ())  # a dict (transformers 5) or a list of names
+
+
+def _find_prefix(state: dict[str, Any], cls: type, config: Any, checkpoint_dir: Any) -> str:
+    with torch.device("meta"):
+        expected = list(cls(config).state_dict())
+    anchor = expected[0]
+    for name in state:
+        if name == anchor or name.endswith("." + anchor):
+            prefix = name[: -len(anchor)].rstrip(".")
+            if all((f"{prefix}.{key}" if prefix else key) in state for key in expected):
+                return prefix
+    raise CheckpointError(
+        f"checkpoint {str(checkpoint_dir)!r} holds no {cls.__name__} of this config (no tensors named like {anchor!r})"
+    )
+
+
+def _import_class(module_name: str, qualname: str) -> type:
+    import importlib
+
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as err:
+        raise CheckpointError(f"cannot import the checkpoint's model class {module_name}:{qualname} ({err})") from None
+    return obj

@@ -4,15 +4,24 @@ Subcommands:
 
 * ``profile --model MODULE:CLASS --datamodule MODULE:CLASS -o profile.json`` -- measure a model and
   the cluster it runs on (under ``torchrun``, or ``--devices N`` with Lightning's launcher);
-* ``search PROFILE --world-size N --memory-per-device 36GB`` -- the best plan for any cluster;
+* ``search PROFILE --world-size N --memory-budget 36GB`` -- the best plan for any cluster;
 * ``evaluate PROFILE --plan PLAN`` -- predicted time and memory of a plan (ours or the reference
   system's format): a what-if tool;
 * ``import-galvatron DIR --hidden-size H --seq-length S -o profile.json`` -- convert the reference
   system's profile files;
-* ``estimate --hf-config CONFIG.json --world-size N --memory-per-device 80GB --hardware PROFILE`` -- will
+* ``estimate --hf-config CONFIG.json --world-size N --memory-budget 80GB --hardware a100`` -- will
   a model fit a cluster you do not have, and how (an analytic profile scaled from measured blocks);
 * ``dry-run --hf-config CONFIG.json --world-size N --plan PLAN`` -- apply and step a plan as sampled (or all)
-  ranks of the cluster, on fake tensors: memory, groups and the collective-order proof.
+  ranks of the cluster, on fake tensors: memory, groups and the collective-order proof;
+* ``consolidate CKPT_DIR -o model.pt`` (or ``--hf OUT_DIR``) -- a sharded checkpoint as one file, or as a
+  Hugging Face model directory.
+
+Conventions, the same for every subcommand: exit status 0 on success, 1 when a well-formed question is answered
+"no" (no plan fits, the plan does not fit, a dry-run rank failed) or the work failed at run time, 2 for a usage
+error (bad arguments or input files); with ``--json`` everything printed on stdout, errors included, is one JSON
+object. Option names are those of ``GalvatronStrategy``'s arguments (``--memory-budget`` for ``memory_budget``);
+memory sizes need their unit (``36GB``, ``40GiB``); defaults come from the profile where it says (its device
+memory, the precision it was measured in).
 
 Adding a subcommand: write ``_cmd_<name>(args) -> int`` and a ``_register_<name>(subparsers)``
 decorated with :func:`subcommand` that adds its parser and sets ``func=_cmd_<name>``.
@@ -31,6 +40,8 @@ from typing import Any
 from lightning_galvatron.search.report import describe_estimate, describe_search
 from lightning_galvatron.units import format_bytes, parse_bytes
 
+EXIT_OK, EXIT_NO, EXIT_USAGE = 0, 1, 2
+
 _REGISTRARS: list[Callable[[Any], None]] = []
 
 
@@ -40,11 +51,28 @@ def subcommand(register: Callable[[Any], None]) -> Callable[[Any], None]:
     return register
 
 
+class UsageError(Exception):
+    """argparse's complaint about the command line, raised (not printed) so that ``--json`` can print it as JSON."""
+
+    def __init__(self, message: str, usage: str, prog: str) -> None:
+        super().__init__(message)
+        self.usage, self.prog = usage, prog
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse would print and exit 2 itself
+        raise UsageError(message, self.format_usage(), self.prog)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from lightning_galvatron import __version__
+
+    parser = _Parser(
         prog="lightning-galvatron",
-        description="Automatic hybrid parallelism for PyTorch Lightning: offline plan search and what-if tools.",
+        description="Automatic hybrid parallelism for PyTorch Lightning: offline plan search and what-if tools. "
+        "Exit status: 0 success, 1 the answer is no (no plan fits) or a run-time failure, 2 a usage error.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for register in _REGISTRARS:
         register(subparsers)
@@ -52,16 +80,58 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one subcommand; return its exit status (see the module's conventions)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as err:
+        command = err.prog.split(" ", 1)[1] if " " in err.prog else None
+        return _fail(EXIT_USAGE, "usage", str(err), command, as_json, usage=err.usage)
+    except SystemExit as done:  # --help, --version
+        return done.code if isinstance(done.code, int) else EXIT_OK
     try:
         return int(args.func(args) or 0)
-    except (ValueError, OSError) as err:  # our errors are ValueError subclasses with actionable messages
-        print(f"lightning-galvatron {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except Exception as err:  # noqa: BLE001 - every failure becomes a message and an exit status
+        from lightning_galvatron.errors import debug_enabled
+        from lightning_galvatron.search.engine import InfeasibleBudgetError, NoValidPlanError
+
+        if debug_enabled():
+            import traceback
+
+            traceback.print_exc()
+        if isinstance(err, InfeasibleBudgetError):
+            extra = {"fits": False, "smallest_budget_bytes": err.smallest_budget_bytes, "global_batch_size": err.global_batch_size}
+            return _fail(EXIT_NO, "no_plan", str(err), args.command, as_json, **extra)
+        if isinstance(err, NoValidPlanError):
+            return _fail(EXIT_NO, "no_plan", str(err), args.command, as_json, fits=False)
+        if isinstance(err, ValueError):  # our errors are ValueError subclasses saying what to change in the input
+            return _fail(EXIT_USAGE, "usage", str(err), args.command, as_json)
+        return _fail(EXIT_NO, "failure", f"{type(err).__name__}: {err}", args.command, as_json)
+
+
+def _fail(code: int, kind: str, message: str, command: str | None, as_json: bool, usage: str = "", **extra: Any) -> int:
+    """Print an error (a JSON object on stdout under ``--json``, else a line on stderr); return ``code``."""
+    if as_json:
+        fits = extra.pop("fits", None)
+        error = {"kind": kind, "message": message, "exit_code": code, "command": command, **extra}
+        print(json.dumps({"error": error} if fits is None else {"fits": fits, "error": error}, indent=2))
+    else:
+        print(f"{usage}lightning-galvatron{f' {command}' if command else ''}: error: {message}", file=sys.stderr)
+    return code
 
 
 # ---------------------------------------------------------------------------------------------- shared options
+_BARE_NUMBER = re.compile(r"^\s*[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?\s*$", re.IGNORECASE)
+
+
 def _byte_size(text: str) -> int:
+    """A memory size with its unit (``36GB``, ``40GiB``, ``512MB``; ``0`` alone is allowed)."""
+    if _BARE_NUMBER.match(text) and float(text) != 0:
+        raise argparse.ArgumentTypeError(
+            f"{text.strip()!r} has no unit: write e.g. '{text.strip()}GB' (decimal) or '{text.strip()}GiB' (binary), "
+            f"or '{text.strip()}B' if you mean bytes"
+        )
     try:
         return parse_bytes(text)
     except ValueError as err:
@@ -83,17 +153,86 @@ def _optimizer(text: str) -> str | float:
         return text
 
 
-def _add_cost_options(parser: argparse.ArgumentParser) -> None:
-    from lightning_galvatron.search.cost import OPTIMIZER_STATES, PRECISIONS
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"n_layer\": 4}'")
+    return value
 
-    parser.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS), help="training precision (default: bf16-mixed)")
+
+def add_json_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object (errors included) instead of text")
+
+
+def add_memory_budget_option(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--memory-budget`` (``GalvatronStrategy(memory_budget=...)``; ``--memory-per-device`` is its old name)."""
+    parser.add_argument("--memory-budget", "--memory-per-device", dest="memory_budget", type=_memory_size, help=help)
+
+
+def add_search_options(parser: argparse.ArgumentParser, *, prefix: str = "") -> None:
+    """The search's limits, named as ``GalvatronStrategy``'s arguments. ``prefix`` starts each help text."""
+    from lightning_galvatron.plan import SCHEDULES
+    from lightning_galvatron.search.space import DISABLE_CHOICES
+
+    p = parser
+    p.add_argument("--search-batch-size", action="store_true", help=f"{prefix}also search the global batch size for throughput")
+    p.add_argument("--max-global-batch-size", type=int, help=f"{prefix}largest batch tried by --search-batch-size (default: 8 x world size)")
+    p.add_argument("--max-tp", type=int, help=f"{prefix}largest tensor/sequence-parallel degree")
+    p.add_argument("--max-pp", type=int, help=f"{prefix}largest pipeline degree")
+    p.add_argument("--disable", nargs="+", default=[], choices=sorted(DISABLE_CHOICES), metavar="WHAT", help=f"{prefix}leave out: {', '.join(sorted(DISABLE_CHOICES))}")
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, help=f"{prefix}pipeline schedules allowed (default: all)")
+
+
+def add_precision_option(parser: argparse.ArgumentParser) -> None:
+    from lightning_galvatron.search.cost import PRECISIONS
+
+    parser.add_argument(
+        "--precision", choices=sorted(PRECISIONS),
+        help="training precision (default: the precision the profile was measured in)",
+    )
+
+
+def _add_cost_options(parser: argparse.ArgumentParser) -> None:
+    from lightning_galvatron.search.cost import OPTIMIZER_STATES
+
+    add_precision_option(parser)
     parser.add_argument(
         "--optimizer",
         type=_optimizer,
         default="adamw",
         help=f"optimizer kind ({', '.join(sorted(OPTIMIZER_STATES))}) or its state bytes per parameter (default: adamw)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_json_option(parser)
+
+
+def add_model_options(parser: argparse.ArgumentParser, *, hf_help: str, model_help: str) -> None:
+    """The model of a question about a cluster at hand or not: a Hugging Face config or a class, built on meta."""
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--hf-config", help=hf_help)
+    model.add_argument("--model", help=model_help)
+    parser.add_argument("--model-args", type=_json_object, default={}, help="with --model: its init arguments as a JSON object")
+    parser.add_argument("--layers", nargs="+", help="dotted path(s) of the block container(s) (default: detected)")
+    parser.add_argument("--seq-length", type=int, help="tokens per sample (default: the config's maximum positions)")
+
+
+def precision_of(args: argparse.Namespace, profile: Any) -> tuple[str, str]:
+    """The precision asked for, else the profile's; and where it came from (for the report)."""
+    if args.precision:
+        return args.precision, "given"
+    if profile is not None and profile.measured_precision:
+        return profile.measured_precision, "the profile's"
+    assumed = "32-true" if profile is not None and profile.model.activation_dtype_bytes == 4 else "bf16-mixed"
+    return assumed, "assumed: the profile does not record its precision; pass --precision"
+
+
+def profile_path(text: str) -> str:
+    """A profile file, or the name of a reference profile shipped with the package (``a100``)."""
+    from lightning_galvatron import reference_profiles
+
+    return reference_profiles.resolve(text)
 
 
 # ---------------------------------------------------------------------------------------------- profile
@@ -113,8 +252,8 @@ def _register_profile(subparsers: Any) -> None:
     p.add_argument("--datamodule-args", type=_json_object, default={}, help="its init arguments as a JSON object")
     p.add_argument(
         "--config",
-        help="a LightningCLI YAML: its model/data sections (class_path/init_args, or init arguments of --model/--datamodule) "
-        "and trainer.precision are used; command-line arguments win",
+        help="a LightningCLI YAML (read as LightningCLI reads it): its model, data and trainer.precision are used; "
+        "--model/--datamodule name the classes when the YAML has no class_path; command-line arguments win",
     )
     p.add_argument("--layers", nargs="+", help="dotted path(s) of the block container(s) (default: detected)")
     p.add_argument("--precision", help="32-true, bf16-mixed or bf16-true (default: the config's, else 32-true)")
@@ -123,20 +262,14 @@ def _register_profile(subparsers: Any) -> None:
     p.add_argument("--devices", type=int, help="without torchrun: processes to launch on this machine (Lightning's launcher)")
     p.add_argument("--accelerator", default="auto", help="with --devices: cpu, cuda or auto (default: auto)")
     cache = p.add_mutually_exclusive_group()
-    cache.add_argument("--cache-dir", help="profile cache directory (default: $LIGHTNING_GALVATRON_CACHE or ~/.cache/lightning_galvatron/profiles)")
+    cache.add_argument(
+        "--profile-cache", "--cache-dir", dest="cache_dir",
+        help="profile cache directory (default: $LIGHTNING_GALVATRON_CACHE or ~/.cache/lightning_galvatron/profiles)",
+    )
     cache.add_argument("--no-cache", action="store_true", help="always measure, never read or write the cache")
     p.add_argument("-o", "--output", required=True, help="where rank 0 writes the profile JSON")
+    add_json_option(p)
     p.set_defaults(func=_cmd_profile)
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {err}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"n_layer\": 4}'")
-    return value
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -148,20 +281,14 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- search
 @subcommand
 def _register_search(subparsers: Any) -> None:
-    from lightning_galvatron.plan import SCHEDULES
-    from lightning_galvatron.search.space import DISABLE_CHOICES
-
-    p = subparsers.add_parser("search", help="search the best hybrid plan for a cluster (offline)")
-    p.add_argument("profile", help="profile JSON (our format; see import-galvatron)")
+    p = subparsers.add_parser("search", help="search the best hybrid plan for a cluster (offline)", description=(
+        "Search the plan with the highest predicted throughput that fits the memory budget. "
+        "Exit status 0 with a plan, 1 when no plan fits (the message says the smallest budget that does)."))
+    p.add_argument("profile", help="profile JSON (ours, see import-galvatron), or the name of a reference profile (a100)")
     p.add_argument("--world-size", type=int, required=True, help="number of devices")
-    p.add_argument("--memory-per-device", type=_memory_size, help="memory budget per device, e.g. 36GB or 40GiB (default: the profile's device memory)")
+    add_memory_budget_option(p, "memory budget per device, e.g. 36GB or 40GiB (default: the profile's device memory)")
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the world size)")
-    p.add_argument("--search-batch-size", action="store_true", help="also search the global batch size for throughput")
-    p.add_argument("--max-global-batch-size", type=int, help="largest batch tried by --search-batch-size (default: 8 x world size)")
-    p.add_argument("--max-tp", type=int, help="largest tensor/sequence-parallel degree")
-    p.add_argument("--max-pp", type=int, help="largest pipeline degree")
-    p.add_argument("--disable", nargs="+", default=[], choices=sorted(DISABLE_CHOICES), metavar="WHAT", help=f"leave out: {', '.join(sorted(DISABLE_CHOICES))}")
-    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, help="pipeline schedules allowed (default: all)")
+    add_search_options(p)
     p.add_argument("--memory-tolerance", type=float, default=0.01, help="DP memory resolution as a fraction of the budget (default: 0.01)")
     p.add_argument("--no-baselines", action="store_true", help="skip the uniform baselines")
     p.add_argument("-o", "--output", help="write the plan JSON here")
@@ -173,10 +300,11 @@ def _cmd_search(args: argparse.Namespace) -> int:
     from lightning_galvatron.profiles import Profile
     from lightning_galvatron.search.engine import search
 
-    profile = Profile.load(args.profile)
-    budget = args.memory_per_device if args.memory_per_device is not None else profile.hardware.device_memory_bytes
+    profile = Profile.load(profile_path(args.profile))
+    budget = args.memory_budget if args.memory_budget is not None else profile.hardware.device_memory_bytes
     if budget is None:
-        raise ValueError("the profile does not say the device memory: pass --memory-per-device, e.g. 36GB")
+        raise ValueError("the profile does not say the device memory: pass --memory-budget, e.g. 36GB")
+    precision, precision_source = precision_of(args, profile)
     result = search(
         profile,
         args.world_size,
@@ -187,7 +315,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
         disable=args.disable,
         schedules=args.schedules,
         optimizer=args.optimizer,
-        precision=args.precision,
+        precision=precision,
         search_batch_size=args.search_batch_size,
         max_global_batch_size=args.max_global_batch_size,
         memory_tolerance=args.memory_tolerance,
@@ -196,27 +324,31 @@ def _cmd_search(args: argparse.Namespace) -> int:
     if args.output:
         result.plan.save(args.output)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-        return 0
+        print(json.dumps({**result.to_dict(), "precision": precision, "profile": args.profile}, indent=2))
+        return EXIT_OK
     title = (
         f"Best plan for {profile.model.name} ({profile.model.num_blocks} blocks) on {args.world_size} devices, "
-        f"{format_bytes(budget)} per device, global batch {result.global_batch_size}"
+        f"budget {format_bytes(budget)} per device, global batch {result.global_batch_size}, {precision} ({precision_source})"
     )
     print(describe_search(result, title))
     if args.output:
         print(f"Plan written to {args.output}")
-    return 0
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------------- evaluate
 @subcommand
 def _register_evaluate(subparsers: Any) -> None:
-    p = subparsers.add_parser("evaluate", help="predict step time and memory of a plan (ours or the reference system's format)")
-    p.add_argument("profile", help="profile JSON (our format)")
+    p = subparsers.add_parser(
+        "evaluate", help="predict step time and memory of a plan (ours or the reference system's format)",
+        description="Predict a plan's step time and peak memory per device. Exit status 0, or 1 when a budget is "
+        "given (or the profile says the device memory) and the plan does not fit it.",
+    )
+    p.add_argument("profile", help="profile JSON (ours), or the name of a reference profile (a100)")
     p.add_argument("--plan", required=True, help="plan JSON, ours or Hetu-Galvatron's")
     p.add_argument("--world-size", type=int, help="devices (needed for a reference-format plan unless its file name says, e.g. 1nodes_8gpus_per_node)")
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the plan's)")
-    p.add_argument("--memory-per-device", type=_memory_size, help="budget to check the plan against")
+    add_memory_budget_option(p, "budget to check the plan against (default: the profile's device memory)")
     _add_cost_options(p)
     p.set_defaults(func=_cmd_evaluate)
 
@@ -227,7 +359,9 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from lightning_galvatron.profiles import Profile
     from lightning_galvatron.search.estimate import evaluate
 
-    profile = Profile.load(args.profile)
+    profile = Profile.load(profile_path(args.profile))
+    precision, precision_source = precision_of(args, profile)
+    budget = args.memory_budget if args.memory_budget is not None else profile.hardware.device_memory_bytes
     world_size = args.world_size
     data = read_json_object(args.plan, "plan file", PlanError)
     if world_size is None and is_galvatron_format(data):
@@ -245,19 +379,21 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
             plan,
             global_batch_size=args.global_batch_size,
             optimizer=args.optimizer,
-            precision=args.precision,
-            memory_budget_bytes=args.memory_per_device,
+            precision=precision,
+            memory_budget_bytes=budget,
         )
     except ValueError as err:
         raise PlanError(f"plan file {args.plan!r} (evaluated on the profile {args.profile!r}): {err}") from None
+    status = EXIT_NO if estimate.fits is False else EXIT_OK
     if args.json:
-        print(json.dumps(estimate.to_dict(), indent=2))
-        return 0
-    print(f"Plan {args.plan} for {profile.model.name} on {plan.world_size} devices, global batch {estimate.global_batch_size}")
+        print(json.dumps({**estimate.to_dict(), "precision": precision, "profile": args.profile}, indent=2))
+        return status
+    print(f"Plan {args.plan} for {profile.model.name} on {plan.world_size} devices, global batch "
+          f"{estimate.global_batch_size}, {precision} ({precision_source})")
     print(describe_estimate(estimate))
     for warning in estimate.warnings:
         print(f"warning: {warning}")
-    return 0
+    return status
 
 
 # ---------------------------------------------------------------------------------------------- import-galvatron
@@ -278,9 +414,11 @@ def _register_import_galvatron(subparsers: Any) -> None:
     p.add_argument("--vocab-size", type=int)
     p.add_argument("--tied-embeddings", action="store_true", help="the head shares the embedding's weights")
     p.add_argument("--model-name", help="name of the model (default: from the file names)")
-    p.add_argument("--memory-overhead", type=_byte_size, default=0, help="fixed memory per device the model does not account for")
-    p.add_argument("--device-memory", type=_memory_size, help="memory of one device")
+    p.add_argument("--hardware-name", help="name of the devices measured, e.g. 'NVIDIA A100 x8 per node'")
+    p.add_argument("--memory-overhead", type=_byte_size, default=0, help="fixed memory per device the model does not account for, e.g. 2GB")
+    p.add_argument("--device-memory", type=_memory_size, help="memory of one device, e.g. 80GB")
     p.add_argument("-o", "--output", required=True, help="where to write the profile JSON")
+    add_json_option(p)
     p.set_defaults(func=_cmd_import_galvatron)
 
 
@@ -299,72 +437,106 @@ def _cmd_import_galvatron(args: argparse.Namespace) -> int:
         model_name=args.model_name,
         memory_overhead_bytes=args.memory_overhead,
         device_memory_bytes=args.device_memory,
+        hardware_name=args.hardware_name,
     )
     profile.save(args.output)
     model = profile.model
+    if args.json:
+        print(json.dumps({
+            "output": args.output, "model": model.name, "blocks": model.num_blocks, "layer_types": len(model.layer_types),
+            "collectives": len(profile.hardware.collectives), "devices_per_node": profile.hardware.devices_per_node,
+        }, indent=2))
+        return EXIT_OK
     print(f"Wrote {args.output}: {model.name}, {model.num_blocks} blocks of {len(model.layer_types)} type(s), "
           f"{len(profile.hardware.collectives)} collective fits, {profile.hardware.devices_per_node} devices per node")
-    return 0
+    return EXIT_OK
 
 
-# ---------------------------------------------------------------------------------------------- formatting
 # ---------------------------------------------------------------------------------------------- consolidate
 @subcommand
 def _register_consolidate(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "consolidate",
-        help="assemble a sharded checkpoint into one file for the plain model",
-        description="Assemble a sharded (DCP) checkpoint saved by GalvatronStrategy into one file: the model's "
-        "state dict, which loads into the unparallelised model with load_state_dict(strict=True).",
+        help="assemble a sharded checkpoint into one file for the plain model, or into a Hugging Face model directory",
+        description="Assemble a sharded (DCP) checkpoint saved by GalvatronStrategy: into one file holding the model's "
+        "state dict, which loads into the unparallelised model with load_state_dict(strict=True) (-o); or, for a "
+        "LightningModule wrapping a Hugging Face model, into a directory that transformers' from_pretrained loads "
+        "(--hf: safetensors and config.json).",
     )
     parser.add_argument("checkpoint", help="checkpoint directory (e.g. epoch=0-step=100.ckpt/)")
-    parser.add_argument("-o", "--output", required=True, help="file to write (e.g. model.pt)")
+    out = parser.add_mutually_exclusive_group(required=True)
+    out.add_argument("-o", "--output", help="file to write (e.g. model.pt)")
+    out.add_argument("--hf", metavar="OUT_DIR", help="write the Hugging Face model inside the LightningModule here")
     parser.add_argument(
         "--lightning",
         action="store_true",
-        help="write a Lightning checkpoint (state_dict + epoch/step/hyper-parameters) for load_from_checkpoint",
+        help="with -o: write a Lightning checkpoint (state_dict + epoch/step/hyper-parameters) for load_from_checkpoint",
     )
+    parser.add_argument(
+        "--hf-config",
+        help="with --hf, for checkpoints that do not record their Hugging Face model (saved by an earlier version): "
+        "the model's config.json or a directory holding it",
+    )
+    add_json_option(parser)
     parser.set_defaults(func=_cmd_consolidate)
 
 
 def _cmd_consolidate(args: argparse.Namespace) -> int:
-    from lightning_galvatron.checkpoint import consolidate
+    from lightning_galvatron.checkpoint import consolidate, export_hf
 
+    if args.hf:
+        if args.lightning:
+            raise ValueError("--lightning writes a Lightning checkpoint file: use it with -o, not with --hf")
+        exported = export_hf(args.checkpoint, args.hf, config=args.hf_config)
+        if args.json:
+            print(json.dumps({"output": str(exported.directory), "class": exported.class_name, "prefix": exported.prefix,
+                              "tensors": exported.tensors}, indent=2))
+        else:
+            print(f"wrote {exported.directory}: {exported.class_name} ({exported.tensors} tensors under "
+                  f"{exported.prefix or 'the top level'!r} of the LightningModule); load it with "
+                  f"transformers.{exported.class_name}.from_pretrained({str(exported.directory)!r})")
+        return EXIT_OK
+    if args.hf_config:
+        raise ValueError("--hf-config describes the model of --hf: pass --hf OUT_DIR")
     path = consolidate(args.checkpoint, args.output, lightning=args.lightning)
-    print(f"wrote {path}")
-    return 0
+    print(json.dumps({"output": str(path)}) if args.json else f"wrote {path}")
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------------- estimate
 @subcommand
 def _register_estimate(subparsers: Any) -> None:
-    from lightning_galvatron.plan import SCHEDULES
-    from lightning_galvatron.search.space import DISABLE_CHOICES
+    from lightning_galvatron import reference_profiles
 
     p = subparsers.add_parser(
         "estimate",
         help="will a model fit a cluster you do not have, and how? (plan, memory and time from an analytic profile)",
         description="Search the plan for a model on a cluster that is not at hand: per-block costs are computed from "
         "the model's shape and scaled from the measured blocks of a profile (--reference, default --hardware); the "
-        "interconnect is the hardware profile's. Exit status 0 when a plan fits, 1 when none does.",
+        "interconnect is the hardware profile's. The report names the profiles used and warns when the model is far "
+        "from the measured one. Exit status 0 when a plan fits, 1 when none does.",
     )
-    model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--hf-config", help="a Hugging Face config.json (nothing is downloaded)")
-    model.add_argument("--model", help="a LightningModule or nn.Module class, MODULE:CLASS, built on the meta device")
-    p.add_argument("--model-args", type=_json_object, default={}, help="with --model: its init arguments as a JSON object")
-    p.add_argument("--layers", nargs="+", help="with --model: dotted path(s) of the block container(s) (default: detected)")
+    add_model_options(
+        p, hf_help="a Hugging Face config.json (nothing is downloaded)",
+        model_help="a LightningModule or nn.Module class, MODULE:CLASS, built on the meta device",
+    )
     p.add_argument("--world-size", type=int, required=True, help="number of devices")
-    p.add_argument("--memory-per-device", type=_memory_size, help="memory budget per device, e.g. 80GB (default: the hardware profile's)")
-    p.add_argument("--seq-length", type=int, help="tokens per sample (default: the config's maximum positions)")
-    p.add_argument("--hardware", help="profile JSON whose hardware part describes the cluster (default: the newest profile in the local profile cache)")
-    p.add_argument("--reference", help="profile JSON whose measured blocks calibrate compute and activations (default: --hardware)")
+    add_memory_budget_option(p, "memory budget per device, e.g. 80GB (default: the hardware profile's device memory)")
+    p.add_argument(
+        "--hardware",
+        help="profile JSON whose hardware part describes the cluster, or the name of a reference profile shipped with "
+        f"the package ({reference_profiles.describe()}) (default: the newest profile of --accelerator devices in the "
+        "local profile cache)",
+    )
+    p.add_argument("--reference", help="profile JSON (or reference name) whose measured blocks calibrate compute and activations (default: --hardware)")
+    p.add_argument("--accelerator", default="cuda", choices=("cuda", "gpu", "cpu"), help="the kind of devices asked about (default: cuda)")
+    p.add_argument(
+        "--allow-other-device", action="store_true",
+        help="use a profile measured on another kind of device than --accelerator (its times and bandwidths are then "
+        "those of that device)",
+    )
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the world size)")
-    p.add_argument("--search-batch-size", action="store_true", help="also search the global batch size for throughput")
-    p.add_argument("--max-global-batch-size", type=int, help="largest batch tried by --search-batch-size")
-    p.add_argument("--max-tp", type=int, help="largest tensor/sequence-parallel degree")
-    p.add_argument("--max-pp", type=int, help="largest pipeline degree")
-    p.add_argument("--disable", nargs="+", default=[], choices=sorted(DISABLE_CHOICES), metavar="WHAT", help=f"leave out: {', '.join(sorted(DISABLE_CHOICES))}")
-    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, help="pipeline schedules allowed (default: all)")
+    add_search_options(p)
     p.add_argument("-o", "--output", help="write the plan JSON here (when one fits)")
     p.add_argument("--profile-output", help="write the analytic profile here (for `search` and `evaluate`)")
     _add_cost_options(p)
@@ -389,7 +561,8 @@ def _register_dry_run(subparsers: Any) -> None:
         "apply the plan as training would and run one step of training, validation and a checkpoint save; report "
         "per rank the blocks and parameters it holds, its process groups and its peak memory by category next to "
         "the cost model's prediction. With --ranks all, also prove that every member of every group issues the "
-        "same collectives in the same order. Exit status 0 when every rank succeeded (and the order holds).",
+        "same collectives in the same order. Exit status 0 when every rank succeeded (and the order holds), 1 when "
+        "one did not.",
     )
     add_arguments(p)
     p.set_defaults(func=_cmd_dry_run)

@@ -5,12 +5,17 @@ one contiguous block of the ``DistributedSampler`` permutation. Under a plan, on
 shards of the input layout read distinct samples (tensor-parallel ranks share theirs), so each
 shard must read ``b * W / dp`` samples per step. With the sampler set to ``dp`` replicas, the union
 of the shards' batches is again the same contiguous block of the same permutation, so the loss
-curve matches DDP's. This module rebuilds the DataLoader with that batch size.
+curve matches DDP's. This module rebuilds the DataLoader with that batch size, and takes the example
+batch that ``plan="auto"`` profiles with and pipelines trace the step on.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from torch.utils.data import BatchSampler, DataLoader
 
@@ -60,3 +65,24 @@ def rebatch(dataloader: object, batch_size: int) -> object:
     else:
         kwargs["batch_size"] = batch_size
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+def first_dataloader(trainer: Any) -> Any:
+    """The DataLoader of the stage being set up (its first one), to take an example batch from."""
+    loop = {
+        TrainerFn.FITTING: trainer.fit_loop,
+        TrainerFn.VALIDATING: trainer.validate_loop,
+        TrainerFn.TESTING: trainer.test_loop,
+        TrainerFn.PREDICTING: trainer.predict_loop,
+    }[trainer.state.fn]
+    loaders = loop._data_source.dataloader()
+    while isinstance(loaders, (list, tuple, dict)):
+        loaders = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders[0]
+    return loaders
+
+
+def example_batch(loader: Any) -> Any:
+    """The loader's first batch, without moving the random state training will use (a shuffling sampler draws
+    its seed from it)."""
+    with torch.random.fork_rng():
+        return next(iter(loader))

@@ -1,6 +1,6 @@
 """Will it fit, and how? The plan and its memory and time for a cluster you do not have.
 
-``lightning-galvatron estimate --hf-config CONFIG.json --world-size 64 --memory-per-device 80GB --seq-length 4096
+``lightning-galvatron estimate --hf-config CONFIG.json --world-size 64 --memory-budget 80GB --seq-length 4096
 --hardware PROFILE`` (or ``--model MODULE:CLASS``) runs the plan search on an analytic profile of the model
 (:mod:`lightning_galvatron.search.analytic`: exact shapes, compute and activation bytes scaled from a
 measured reference profile) with the hardware profile's interconnect, and answers before anything is
@@ -12,11 +12,17 @@ Where the numbers come from:
   counted from the config alone; other architectures are built on the meta device with
   ``transformers``), or a module class built on the meta device (nothing is allocated);
 * the hardware: ``--hardware PROFILE``, a profile JSON (written by ``lightning-galvatron profile`` on
-  the target kind of machine, or converted with ``import-galvatron``); its collectives, overlap
-  coefficient and memory overhead are used as they are;
+  the target kind of machine, or converted with ``import-galvatron``) or the name of a reference profile
+  shipped with the package (:mod:`lightning_galvatron.reference_profiles`, e.g. ``a100``); its collectives,
+  overlap coefficient and memory overhead are used as they are;
 * the calibration: the measured blocks of ``--reference PROFILE`` (default: the hardware profile's own
-  model part, measured on that hardware). Without ``--hardware`` the newest profile in the local
-  profile cache serves as both -- then times are those of the local devices.
+  model part, measured on that hardware). Without ``--hardware`` the newest profile of the asked kind of
+  device in the local profile cache serves as both.
+
+It never extrapolates silently: the report names the profiles, a profile of another kind of device than the
+question's (``--accelerator``, default ``cuda``) is refused unless ``--allow-other-device`` says otherwise, and
+a block whose forward FLOPs are more than :data:`EXTRAPOLATION_WARNING` times (or less than its inverse) the
+measured block's is reported as an extrapolation: kernel efficiency does not scale with FLOPs over such ranges.
 """
 
 from __future__ import annotations
@@ -30,8 +36,17 @@ from typing import Any
 
 from lightning_galvatron.jsonfile import read_json_object
 from lightning_galvatron.profiles import HardwareProfile, Profile, ProfileError, load_profile
-from lightning_galvatron.search.analytic import ArchitectureShape, Scaling, analytic_profile, architecture_from_hf_config
+from lightning_galvatron.search.analytic import (
+    ArchitectureShape,
+    Scaling,
+    analytic_profile,
+    architecture_from_hf_config,
+)
 from lightning_galvatron.units import format_bytes, parse_bytes
+
+# Per-block FLOPs of decoder models from 1B to 70B parameters differ from a 7B block's by less than this factor;
+# beyond it the measured block says little about the kernels' efficiency (small blocks underuse a GPU).
+EXTRAPOLATION_WARNING = 10.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,8 @@ class ClusterEstimate:
     error: str | None = None
     seconds: float = 0.0
     sources: Mapping[str, str] = field(default_factory=dict)
+    precision: str | None = None
+    warnings: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -65,6 +82,8 @@ class ClusterEstimate:
             "seconds": self.seconds,
             "scaling": [vars(s) for s in self.scalings],
             "sources": dict(self.sources),
+            "precision": self.precision,
+            "warnings": list(self.warnings),
         }
         if self.result is not None:
             out["search"] = self.result.to_dict()
@@ -83,39 +102,92 @@ def estimate_cluster(
     reference: Profile | str | None = None,
     seq_length: int | None = None,
     sources: Mapping[str, str] | None = None,
+    device_type: str | None = None,
+    allow_other_device: bool = False,
+    precision: str | None = None,
     **search_options: Any,
 ) -> ClusterEstimate:
     """Search the best plan for ``architecture`` on ``world_size`` devices of ``memory_per_device``.
 
     ``hardware``: a profile whose hardware part describes the cluster; ``reference``: the profile whose
-    measured blocks calibrate compute and activations (default: ``hardware``'s). ``search_options``
-    go to :func:`lightning_galvatron.search.search` (``global_batch_size``, ``max_tp``, ``precision``, ...).
+    measured blocks calibrate compute and activations (default: ``hardware``'s). ``device_type``: the kind of
+    device asked about (``cuda``, ``cpu``; default: the hardware profile's); a profile measured on another kind
+    is refused unless ``allow_other_device``. ``precision``: default the reference's measured precision.
+    ``search_options`` go to :func:`lightning_galvatron.search.search` (``global_batch_size``, ``max_tp``, ...).
     """
     from lightning_galvatron.search import InfeasibleBudgetError, search
 
     started = time.perf_counter()
     hardware_profile = load_profile(hardware)
     reference_profile = load_profile(reference) if reference is not None else hardware_profile
+    names = dict(sources or {})
+    checked = {f"the hardware profile {names.get('hardware', '')}".rstrip(): hardware_profile}
+    if reference_profile is not hardware_profile:
+        checked[f"the reference profile {names.get('reference', '')}".rstrip()] = reference_profile
+    warnings = check_device_types(device_type or hardware_profile.device_type, checked, allow_other_device)
+    precision = precision or reference_profile.measured_precision or "bf16-mixed"
     seq = seq_length or architecture.default_seq_length
     if not seq:
         raise ValueError("the sequence length is not known from the model: pass --seq-length")
     budget = memory_per_device if memory_per_device is not None else hardware_profile.hardware.device_memory_bytes
     if budget is None:
-        raise ValueError("the hardware profile does not say the device memory: pass --memory-per-device, e.g. 80GB")
+        raise ValueError("the hardware profile does not say the device memory: pass --memory-budget, e.g. 80GB")
     budget = parse_bytes(budget)
     profile, scalings = analytic_profile(architecture, reference_profile, seq, hardware_profile.hardware)
+    warnings += extrapolation_warnings(scalings, names.get("reference", "the reference profile"))
     common = dict(
         architecture=architecture, profile=profile, scalings=tuple(scalings), world_size=world_size,
-        memory_budget_bytes=budget, seq_length=seq, sources=dict(sources or {}),
+        memory_budget_bytes=budget, seq_length=seq, sources=names, precision=precision, warnings=tuple(warnings),
     )
     try:
-        result = search(profile, world_size, budget, **search_options)
+        result = search(profile, world_size, budget, precision=precision, **search_options)
     except InfeasibleBudgetError as error:
         return ClusterEstimate(
             **common, smallest_budget_bytes=error.smallest_budget_bytes, error=str(error),
             seconds=time.perf_counter() - started,
         )
     return ClusterEstimate(**common, result=result, seconds=time.perf_counter() - started)
+
+
+def check_device_types(device_type: str | None, profiles: Mapping[str, Profile], allow_other_device: bool) -> list[str]:
+    """Refuse (``ValueError``) a profile measured on another kind of device than ``device_type``; return warnings
+    for profiles that do not say (and, with ``allow_other_device``, for the mismatches let through)."""
+    warnings = []
+    for name, profile in profiles.items():
+        measured = profile.device_type
+        if measured is None:
+            warnings.append(f"{name} does not record the kind of device it was measured on; its times are taken as "
+                            f"those of {device_type or 'the devices asked about'}")
+        elif device_type is not None and measured != device_type:
+            message = (f"{name} was measured on {measured} devices but the question is about {device_type} devices: its "
+                       f"times and bandwidths would be those of {measured}")
+            if not allow_other_device:
+                raise ValueError(
+                    f"{message}. Pass --hardware with a profile of {device_type} devices (shipped: "
+                    f"{_reference_names()}; or one written by `lightning-galvatron profile` on them), --accelerator "
+                    f"{measured} to ask about {measured} devices, or --allow-other-device to use it anyway"
+                )
+            warnings.append(message)
+    return warnings
+
+
+def extrapolation_warnings(scalings: Sequence[Scaling], reference: str) -> list[str]:
+    """One warning per block type whose forward FLOPs are far from the measured block's."""
+    out = []
+    for s in scalings:
+        if s.time_ratio > EXTRAPOLATION_WARNING or s.time_ratio < 1 / EXTRAPOLATION_WARNING:
+            out.append(
+                f"{s.layer_type}: forward time extrapolated x{s.time_ratio:.3g} in FLOPs from the measured block "
+                f"{s.reference!r} of {reference}; kernel efficiency does not scale with FLOPs over such a range, so "
+                "times are rough: use a reference profile (--reference) measured on a model of similar size"
+            )
+    return out
+
+
+def _reference_names() -> str:
+    from lightning_galvatron import reference_profiles
+
+    return reference_profiles.describe()
 
 
 # ---------------------------------------------------------------------------------------------- model sources
@@ -159,19 +231,28 @@ def _seq_length_of(module: Any) -> int | None:
     return None
 
 
-def newest_cached_profile() -> Path:
-    """The most recently written profile in the local profile cache (``lightning-galvatron profile``)."""
+def newest_cached_profile(device_type: str | None = None) -> Path:
+    """The most recently written profile (of ``device_type`` devices) in the local profile cache."""
     from lightning_galvatron.profiler.cache import default_cache_dir
 
     directory = default_cache_dir()
     files = sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime) if directory.is_dir() else []
-    if not files:
-        raise ValueError(
-            f"no --hardware profile given and none in the local profile cache ({directory}): pass --hardware PROFILE, "
-            "a profile written by `lightning-galvatron profile` on the target kind of machine or converted with "
-            "`lightning-galvatron import-galvatron`"
-        )
-    return files[-1]
+    others = []
+    for file in reversed(files):
+        try:
+            measured = Profile.load(file).device_type
+        except ProfileError:
+            continue
+        if device_type is None or measured == device_type:
+            return file
+        others.append(f"{file.name} ({measured or 'unknown device'})")
+    found = f"only profiles of other devices: {', '.join(others[:3])}" if others else "none"
+    raise ValueError(
+        f"no --hardware profile given and no profile of {device_type or 'any'} devices in the local profile cache "
+        f"({directory}; {found}): pass --hardware with a reference profile shipped with the package "
+        f"({_reference_names()}) or a profile written by `lightning-galvatron profile` on the target kind of machine "
+        "(or converted with `lightning-galvatron import-galvatron`)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -183,7 +264,10 @@ def describe(estimate: ClusterEstimate) -> str:
         f"Estimate for {arch.describe()}, sequence {estimate.seq_length}, on {estimate.world_size} devices with "
         f"{format_bytes(estimate.memory_budget_bytes)} each"
     )
-    lines = [head]
+    src = estimate.sources
+    lines = [head, f"Profiles: hardware {src.get('hardware', '?')}, measured blocks {src.get('reference', src.get('hardware', '?'))}; "
+                   f"precision {estimate.precision}"]
+    lines += [f"warning: {w}" for w in estimate.warnings]
     if estimate.result is not None:
         r = estimate.result
         lines.append(
@@ -198,7 +282,6 @@ def describe(estimate: ClusterEstimate) -> str:
             + (f"\nThe smallest memory per device that fits: {format_bytes(smallest)}." if smallest else "")
         )
     lines.append("\nHow these numbers were made:")
-    src = estimate.sources
     lines.append(f"  model: parameters and shapes counted exactly ({src.get('model', arch.name)})")
     for s in estimate.scalings:
         lines.append(
@@ -223,16 +306,23 @@ def run_estimate(args: Any) -> int:
     else:
         architecture = architecture_from_class(args.model, args.model_args, args.layers)
         model_source = args.model
-    hardware_path = args.hardware or str(newest_cached_profile())
+    from lightning_galvatron.reference_profiles import resolve
+
+    device_type = "cuda" if args.accelerator == "gpu" else args.accelerator
+    hardware_path = resolve(args.hardware) if args.hardware else str(newest_cached_profile(device_type))
+    reference_path = resolve(args.reference) if args.reference else None
+    hardware_name, reference_name = args.hardware or hardware_path, args.reference or args.hardware or hardware_path
     try:
         estimate = estimate_cluster(
             architecture,
             args.world_size,
-            args.memory_per_device,
+            args.memory_budget,
             hardware=hardware_path,
-            reference=args.reference,
+            reference=reference_path,
             seq_length=args.seq_length,
-            sources={"model": model_source, "hardware": hardware_path, "reference": args.reference or hardware_path},
+            sources={"model": model_source, "hardware": hardware_name, "reference": reference_name},
+            device_type=device_type,
+            allow_other_device=args.allow_other_device,
             global_batch_size=args.global_batch_size,
             search_batch_size=args.search_batch_size,
             max_global_batch_size=args.max_global_batch_size,

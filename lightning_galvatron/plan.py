@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_galvatron.jsonfile import read_json_object
+from lightning_galvatron.layout import Layout, rank_chunks
 
 DP_TYPES = ("ddp", "zero2", "zero3")
 SP_KINDS = ("none", "megatron", "ulysses")
@@ -254,11 +255,10 @@ class ParallelPlan:
 
     def stage_layers(self, stage: int) -> list[int]:
         """Block indices held by pipeline rank ``stage`` (several chunks when interleaved)."""
-        return [i for c in range(stage, self.pp * self.virtual_stages, self.pp) for i in self.chunk_layers(c)]
+        return [i for c in rank_chunks(stage, self.pp, self.virtual_stages) for i in self.chunk_layers(c)]
 
     def stage_ranks(self, stage: int) -> range:
-        n = self.devices_per_stage
-        return range(stage * n, (stage + 1) * n)
+        return Layout.stage(self).stage_ranks(stage)
 
     @property
     def uses_tensor_or_sequence_parallel(self) -> bool:

@@ -17,17 +17,19 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
+from lightning_galvatron._compat import override
 from lightning_galvatron.runtime.clipping import clip_grad_norm_
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
-class _GlobalNormClipping:
+class _GlobalNormClipping(Precision):
     """Mixin: clip by the norm over every mesh and pipeline stage."""
 
     pipeline_group: dist.ProcessGroup | None = None
     norm_excluded: frozenset[int] | set[int] = frozenset()  # ids of weights another stage already counts
 
+    @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         clip_grad_norm_(
@@ -87,3 +89,20 @@ def boundary_dtype(precision: str) -> torch.dtype:
 
 def precision_flag(plugin: Any) -> str:
     return str(getattr(plugin, "precision", "32-true"))
+
+
+def check_precision_first(connector: type, strategy: type) -> None:
+    """Have the Trainer refuse a precision we do not run with our message, before Lightning's own check (which, for
+    any ``ModelParallelStrategy``, speaks of ``Fabric(...)`` and suggests ``16-true``). Only our strategy's checks
+    change; the connector validates every other strategy as before."""
+    original = connector._validate_precision_choice
+    if getattr(original, "_galvatron_strategy", None) is strategy:
+        return
+
+    def validate_precision_choice(self: Any) -> None:
+        if isinstance(getattr(self, "strategy", None), strategy) or isinstance(self._strategy_flag, strategy):
+            check_precision(self._precision_flag)
+        original(self)
+
+    validate_precision_choice._galvatron_strategy = strategy  # type: ignore[attr-defined]
+    connector._validate_precision_choice = validate_precision_choice

@@ -43,46 +43,48 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_galvatron import _registry
+from lightning_galvatron._compat import override
 from lightning_galvatron.arguments import check_strategy_arguments
 from lightning_galvatron.autoplan import SearchSettings, check_memory_budget, optimizer_kind, plan_automatically
-from lightning_galvatron.checkpoint import load_checkpoint
-from lightning_galvatron.data import loader_batch_size, rebatch, shard_batch_size
+from lightning_galvatron.checkpoint import hf_models, load_checkpoint, whole_strided_tensors
+from lightning_galvatron.data import example_batch, first_dataloader, loader_batch_size, rebatch, shard_batch_size
 from lightning_galvatron.display import plan_table
 from lightning_galvatron.errors import leave_to_reporting_rank
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
 from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
-from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
+from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans, tensor_parallel_plan_or_reason
 from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
-from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_flag, precision_plugin_for
+from lightning_galvatron.precision import (
+    boundary_dtype,
+    check_precision_first,
+    mixed_precision_policy,
+    precision_flag,
+    precision_plugin_for,
+)
 from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan, check_runtime_support, input_shard
 from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.runtime.pipeline import PipelineRunner, join_micro_batches, loss_of
-from lightning_galvatron.runtime.sync import agree_across_ranks, broadcast_module_states
+from lightning_galvatron.runtime.sync import agree_across_ranks, broadcast_module_states, destroy_process_group
 from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 from lightning_galvatron.runtime.watchdog import RankMonitor, WatchdogSettings
-from lightning_galvatron.selection import Selection, SelectionCache, TrialSettings, select_by_measurement
-from lightning_galvatron.selection.running import StepClock
-from lightning_galvatron.selection.trials import (
-    TrialRunner,
-    TrialUnavailable,
-    global_batch_samples,
-    no_trials_reason,
-    preserved_rng,
-)
+from lightning_galvatron.selection import TrialSettings
 from lightning_galvatron.step_logs import recording_logs, replay_logs
+from lightning_galvatron.trials import choose_plan
 
+_DESCRIPTION = "Hybrid parallelism with a per-layer plan searched by Galvatron"
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 _STEP_OF = {
     TrainerFn.FITTING: "training_step",
@@ -109,12 +111,8 @@ class GalvatronStrategy(ModelParallelStrategy):
         calibration: price plans with the cost model calibrated from measured steps on this machine: a
             :class:`~lightning_galvatron.search.calibration.Calibration` or its JSON file (see
             ``benchmarks/README.md``); by default the profile alone.
-        trials: measured selection with ``plan="auto"``: the search's best plan, the best of each other kind and the
-            uniform plans that fit each train a few steps on a copy of the model, the cost model is calibrated from
-            them and searches again, and the fastest measured plan that fits is trained (the model, its optimizer
-            and the random state are untouched by the trials; the result is cached with the profile). ``True``
-            (default: 20 s at most), ``False`` (train the search's plan), a budget in seconds, or a dict of
-            :class:`~lightning_galvatron.selection.TrialSettings` fields, e.g. ``{"budget_s": 60, "timed_steps": 5}``.
+        trials: measured selection with ``plan="auto"`` (README): ``True`` (default, 20 s), ``False`` (the search's plan),
+            a budget in seconds or a dict of :class:`~lightning_galvatron.selection.TrialSettings` fields.
         save_plan: write the plan (and, when searched, the profile) next to the logger's files.
         layers: dotted path(s) of the container(s) holding the Transformer blocks, relative to the
             LightningModule (e.g. ``"model.blocks"``); detected when omitted.
@@ -172,9 +170,7 @@ class GalvatronStrategy(ModelParallelStrategy):
                 profile_cache, calibration,
             )
             self._watchdog = WatchdogSettings.of(watchdog)
-            self._trials = TrialSettings.of(trials)
-        self.selection: Selection | None = None  # what measured selection decided (plan="auto", trials on)
-        self._step_clock: StepClock | None = None
+            self._trials, self.selection = TrialSettings.of(trials), None  # selection: what the trials decided
         self._monitor: RankMonitor | None = None
         self._plan_source = plan
         self._save_plan = save_plan
@@ -188,7 +184,16 @@ class GalvatronStrategy(ModelParallelStrategy):
         self._parallelised: torch.nn.Module | None = None  # the model the plan was applied to
         self._applied: AppliedPlan | None = None
 
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """``strategy="galvatron"``; the Trainer then checks the precision with our message before Lightning's."""
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description=_DESCRIPTION)
+        check_precision_first(_AcceleratorConnector, cls)
+
     # ------------------------------------------------------------------ launch and environment
+    @override
     def _configure_launcher(self) -> None:
         """Before any worker starts: what depends on the devices (precision, the plan's world size, the budget)."""
         assert self.parallel_devices is not None
@@ -201,15 +206,17 @@ class GalvatronStrategy(ModelParallelStrategy):
                 check_memory_budget(self._search.memory_budget_bytes, device, len(self.parallel_devices))
         super()._configure_launcher()
 
+    @override
     def setup_environment(self) -> None:
         initialised_here = not dist.is_initialized()
         self._setup_distributed()
         if initialised_here:
-            atexit.register(_destroy_process_group)
+            atexit.register(destroy_process_group)
         self._meshes = MeshCache.shared(self.root_device.type)
         self._monitor = RankMonitor.connect(self.global_rank, self.world_size, self._watchdog)
 
     # ------------------------------------------------------------------ setup: resolve and apply the plan
+    @override
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -241,11 +248,11 @@ class GalvatronStrategy(ModelParallelStrategy):
         self.structure = find_blocks(module, self._layers)
         if self._plan_source == "auto":
             self._progress("setup: profiling and searching the plan")
-            with preserved_rng(self.root_device):  # profiles and trials draw random numbers; training must not see them
-                self.plan = self._search_plan(trainer, self.structure)
+            self.plan = self._search_plan(trainer, self.structure)
         else:
             self.plan = self._load_plan(self.world_size)
-        check_runtime_support(self.plan, self.structure)  # before the plan is printed or applied
+        tp_plans = block_tensor_parallel_plans(self.structure)  # the model side's plans, handed to the runtime
+        check_runtime_support(self.plan, self.structure, tp_plans)  # before the plan is printed or applied
         if self._plan_source != "auto":
             rank_zero_info(plan_table(self.plan, self.structure.block_names))
         outside = self._trace_outside_layers(trainer) if self.plan.pp > 1 else None
@@ -274,6 +281,7 @@ class GalvatronStrategy(ModelParallelStrategy):
             parallel_loss=self._uses_parallel_loss,
             boundary_dtype=boundary_dtype(precision_flag(self.precision_plugin)),
             outside_layers=outside,
+            tp_plans=tp_plans,
         )
         _materialize_distributed_module(self.model, self.root_device)
         self._parallelised = self.model
@@ -289,7 +297,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         assert self.structure is not None
         self._progress("setup: tracing the step for the pipeline")
         step = _STEP_OF[trainer.state.fn]
-        batch = _example_batch(_first_dataloader(trainer))
+        batch = example_batch(first_dataloader(trainer))
         return agree_across_ranks(
             lambda: trace_outside_layers(self.lightning_module, self.structure, step, batch),
             "which layers run before and after the blocks",
@@ -310,21 +318,19 @@ class GalvatronStrategy(ModelParallelStrategy):
                 "(empty_init / configure_model); create it with real weights, or pass a plan (e.g. one from "
                 "`lightning-galvatron search`)"
             )
-        loader = _first_dataloader(trainer)
+        loader = first_dataloader(trainer)
         per_device = loader_batch_size(loader)
         if per_device is None:
             raise PlanError(
                 'plan="auto" needs a DataLoader with a batch_size to profile with and to size the global batch; '
                 "pass a plan, or global_batch_size= with a DataLoader that has batch_size"
             )
-        example = move_data_to_device(_example_batch(loader), self.root_device)
+        example = move_data_to_device(example_batch(loader), self.root_device)
         global_batch = self._global_batch_size or per_device * self.world_size
         for block_type, example_block in {type(b).__name__: b for b in structure.blocks}.items():
-            if tensor_parallel_plan(example_block) is None:
-                rank_zero_info(
-                    f"Galvatron: {block_type} has no tensor-parallel plan, so its blocks are planned with tp=1 "
-                    "(declare one with lightning_galvatron.register_tensor_parallel_plan)"
-                )
+            reason = tensor_parallel_plan_or_reason(example_block)
+            if isinstance(reason, str):
+                rank_zero_info(f"Galvatron: {block_type} blocks are planned with tp=1: {reason}")
         if self.world_size == 1:
             rank_zero_info(
                 "Galvatron: one device: nothing communicates, so no hardware profile is measured; the plan chooses "
@@ -342,71 +348,21 @@ class GalvatronStrategy(ModelParallelStrategy):
             settings=self._search,
             optimizer=optimizer_kind(_configured_optimizer(module)),
         )
-        rank_zero_info(auto.report)
-        source = "cached profile" if auto.profile_cached else "profiling"
-        rank_zero_info(f"Galvatron: {source} took {auto.seconds['profile']:.2f} s, search {auto.seconds['search']:.2f} s")
-        if auto.plan.global_batch_size != global_batch:
-            rank_zero_info(
-                f"Galvatron: the search changed the global batch size from {global_batch} to "
-                f"{auto.plan.global_batch_size} (search_batch_size=True)"
-            )
-        plan = auto.plan
-        if self._trials is not None and trainer.state.fn == TrainerFn.FITTING:  # trials train
-            plan = self._select_by_measurement(trainer, auto, loader)
-        elif self.global_rank == 0 and auto.search_result is not None:
-            self._step_clock = StepClock(auto.search_result.estimate.step_time_s, None, None, rank_zero_info)
+        plan = choose_plan(self, trainer, auto, loader, global_batch)  # the report, then trials when fitting
         if self._save_plan:
             directory = _output_dir(trainer)  # collective (Lightning broadcasts the log directory)
             if self.global_rank == 0:
                 auto.profile.save(directory / "galvatron_profile.json")
         return plan
 
-    def _select_by_measurement(self, trainer: Any, auto: Any, loader: Any) -> ParallelPlan:
-        """``trials``: try the candidates on copies of the model, train the fastest measured (the same everywhere)."""
-        module = self.lightning_module
-        reason = no_trials_reason(module)
-        try:
-            if reason is not None:
-                raise TrialUnavailable(reason)
-            batch = global_batch_samples(loader, auto.plan.global_batch_size)
-        except TrialUnavailable as why:
-            rank_zero_info(f"Galvatron: no trials ({why}): training the search's plan")
-            return auto.plan
-        flag = precision_flag(self.precision_plugin)
-        traced: dict[str, OutsideLayers] = {}
-
-        def outside_layers() -> OutsideLayers:  # traced once, for the first pipelined candidate (collective)
-            if "layers" not in traced:
-                traced["layers"] = self._trace_outside_layers(trainer)
-            return traced["layers"]
-
-        runner = TrialRunner(
-            module, trainer, self._layers, batch, self._meshes, self.precision_plugin, mixed_precision_policy(flag),
-            boundary_dtype(flag), self.root_device, [name for name in _STEP_METHODS if is_overridden(name, module)],
-            self._vocab_parallel_loss, outside_layers,
-        )
-        assert self.structure is not None
-        rank_zero_info(f"Galvatron: measured selection: trying candidate plans for up to {self._trials.budget_s:g} s")
-        self.selection = select_by_measurement(
-            auto, runner, self._trials, cache=SelectionCache.of(self._search.profile_cache),
-            check=lambda plan: check_runtime_support(plan, self.structure), report=rank_zero_info, progress=self._progress,
-        )
-        rank_zero_info(self.selection.report())
-        if self.global_rank == 0:
-            chosen, runner_up = self.selection.chosen, self.selection.runner_up
-            predicted = (chosen.calibrated_step_s or chosen.predicted_step_s) if chosen is not None else None
-            self._step_clock = StepClock(
-                predicted, chosen.step_s if chosen is not None else None,
-                (runner_up.name, runner_up.plan, runner_up.step_s) if runner_up is not None else None, rank_zero_info,
-            )
-        return self.selection.plan
-
     # ------------------------------------------------------------------ data: batch semantics
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         num_shards, shard = input_shard(self._require_plan(), self.global_rank)
         return {"num_replicas": num_shards, "rank": shard}
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         plan = self._require_plan()
         num_shards, _ = input_shard(plan, self.global_rank)
@@ -437,16 +393,16 @@ class GalvatronStrategy(ModelParallelStrategy):
     def _runner(self) -> PipelineRunner | None:
         return self._applied.runner if self._applied is not None else None
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
             self._monitor.step_started(self.lightning_module.trainer.global_step)
-        if self._step_clock is not None:
-            self._step_clock.step_started()
         if self._runner is None:
             with self._step_context():
                 return super().training_step(*args, **kwargs)
         return self._run_micro_batches("training_step", self.precision_plugin.train_step_context, args, kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
             self._monitor.evaluation_step("validation", _batch_index(args, kwargs))
@@ -455,6 +411,7 @@ class GalvatronStrategy(ModelParallelStrategy):
                 return super().validation_step(*args, **kwargs)
         return self._run_micro_batches("validation_step", self.precision_plugin.val_step_context, args, kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
             self._monitor.evaluation_step("test", _batch_index(args, kwargs))
@@ -463,6 +420,7 @@ class GalvatronStrategy(ModelParallelStrategy):
                 return super().test_step(*args, **kwargs)
         return self._run_micro_batches("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
             self._monitor.evaluation_step("predict", _batch_index(args, kwargs))
@@ -520,12 +478,14 @@ class GalvatronStrategy(ModelParallelStrategy):
             call._call_lightning_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
 
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator:
         """Lightning accumulates gradients (``accumulate_grad_batches``): the ddp layers sum theirs once, at the
         window's last backward, as ``DistributedDataParallel.no_sync`` does."""
         with self._applied.gradients.deferred() if self._applied is not None else nullcontext():
             yield
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         # Each data shard returns the mean over its own samples; gradients are summed over dp groups,
         # so the shard loss is scaled to its share of the global-batch mean.
@@ -533,6 +493,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         with self._step_context():  # loss_parallel's backward rules apply in backward too
             return super().backward(closure_loss / num_shards, optimizer, *args, **kwargs)
 
+    @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(*args, **kwargs)  # runs the training step (the closure) in automatic optimization
         if self._monitor is not None:
@@ -540,13 +501,17 @@ class GalvatronStrategy(ModelParallelStrategy):
         return output
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self.plan is not None:
-            checkpoint["galvatron"] = {"plan": self.plan.to_dict()}
+        if self.plan is not None:  # hf_models: what `lightning-galvatron consolidate --hf` rebuilds
+            checkpoint["galvatron"] = {"plan": self.plan.to_dict(), "hf_models": hf_models(self.lightning_module)}
         self._progress(f"saving the checkpoint {filepath}")
+        if self._save_distributed_checkpoint:
+            checkpoint = whole_strided_tensors(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)
         self._progress(f"saved the checkpoint {filepath}")
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # Lightning's loader needs a DTensor parameter (a plan of plain DDP blocks has none) and restores the
         # optimizer's hyper-parameters only where the saving rank held the same parameters; ours loads any plan.
@@ -560,6 +525,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         return loaded
 
     # ------------------------------------------------------------------ failures and the end
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Every rank calls this when its run fails: one rank prints the error (or names the rank that died)."""
         super().on_exception(exception)
@@ -578,6 +544,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         elif not first:
             leave_to_reporting_rank(exception)
 
+    @override
     def teardown(self) -> None:
         if self._monitor is not None:
             self._monitor.stop()
@@ -611,27 +578,6 @@ def _batch_index(args: tuple, kwargs: dict) -> int:
     return index if isinstance(index, int) else 0
 
 
-def _first_dataloader(trainer: Any) -> Any:
-    """The DataLoader of the stage being set up (its first one), to take an example batch from."""
-    loop = {
-        TrainerFn.FITTING: trainer.fit_loop,
-        TrainerFn.VALIDATING: trainer.validate_loop,
-        TrainerFn.TESTING: trainer.test_loop,
-        TrainerFn.PREDICTING: trainer.predict_loop,
-    }[trainer.state.fn]
-    loaders = loop._data_source.dataloader()
-    while isinstance(loaders, (list, tuple, dict)):
-        loaders = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders[0]
-    return loaders
-
-
-def _example_batch(loader: Any) -> Any:
-    """The loader's first batch, without moving the random state training will use (a shuffling sampler draws
-    its seed from it)."""
-    with torch.random.fork_rng():
-        return next(iter(loader))
-
-
 def _configured_optimizer(module: Any) -> Optimizer | None:
     """The optimizer the module's configure_optimizers returns (the search sizes its states)."""
     try:
@@ -649,10 +595,4 @@ def _output_dir(trainer: Any) -> Path:
     return path
 
 
-def _destroy_process_group() -> None:
-    # Without this, gloo processes sometimes abort (SIGABRT) while tearing down at exit.
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-_registry.register_lightning()  # when this module was imported before Lightning itself
+GalvatronStrategy.register_strategies(StrategyRegistry)  # also called by _registry once Lightning is imported

@@ -179,9 +179,10 @@ def _cli(capsys, *argv: str) -> tuple[int, str]:
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("0", r"argument --memory-per-device: a device's memory must be more than 0 bytes, got '0'"),
-        ("1e400", r"argument --memory-per-device: '1e400' is not a byte size a device can have"),
-        ("-1GB", r"argument --memory-per-device: cannot read '-1GB' as a byte size"),
+        ("0", r"argument --memory-budget/--memory-per-device: a device's memory must be more than 0 bytes, got '0'"),
+        ("1e400GB", r"argument --memory-budget/--memory-per-device: '1e400GB' is not a byte size a device can have"),
+        ("36", r"argument --memory-budget/--memory-per-device: '36' has no unit: write e.g. '36GB'"),
+        ("-1GB", r"argument --memory-budget/--memory-per-device: cannot read '-1GB' as a byte size"),
     ],
 )
 def test_cli_memory_per_device(capsys, tmp_path, value, message):

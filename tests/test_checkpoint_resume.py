@@ -171,3 +171,27 @@ def test_full_checkpoint_files_resume_into_plans_without_a_pipeline(pools, tmp_p
     with pytest.raises(AssertionError, match=r"PlanError: save_distributed_checkpoint=False gathers the model on rank 0, "
                                              r"which holds only pipeline stage 0 of this pp=2 plan"):
         pools(4).run(run_distributed, DDP_PIPELINE, max_epochs=1, strategy_kwargs=full, **epochs)
+
+
+#: GPT-2's fused q/k/v split by heads is a strided shard, which DCP alone would write over its neighbours' rows.
+FUSED_QKV_TP = ParallelPlan(world_size=2, layers=(S(tp=2),) * 4, vocab=S(tp=2))
+
+
+def test_fused_projections_under_tensor_parallelism_save_and_resume(pools, tmp_path):
+    """Hugging Face GPT-2 under tp=2 (strided shards of ``c_attn``): saved after one epoch of one step, resumed under
+    the same plan (bit-identical to the uninterrupted run) and under plain DDP (as close as any two plans)."""
+    from tests.helpers.model_families import family
+
+    gpt2, checkpoint = family("gpt2"), str(tmp_path / "tp.ckpt")
+    common = dict(model=gpt2, num_samples=8, global_batch=8)
+    uninterrupted = pools(2).run(run_distributed, FUSED_QKV_TP, max_epochs=2, **common)[0]
+    pools(2).run(run_distributed, FUSED_QKV_TP, max_epochs=1, save_path=checkpoint, **common)
+    same = pools(2).run(run_distributed, FUSED_QKV_TP, max_epochs=2, ckpt_path=checkpoint, **common)[0]
+    ddp = pools(2).run(run_distributed, ParallelPlan.uniform(2, 4, S()), max_epochs=2, ckpt_path=checkpoint, **common)[0]
+    assert same.losses == uninterrupted.losses[1:]
+    for name, value in uninterrupted.state.items():
+        assert torch.equal(same.state[name], value), name
+    torch.testing.assert_close(torch.tensor(ddp.losses), torch.tensor(uninterrupted.losses[1:]), atol=1e-5, rtol=0)
+    assert_parameters_moved_alike(
+        ddp.state, uninterrupted.state, uninterrupted.initial, FP32_TOL["param_rtol"], FP32_TOL["param_mean_rtol"]
+    )

@@ -47,9 +47,9 @@ def test_llama2_7b_on_eight_a100s_of_36gb_fits_within_ten_seconds():
     assert data["memory_budget_bytes"] == budget
     assert data["search"]["peak_memory_bytes_per_device"] <= budget
     assert data["parameters"] == 6_738_415_616  # Llama-2-7B, counted from the config
-    # HF Llama layers take rotary tables and masks: tensor parallelism without Megatron-SP, in plan and baselines
+    # HF Llama layers (sdpa) run Megatron-SP and Ulysses too: every degree divides the 32 heads and the sequence
     plans = [data["search"]["plan"], *(b["plan"] for b in data["search"]["baselines"] if "plan" in b)]
-    assert all(layer["sp"] == "none" for plan in plans for layer in plan["layers"])
+    assert all(32 % layer["tp"] == 0 and 2048 % layer["tp"] == 0 for plan in plans for layer in plan["layers"])
     plan = data["search"]["plan"]
     assert plan["world_size"] == 8 and len(plan["layers"]) == 32
 
@@ -74,7 +74,8 @@ def test_the_analytic_profile_reproduces_the_measured_one_for_the_measured_model
     layer, reference = analytic.model.layer_types[0], measured.model.layer_types[0]
     assert layer.activation_bytes_per_sample == reference.activation_bytes_per_sample
     assert layer.forward_time.per_sample_s == pytest.approx(reference.forward_time.per_sample_s, rel=0.01)
-    assert not (layer.supports_megatron_sp or layer.supports_ulysses)  # as the runtime executes HF Llama layers
+    assert layer.supports_megatron_sp and layer.supports_ulysses  # as the runtime executes HF Llama layers (sdpa)
+    assert layer.tensor_parallel_divisors == (32, 32, 11008) and layer.ulysses_divisors == (32,)
     ours = search(analytic, 8, "36GB", global_batch_size=16, baselines=False)
     theirs = search(measured, 8, "36GB", global_batch_size=16, baselines=False)
     assert ours.throughput_samples_per_s == pytest.approx(theirs.throughput_samples_per_s, rel=0.03)
@@ -134,7 +135,7 @@ def test_without_a_hardware_profile_the_local_cache_is_used(capsys, tmp_path, mo
     monkeypatch.setenv("LIGHTNING_GALVATRON_CACHE", str(tmp_path))
     args = ["estimate", "--hf-config", str(LLAMA_CONFIG), "--world-size", "8", "--memory-per-device", "36GB", "--seq-length", "2048"]
     assert main(args) == 2
-    assert "no --hardware profile given and none in the local profile cache" in capsys.readouterr().err
+    assert "no --hardware profile given and no profile of cuda devices in the local profile cache" in capsys.readouterr().err
     (tmp_path / "cached.json").write_text(A100.read_text())
     assert main([*args, "--profile-output", str(tmp_path / "analytic.json")]) == 0
     out = capsys.readouterr().out

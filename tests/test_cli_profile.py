@@ -51,16 +51,32 @@ def test_profile_without_a_launcher_says_how_to_run(tmp_path, capsys, monkeypatc
     assert "torchrun --nproc-per-node" in capsys.readouterr().err
 
 
-def test_config_sections_and_command_line_overrides(monkeypatch):
+def test_config_sections_and_command_line_overrides(monkeypatch, tmp_path):
+    """The YAML is read by LightningCLI: init arguments are checked, class paths are followed, the command line wins."""
     monkeypatch.chdir(REPO)
+    classes = ["--model", "examples.gpt:GPTModule", "--datamodule", "examples.gpt:ArithmeticDataModule"]
     args = build_parser().parse_args([
-        "profile", "--config", "configs/gpt_tiny_cpu.yaml", "--model", "examples.gpt:GPTModule",
-        "--datamodule", "examples.gpt:ArithmeticDataModule", "--model-args", '{"n_layer": 2}', "-o", "x.json",
+        "profile", "--config", "configs/gpt_tiny_cpu.yaml", *classes, "--model-args", '{"n_layer": 2}', "-o", "x.json",
     ])  # fmt: skip
-    model_cls, model_args, data_cls, data_args, precision = _resolve_inputs(args)
-    assert model_cls.__name__ == "GPTModule" and data_cls.__name__ == "ArithmeticDataModule"
-    assert model_args["n_layer"] == 2 and model_args["n_embd"] == 64  # the command line wins over the YAML
-    assert data_args == {"batch_size": 4, "seq_length": 32} and precision == "32-true"
+    inputs = _resolve_inputs(args)
+    model, data = inputs.build()
+    assert type(model).__name__ == "GPTModule" and type(data).__name__ == "ArithmeticDataModule"
+    assert model.hparams.n_layer == 2 and model.hparams.n_embd == 64  # the command line wins over the YAML
+    assert (data.hparams.batch_size, data.hparams.seq_length) == (4, 32) and inputs.precision == "32-true"
+
+    with_paths = tmp_path / "class_paths.yaml"
+    with_paths.write_text(
+        "trainer:\n  precision: bf16-mixed\nmodel:\n  class_path: examples.gpt.GPTModule\n  init_args:\n    n_layer: 3\n"
+        "data:\n  class_path: examples.gpt.ArithmeticDataModule\n"
+    )
+    inputs = _resolve_inputs(build_parser().parse_args(["profile", "--config", str(with_paths), "-o", "x.json"]))
+    model, _ = inputs.build()
+    assert model.hparams.n_layer == 3 and inputs.precision == "bf16-mixed"
+
+    typo = build_parser().parse_args(["profile", "--config", "configs/gpt_tiny_cpu.yaml", *classes, "--model-args",
+                                      '{"n_layerz": 2}', "-o", "x.json"])
+    with pytest.raises(ValueError, match="n_layerz"):  # LightningCLI checks init arguments against the signature
+        _resolve_inputs(typo)
 
 
 def test_class_paths(monkeypatch):

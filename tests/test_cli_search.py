@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lightning_galvatron.cli import build_parser, main
+from lightning_galvatron.cli import main
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiles import Profile
 from tests.search_profiles import A100_PROFILE, GALVATRON_DIR, REFERENCE_PLAN
@@ -64,16 +64,16 @@ def test_import_galvatron(capsys, tmp_path):
 
 
 def test_errors_are_messages_not_tracebacks(capsys, tmp_path):
-    code, _, err = run(capsys, "search", str(A100_PROFILE), "--world-size", "8", "--memory-per-device", "4GB", "--global-batch-size", "8")
-    assert code == 2 and "smallest budget that fits is" in err
-    code, _, err = run(capsys, "search", str(tmp_path / "missing.json"), "--world-size", "8", "--memory-per-device", "4GB")
+    code, _, err = run(capsys, "search", str(A100_PROFILE), "--world-size", "8", "--memory-budget", "4GB", "--global-batch-size", "8")
+    assert code == 1 and "smallest budget that fits is" in err  # a well-formed question answered "no"
+    code, _, err = run(capsys, "search", str(tmp_path / "missing.json"), "--world-size", "8", "--memory-budget", "4GB")
     assert code == 2 and "does not exist" in err
     code, _, err = run(capsys, "search", str(A100_PROFILE), "--world-size", "8")
-    assert code == 2 and "--memory-per-device" in err
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["search", str(A100_PROFILE), "--world-size", "8", "--memory-per-device", "lots"])
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["search", str(A100_PROFILE), "--world-size", "8", "--disable", "magic"])
+    assert code == 2 and "--memory-budget" in err
+    code, _, err = run(capsys, "search", str(A100_PROFILE), "--world-size", "8", "--memory-per-device", "lots")
+    assert code == 2 and "cannot read 'lots' as a byte size" in err
+    code, _, err = run(capsys, "search", str(A100_PROFILE), "--world-size", "8", "--disable", "magic")
+    assert code == 2 and "invalid choice: 'magic'" in err
 
 
 def test_search_options_reach_the_engine(capsys):

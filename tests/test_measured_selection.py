@@ -82,7 +82,8 @@ def _trials_on_copies() -> dict:
     from lightning_galvatron.model.discovery import find_blocks
     from lightning_galvatron.model.outside_layers import trace_outside_layers
     from lightning_galvatron.runtime.mesh import MeshCache
-    from lightning_galvatron.selection.trials import TrialRunner, global_batch_samples, preserved_rng
+    from lightning_galvatron.selection import preserved_rng
+    from lightning_galvatron.trials import TrialRunner, global_batch_samples
 
     torch.manual_seed(1234)
     module = _CountingGPT(**{**TINY_GPT, **DROPOUT})

@@ -5,14 +5,14 @@ from __future__ import annotations
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.runtime.apply import input_shard
-from lightning_galvatron.runtime.mesh import Layout
+from lightning_galvatron.layout import Layout
 
 
 def test_consecutive_and_strided_grids():
     consecutive = Layout(world_size=8, pp=2, tp=2, consecutive=True).rank_grid()
-    assert consecutive.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]  # [pp][dp][tp]
+    assert consecutive == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]  # [pp][dp][tp]
     strided = Layout(world_size=8, pp=2, tp=2, consecutive=False).rank_grid()
-    assert strided.tolist() == [[[0, 2], [1, 3]], [[4, 6], [5, 7]]]
+    assert strided == [[[0, 2], [1, 3]], [[4, 6], [5, 7]]]
 
 
 def test_coordinates_agree_with_the_grid():
@@ -21,7 +21,7 @@ def test_coordinates_agree_with_the_grid():
         for stage in range(layout.pp):
             for dp_rank in range(layout.dp):
                 for tp_rank in range(layout.tp):
-                    rank = int(grid[stage, dp_rank, tp_rank])
+                    rank = grid[stage][dp_rank][tp_rank]
                     assert layout.coordinates(rank) == (stage, dp_rank, tp_rank)
 
 

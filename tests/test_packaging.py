@@ -54,3 +54,19 @@ def test_license_and_type_marker_are_shipped():
     assert (REPO / "LICENSE").read_text().startswith(" " * 33 + "Apache License")
     assert (REPO / "lightning_galvatron" / "py.typed").is_file()
     assert metadata.metadata("lightning_galvatron")["License-Expression"] == "Apache-2.0"
+
+
+def test_reference_profiles_are_package_data():
+    """``estimate --hardware a100`` reads them from the installed package: the wheel must carry every one."""
+    import tomllib
+
+    from lightning_galvatron import reference_profiles
+
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["lightning_galvatron"]
+    package = REPO / "lightning_galvatron"
+    shipped = {path for pattern in globs for path in package.glob(pattern)}
+    files = set((package / "reference_profiles").glob("*.json"))
+    assert files and files <= shipped
+    assert {path.stem for path in files} == set(reference_profiles.names())
+    for name in reference_profiles.names():
+        assert reference_profiles.load(name).device_type == "cuda"

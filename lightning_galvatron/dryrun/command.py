@@ -8,42 +8,42 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from lightning_galvatron.cli import _byte_size, _json_object
+    from lightning_galvatron.cli import (
+        add_json_option,
+        add_memory_budget_option,
+        add_model_options,
+        add_precision_option,
+        add_search_options,
+    )
     from lightning_galvatron.dryrun import PHASES
-    from lightning_galvatron.plan import SCHEDULES
-    from lightning_galvatron.search.space import DISABLE_CHOICES
 
-    model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--hf-config", help="a Hugging Face config.json: AutoModelForCausalLM with a next-token loss (nothing is downloaded)")
-    model.add_argument("--model", help="a LightningModule class, MODULE:CLASS or module.Class (its own steps and optimizer run)")
-    p.add_argument("--model-args", type=_json_object, default={}, help="with --model: its init arguments as a JSON object")
-    p.add_argument("--layers", nargs="+", help="dotted path(s) of the block container(s) (default: detected)")
+    add_model_options(
+        p, hf_help="a Hugging Face config.json: AutoModelForCausalLM with a next-token loss (nothing is downloaded)",
+        model_help="a LightningModule class, MODULE:CLASS or module.Class (its own steps and optimizer run)",
+    )
     p.add_argument("--plan", required=True, help="plan JSON (ours or the reference system's format), or 'auto' to search one with --hardware")
     p.add_argument("--world-size", type=int, help="number of devices (default: the plan's)")
     p.add_argument("--ranks", default="sample", help="'sample' (first, middle and last rank of every stage; default), 'all', or ranks like 0,5,63")
-    p.add_argument("--seq-length", type=int, help="tokens per sample (default: the config's maximum positions)")
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the plan's)")
-    p.add_argument("--precision", default="bf16-mixed", help="32-true, bf16-mixed or bf16-true (default: bf16-mixed)")
+    add_precision_option(p)
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES, help="what to step (default: all)")
-    p.add_argument("--hardware", help="hardware profile JSON for the cost model's prediction (and for --plan auto)")
+    p.add_argument("--hardware", help="hardware profile JSON (or a reference profile's name, a100) for the cost model's prediction (and for --plan auto)")
     p.add_argument("--reference", help="profile whose measured blocks are scaled to the model (default: --hardware)")
     p.add_argument("--profile", help="instead of --hardware: a full profile of this model")
-    p.add_argument("--memory-per-device", type=_byte_size, help="with --plan auto: the memory budget per device")
-    p.add_argument("--max-tp", type=int, help="with --plan auto: largest tensor/sequence-parallel degree")
-    p.add_argument("--max-pp", type=int, help="with --plan auto: largest pipeline degree")
-    p.add_argument("--disable", nargs="+", default=[], choices=sorted(DISABLE_CHOICES), metavar="WHAT", help="with --plan auto: leave out")
-    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, help="with --plan auto: pipeline schedules allowed")
+    add_memory_budget_option(p, "with --plan auto: the memory budget per device, e.g. 36GB")
+    add_search_options(p, prefix="with --plan auto: ")
     p.add_argument("--gradient-clip-val", type=float, help="clip by the global norm before the optimizer step")
     p.add_argument("--real-tensors", action="store_true", help="zero-filled CPU tensors instead of fake ones (faster; small models only)")
     p.add_argument("--no-memory", action="store_true", help="do not measure memory (faster)")
     p.add_argument("--workers", type=int, help="ranks simulated at a time (default: the CPU count)")
     p.add_argument("--events", action="store_true", help="with --json: include every rank's recorded operations")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_json_option(p)
 
 
 def run_dry_run(args: Any) -> int:
     import torch
 
+    from lightning_galvatron.cli import profile_path
     from lightning_galvatron.dryrun.models import ModelSource
     from lightning_galvatron.dryrun.run import dry_run
 
@@ -57,15 +57,27 @@ def run_dry_run(args: Any) -> int:
     source = ModelSource.from_hf_config(args.hf_config, args.layers) if args.hf_config else ModelSource.from_class(args.model, args.model_args, args.layers)
     search_options = {
         key: value
-        for key, value in {"max_tp": args.max_tp, "max_pp": args.max_pp, "disable": args.disable, "schedules": args.schedules}.items()
+        for key, value in {
+            "max_tp": args.max_tp, "max_pp": args.max_pp, "disable": args.disable, "schedules": args.schedules,
+            "search_batch_size": args.search_batch_size, "max_global_batch_size": args.max_global_batch_size,
+        }.items()
         if value
     }
+    hardware, reference, profile = (profile_path(p) if p else None for p in (args.hardware, args.reference, args.profile))
+    precision = args.precision or _measured_precision(profile or reference or hardware)
     report = dry_run(
-        source, args.plan, world_size=args.world_size, ranks=ranks, precision=args.precision, seq_length=args.seq_length,
-        global_batch_size=args.global_batch_size, phases=args.phases, hardware=args.hardware, reference=args.reference,
-        profile=args.profile, memory_per_device=args.memory_per_device, search_options=search_options,
+        source, args.plan, world_size=args.world_size, ranks=ranks, precision=precision, seq_length=args.seq_length,
+        global_batch_size=args.global_batch_size, phases=args.phases, hardware=hardware, reference=reference,
+        profile=profile, memory_per_device=args.memory_budget, search_options=search_options,
         measure_memory=not args.no_memory, gradient_clip_val=args.gradient_clip_val, real_tensors=args.real_tensors,
         workers=args.workers,
     )
     print(json.dumps(report.to_dict(events=args.events), indent=2) if args.json else report.describe())
     return 0 if report.ok else 1
+
+
+def _measured_precision(profile_file: str | None) -> str:
+    """The precision the profile was measured in, else bf16-mixed (what the cost model's prediction assumes)."""
+    from lightning_galvatron.profiles import Profile
+
+    return (Profile.load(profile_file).measured_precision if profile_file else None) or "bf16-mixed"

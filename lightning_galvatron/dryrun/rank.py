@@ -50,6 +50,7 @@ from lightning_galvatron.dryrun.memory import StepMemoryTracker
 from lightning_galvatron.dryrun.trace import Recording
 from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.model.outside_layers import trace_outside_layers
+from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans
 from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_plugin_for
 from lightning_galvatron.runtime.apply import apply_plan
 from lightning_galvatron.runtime.mesh import Layout, MeshCache, local_tensor
@@ -157,6 +158,7 @@ def _run(job: RankJob, rank: int, recording: Any, result: RankResult) -> None:
             entry_methods=[name for name in _STEP_METHODS if is_overridden(name, module)],
             boundary_dtype=boundary_dtype(job.precision),
             outside_layers=outside,
+            tp_plans=block_tensor_parallel_plans(structure),
         )
     result.blocks, result.outside_blocks = _holdings(module, blocks, names, plan, applied)
     result.groups = _groups(recording, meshes, plan, rank)
@@ -329,7 +331,7 @@ def _placements(p: torch.Tensor) -> str:
 def _groups(recording: Any, meshes: Any, plan: Any, rank: int) -> list[dict[str, Any]]:
     """The process groups this rank belongs to, named by what the plan uses them for."""
     purposes: dict[str, list[str]] = {}
-    stage = Layout(plan.world_size, plan.pp, 1)
+    stage = Layout.stage(plan)
     layouts = {stage: "stage"}
     for i, s in [(None, plan.vocab), *enumerate(plan.layers)]:
         layouts.setdefault(Layout.of(plan, s), f"tp={s.tp} {'consecutive' if Layout.of(plan, s).consecutive else 'strided'}")

@@ -165,6 +165,7 @@ def dry_run(
     """
     from lightning_galvatron.autoplan import optimizer_kind
     from lightning_galvatron.model.discovery import find_blocks
+    from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans
     from lightning_galvatron.runtime.apply import check_runtime_support
 
     started = time.perf_counter()
@@ -205,7 +206,7 @@ def dry_run(
         if resolved.global_batch_size is None:
             resolved = resolved.replace(global_batch_size=resolved.batch_granularity * -(-resolved.world_size // resolved.batch_granularity))
         estimate = _predict(resolved, architecture, seq, hardware, reference, profile, precision, optimizer)
-    check_runtime_support(resolved, structure)
+    check_runtime_support(resolved, structure, block_tensor_parallel_plans(structure))
 
     chosen = resolve_ranks(ranks, resolved)
     job = RankJob(

@@ -1,4 +1,4 @@
-"""Per-call state that models hand to their blocks: key/value caches.
+"""Per-call state that models hand to their blocks: key/value caches; where a call's hidden states are.
 
 Hugging Face models create a KV cache object for every forward call at their default config
 (``use_cache=True``, in training too) and pass it to each block (``past_key_values=``), which
@@ -11,23 +11,7 @@ same thing without one.
 
 from __future__ import annotations
 
-from typing import Any
+# Defined with the runtime's block conventions (the runtime never imports model/); kept here by name.
+from lightning_galvatron.runtime.structure import hidden_states_of, is_kv_cache, without_kv_caches
 
-import torch
-
-
-def is_kv_cache(value: Any) -> bool:
-    """A key/value cache object (Hugging Face's ``Cache`` API: ``update`` and ``get_seq_length``)."""
-    return (
-        not isinstance(value, torch.Tensor)
-        and callable(getattr(value, "update", None))
-        and callable(getattr(value, "get_seq_length", None))
-    )
-
-
-def without_kv_caches(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``args`` and ``kwargs`` of a block call with every KV cache replaced by ``None``."""
-    return (
-        tuple(None if is_kv_cache(a) else a for a in args),
-        {k: None if is_kv_cache(v) else v for k, v in kwargs.items()},
-    )
+__all__ = ["hidden_states_of", "is_kv_cache", "without_kv_caches"]

@@ -18,10 +18,13 @@ with at least :data:`COMPANION_SHARE` of its parameters is a block list too, in 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+
+# The runtime defines what it needs to know of a model; discovery fills it in (model/ -> runtime/).
+from lightning_galvatron.runtime.structure import BlockList, ModelStructure, model_class
+
+__all__ = ["COMPANION_SHARE", "BlockDiscoveryError", "BlockList", "ModelStructure", "find_blocks", "model_class"]
 
 
 #: A second block container counts as another block list (an encoder's or a decoder's) when it holds at
@@ -31,50 +34,6 @@ COMPANION_SHARE = 0.25
 
 class BlockDiscoveryError(ValueError):
     """The model's Transformer blocks could not be found; the message says what to pass."""
-
-
-@dataclass(frozen=True)
-class BlockList:
-    """One container of same-class blocks and where it sits in the model."""
-
-    path: str
-    container: nn.Module
-
-    @property
-    def blocks(self) -> list[nn.Module]:
-        return list(self.container.children())
-
-    @property
-    def block_type(self) -> str:
-        return model_class(self.blocks[0]).__name__
-
-
-@dataclass(frozen=True)
-class ModelStructure:
-    """The blocks of a model in execution order, across one or more block lists."""
-
-    root: nn.Module
-    block_lists: tuple[BlockList, ...]
-
-    @property
-    def blocks(self) -> list[nn.Module]:
-        return [block for block_list in self.block_lists for block in block_list.blocks]
-
-    @property
-    def block_names(self) -> list[str]:
-        return [f"{bl.path}.{i}" for bl in self.block_lists for i in range(len(bl.blocks))]
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(len(bl.blocks) for bl in self.block_lists)
-
-    def block_parameter_ids(self) -> set[int]:
-        return {id(p) for block in self.blocks for p in block.parameters()}
-
-    def vocab_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """Named parameters outside every block: embeddings, final norm, head."""
-        in_blocks = self.block_parameter_ids()
-        return [(name, p) for name, p in self.root.named_parameters() if id(p) not in in_blocks]
 
 
 def find_blocks(model: nn.Module, layers: str | Sequence[str] | None = None) -> ModelStructure:
@@ -145,11 +104,6 @@ def _is_block_container(module: nn.Module) -> bool:
         return False
     first = model_class(children[0])
     return all(model_class(c) is first for c in children) and _num_params(children[0]) > 0 and len(list(children[0].children())) > 0
-
-
-def model_class(module: nn.Module) -> type:
-    """The user's class of a module, looking through the classes FSDP2 inserts when it shards one."""
-    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
 
 
 def _container_names(model: nn.Module) -> str:

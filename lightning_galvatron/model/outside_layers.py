@@ -23,8 +23,7 @@ can tell which paths reach the step's outputs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,56 +32,21 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.plan import PlanError
+from lightning_galvatron.runtime.structure import (
+    ModelStructure,
+    OutsideLayers,
+    block_output_hidden,
+    hidden_states_of,
+    parameter_holders,
+)
+
+__all__ = ["OutsideLayers", "block_output_hidden", "hidden_states_of", "parameter_holders", "trace_outside_layers"]
 
 BEFORE, BETWEEN, INSIDE, AFTER = "before", "between", "inside", "after"
 _WHERE = {
     BEFORE: "before the blocks", BETWEEN: "between the blocks", INSIDE: "inside a block", AFTER: "after the blocks"
 }
-
-
-@dataclass(frozen=True)
-class OutsideLayers:
-    """Modules holding parameters outside the blocks (names relative to the root), by where the step runs them.
-
-    Modules the traced step never called keep the side of the blocks they are registered on.
-    """
-
-    before: tuple[str, ...]
-    after: tuple[str, ...]
-
-
-def hidden_states_of(args: tuple, kwargs: Mapping[str, Any]) -> tuple[int | str, torch.Tensor]:
-    """Where a block's hidden states are among its inputs, and the tensor: the first positional tensor, else
-    ``hidden_states=`` (the rule every part of the runtime uses)."""
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            return i, a
-    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-        return "hidden_states", kwargs["hidden_states"]
-    raise PlanError("a block was called without a hidden-states tensor (a first positional tensor or hidden_states=)")
-
-
-def block_output_hidden(output: Any) -> torch.Tensor:
-    """The hidden states a block returns: the output itself, or the first element of a tuple/list."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise PlanError(
-        f"a block returned {type(output).__name__}; expected the hidden states (or a tuple starting with them)"
-    )
-
-
-def parameter_holders(structure: ModelStructure) -> dict[str, nn.Module]:
-    """Modules outside the blocks that hold parameters themselves, by name (registration order)."""
-    in_blocks = {id(m) for block in structure.blocks for m in block.modules()}
-    return {
-        name: module
-        for name, module in structure.root.named_modules()
-        if id(module) not in in_blocks and any(True for _ in module.parameters(recurse=False))
-    }
 
 
 def trace_outside_layers(module: nn.Module, structure: ModelStructure, step: str, batch: Any) -> OutsideLayers:

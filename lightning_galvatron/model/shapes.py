@@ -150,6 +150,8 @@ def block_shape(block: nn.Module, hidden: int) -> BlockShape:
         supports_megatron_sp=plan is not None and plan.megatron_sp,
         supports_ulysses=plan is not None and plan.ulysses,
         tp_collectives_per_forward=_row_parallel_layers(plan) or 2,
+        tensor_parallel_divisors=tuple(plan.divisible.values()) if plan is not None else (),
+        ulysses_divisors=tuple(plan.ulysses_sizes.values()) if plan is not None else (),
     )
 
 

@@ -3,29 +3,30 @@
 A :class:`BlockTensorParallelPlan` maps submodule names (relative to the block) to DTensor
 ``ParallelStyle`` objects, like torchtitan's plans, in two variants: plain tensor parallelism and
 Megatron sequence parallelism. It also says which degrees are exact for the block (a degree must
-divide the attention heads and the projection widths) and fixes attributes that hold global sizes
-(e.g. GPT-2's fused-projection ``split_size``).
+divide the attention heads and the projection widths), whether the block can run Ulysses, which of
+its inputs are per position (split with the sequence under Ulysses) and fixes attributes that hold
+global sizes (e.g. GPT-2's fused-projection ``split_size``).
 
 Plans come from, in order:
 
-1. plans registered by the user with :func:`register_tensor_parallel_plan` (for their own blocks);
-2. built-in plans for known families: Hugging Face GPT-2, BERT-style encoder layers (BERT, RoBERTa and
-   others with ``attention.self.query/key/value``, ``attention.output.dense``, ``intermediate.dense``,
-   ``output.dense``; with Megatron sequence parallelism) and PyTorch's ``nn.TransformerEncoderLayer`` /
-   ``nn.TransformerDecoderLayer`` (``batch_first=True``; their ``nn.MultiheadAttention`` is split by
-   :class:`~lightning_galvatron.runtime.tensor_parallel.ParallelMultiheadAttention`);
+1. plans registered with :func:`register_tensor_parallel_plan`: the user's, and the built-in plans of
+   known families (:mod:`lightning_galvatron.model.families`: Hugging Face GPT-2, GPT-NeoX, Llama, Qwen2,
+   Mistral, Gemma, Phi, OPT, Falcon, BLOOM, GPT-J, GPTBigCode, BART, T5, LitGPT, ``nn.Transformer*``),
+   registered through the same function by qualified class name (nothing is imported for them); a
+   registration for a class wins over one for its base classes, a user's over a built-in one;
+2. BERT-style encoder layers found by their structure (BERT, RoBERTa and others with
+   ``attention.self.query/key/value``, ``attention.output.dense``, ``intermediate.dense``, ``output.dense``);
 3. inference for blocks built from ``nn.Linear`` layers with the usual names (``q_proj``/``k_proj``/
    ``v_proj``/``out_proj``/``o_proj``, ``up_proj``/``gate_proj``/``down_proj``, ``fc1``/``fc2``, ...):
-   this covers the example GPT, Llama-style decoders and many others.
+   this covers the example GPT and many others whose attention reshapes with ``-1`` heads.
 
-A block with no plan is offered ``tp = 1`` only, and the strategy says so once.
+A block with no plan is offered ``tp = 1`` only, and the strategy says why once.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -37,61 +38,45 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from lightning_galvatron.model.discovery import model_class
-from lightning_galvatron.runtime.tensor_parallel import (
-    ColwiseConv1D,
-    ParallelMultiheadAttention,
-    RowwiseConv1D,
-    multihead_attention_unsupported,
-)
+from lightning_galvatron.model.discovery import ModelStructure, model_class
+from lightning_galvatron.model.plan_registry import PlanFactory, add_plan, find_plan
 
-StylesFn = Callable[[bool], Mapping[str, ParallelStyle]]
+# The runtime defines the plan type it executes; families fill it in (model/ -> runtime/).
+from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, StylesFn
 
-
-@dataclass(frozen=True)
-class BlockTensorParallelPlan:
-    """How to split one block type.
-
-    Attributes:
-        styles: ``styles(sequence_parallel)`` -> submodule name -> ``ParallelStyle``.
-        divisible: named sizes every degree must divide (attention heads, key/value heads, widths).
-        megatron_sp: the plan has a Megatron sequence-parallel variant.
-        ulysses: the block can run Ulysses sequence parallelism (it takes the hidden states as its
-            only input and its attention calls ``F.scaled_dot_product_attention``).
-        localize: fix attributes holding global sizes after splitting, ``localize(block, tp)``.
-    """
-
-    styles: StylesFn
-    divisible: Mapping[str, int] = field(default_factory=dict)
-    megatron_sp: bool = False
-    ulysses: bool = False
-    localize: Callable[[nn.Module, int], None] = field(default=lambda block, tp: None)
-
-    def unsupported(self, tp: int, sp: str) -> str | None:
-        """Why ``(tp, sp)`` cannot run exactly on this block, or ``None`` if it can."""
-        bad = [f"{size} {what}" for what, size in self.divisible.items() if size % tp]
-        if bad:
-            return f"degree {tp} does not divide the {', '.join(bad)}"
-        if sp == "megatron" and not self.megatron_sp:
-            return "the block has no Megatron sequence-parallel plan"
-        if sp == "ulysses" and not self.ulysses:
-            return "the block cannot run Ulysses (it takes more inputs than the hidden states)"
-        return None
+__all__ = [
+    "HF_POSITION_INPUTS",
+    "BlockTensorParallelPlan",
+    "block_tensor_parallel_plans",
+    "register_tensor_parallel_plan",
+    "tensor_parallel_plan",
+    "tensor_parallel_plan_or_reason",
+]
 
 
-_REGISTRY: dict[type, Callable[[nn.Module], BlockTensorParallelPlan]] = {}
+_BUILTINS_LOADED = False
+
+
+def _load_builtin_families() -> None:
+    """Register the built-in family plans once, before any user registration can be overridden by them."""
+    global _BUILTINS_LOADED
+    if not _BUILTINS_LOADED:
+        _BUILTINS_LOADED = True
+        import lightning_galvatron.model.families  # noqa: F401 - registers through register_tensor_parallel_plan
 
 
 def register_tensor_parallel_plan(
-    block_class: type,
-    styles: Mapping[str, ParallelStyle] | StylesFn,
+    block_class: type | str,
+    styles: Mapping[str, ParallelStyle] | StylesFn | None = None,
     *,
+    plan: PlanFactory | None = None,
     divisible: Callable[[nn.Module], Mapping[str, int]] | Mapping[str, int] | None = None,
     megatron_sp: bool = False,
     ulysses: bool = False,
     localize: Callable[[nn.Module, int], None] | None = None,
 ) -> None:
-    """Declare how to split your own block class.
+    """Declare how to split a block class (the class, or its qualified name ``"package.module.Class"``).
 
     Example::
 
@@ -103,128 +88,52 @@ def register_tensor_parallel_plan(
         )
 
     ``styles`` may also be a function of ``sequence_parallel: bool`` returning such a dict (then pass
-    ``megatron_sp=True``). Attention code must reshape with ``-1`` heads (a rank holds ``heads / tp``).
+    ``megatron_sp=True``). Attention code must reshape with ``-1`` heads (a rank holds ``heads / tp``), or
+    ``localize(block, tp)`` must fix the attributes it reads. For plans that depend on the block's
+    configuration, pass ``plan=``: a function of the block returning a :class:`BlockTensorParallelPlan`, or a
+    string saying why blocks like this one cannot be split (they are then planned with ``tp = 1``).
     """
-    styles_fn: StylesFn = styles if callable(styles) else (lambda sequence_parallel, s=dict(styles): s)
+    _load_builtin_families()
+    if (styles is None) == (plan is None):
+        raise ValueError("register_tensor_parallel_plan needs either styles or plan=")
+    if plan is None:
+        styles_fn: StylesFn = styles if callable(styles) else (lambda sequence_parallel, s=dict(styles): s)
 
-    def make(block: nn.Module) -> BlockTensorParallelPlan:
-        sizes = divisible(block) if callable(divisible) else dict(divisible or {})
-        return BlockTensorParallelPlan(styles_fn, dict(sizes), megatron_sp, ulysses, localize or (lambda b, tp: None))
+        def plan(block: nn.Module) -> BlockTensorParallelPlan:
+            sizes = divisible(block) if callable(divisible) else dict(divisible or {})
+            return BlockTensorParallelPlan(styles_fn, dict(sizes), megatron_sp, ulysses, localize or (lambda b, tp: None))
 
-    _REGISTRY[block_class] = make
+    add_plan(block_class, plan)
+
+
+def tensor_parallel_plan_or_reason(block: nn.Module) -> BlockTensorParallelPlan | str:
+    """The plan for ``block``'s type, or why it has none."""
+    _load_builtin_families()
+    make = find_plan(model_class(block).__mro__)
+    if make is not None:
+        return make(block)
+    from lightning_galvatron.model.families.bert import bert_style_plan, is_bert_style_layer
+
+    if is_bert_style_layer(block):
+        return bert_style_plan(block)
+    plan = _linear_plan(block)
+    if plan is None:
+        return (
+            f"no tensor-parallel plan is known for {model_class(block).__name__} (declare one with "
+            "lightning_galvatron.register_tensor_parallel_plan)"
+        )
+    return plan
+
+
+def block_tensor_parallel_plans(structure: ModelStructure) -> list[BlockTensorParallelPlan | str]:
+    """The plan (or why there is none) of every block, in order: what the glue hands to the runtime."""
+    return [tensor_parallel_plan_or_reason(block) for block in structure.blocks]
 
 
 def tensor_parallel_plan(block: nn.Module) -> BlockTensorParallelPlan | None:
     """The plan for ``block``'s type, or ``None`` if it can only run with ``tp = 1``."""
-    cls = model_class(block)
-    for registered, make in _REGISTRY.items():
-        if issubclass(cls, registered):
-            return make(block)
-    if cls.__name__ == "GPT2Block" and cls.__module__.startswith("transformers."):
-        return _hf_gpt2_plan(block)
-    if isinstance(block, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
-        return _torch_transformer_layer_plan(block)
-    if _is_bert_style_layer(block):
-        return _bert_style_plan(block)
-    return _linear_plan(block)
-
-
-# ------------------------------------------------------------------------------------ Hugging Face GPT-2
-def _hf_gpt2_plan(block: nn.Module) -> BlockTensorParallelPlan:
-    """GPT-2's ``Conv1D`` layers: fused q/k/v (three parts), output, and the MLP."""
-    attn = block.attn
-
-    def styles(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-        return {
-            "attn.c_attn": ColwiseConv1D(parts=3),
-            "attn.c_proj": RowwiseConv1D(),
-            "mlp.c_fc": ColwiseConv1D(),
-            "mlp.c_proj": RowwiseConv1D(),
-        }
-
-    def localize(module: nn.Module, tp: int) -> None:
-        module.attn.split_size //= tp  # the fused projection now yields 3 x hidden/tp features
-        module.attn.num_heads //= tp
-
-    sizes = {"attention heads": attn.num_heads, "MLP width": block.mlp.c_fc.weight.shape[1]}
-    return BlockTensorParallelPlan(styles, sizes, localize=localize)
-
-
-# ------------------------------------------------------------------------------------ BERT-style encoder layers
-_BERT_LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-                 "intermediate.dense", "output.dense")
-
-
-def _is_bert_style_layer(block: nn.Module) -> bool:
-    """A Hugging Face BERT-family encoder layer (BERT, RoBERTa, ELECTRA, ...) without cross-attention."""
-    modules = dict(block.named_modules())
-    return (
-        all(isinstance(modules.get(name), nn.Linear) for name in _BERT_LINEARS)
-        and isinstance(modules.get("attention.output.LayerNorm"), nn.LayerNorm)
-        and isinstance(modules.get("output.LayerNorm"), nn.LayerNorm)
-        and "crossattention" not in modules
-        and sum(isinstance(m, nn.Linear) for m in modules.values()) == len(_BERT_LINEARS)
-    )
-
-
-def _bert_style_plan(block: nn.Module) -> BlockTensorParallelPlan:
-    """Post-norm encoder layer: q/k/v and the MLP's first layer split by columns, the two output
-    projections by rows. With Megatron-SP the two LayerNorms (after each residual add) run on
-    sequence shards, their outputs stay local tensors (they feed the next residual add as well as the
-    next sub-layer), and the attention and the MLP gather the sequence on entry."""
-    attention = block.attention.self
-
-    def styles(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-        def rowwise() -> ParallelStyle:
-            return RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
-
-        out: dict[str, ParallelStyle] = {
-            "attention.self.query": ColwiseParallel(),
-            "attention.self.key": ColwiseParallel(),
-            "attention.self.value": ColwiseParallel(),
-            "attention.output.dense": rowwise(),
-            "intermediate.dense": ColwiseParallel(),
-            "output.dense": rowwise(),
-        }
-        if sequence_parallel:
-            for sub_layer in ("attention.self", "intermediate"):
-                out[sub_layer] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
-                out[norm] = SequenceParallel(use_local_output=True)
-        return out
-
-    def localize(module: nn.Module, tp: int) -> None:
-        module.attention.self.num_attention_heads //= tp  # the attention code itself reshapes with -1 heads
-        module.attention.self.all_head_size //= tp
-
-    sizes = {"attention heads": attention.num_attention_heads, "MLP width": block.intermediate.dense.out_features}
-    return BlockTensorParallelPlan(styles, sizes, megatron_sp=True, localize=localize)
-
-
-# ------------------------------------------------------------------------------------ torch.nn Transformer layers
-def _torch_transformer_layer_plan(block: nn.Module) -> BlockTensorParallelPlan | None:
-    """``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer``: attention(s) split by heads, the
-    feed-forward ``linear1`` by columns and ``linear2`` by rows (no sequence parallelism).
-
-    Only ``batch_first=True`` layers: between blocks the runtime moves activations along their first
-    dimension as the batch.
-    """
-    attentions = ["self_attn"] + (["multihead_attn"] if isinstance(block, nn.TransformerDecoderLayer) else [])
-    if not all(getattr(block, name).batch_first for name in attentions):
-        return None
-    if any(multihead_attention_unsupported(getattr(block, name)) for name in attentions):
-        return None
-
-    def styles(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-        out: dict[str, ParallelStyle] = {name: ParallelMultiheadAttention() for name in attentions}
-        out["linear1"] = ColwiseParallel()
-        out["linear2"] = RowwiseParallel()
-        return out
-
-    sizes = {"attention heads": block.self_attn.num_heads, "feed-forward width": block.linear1.out_features}
-    if "multihead_attn" in attentions:
-        sizes["cross-attention heads"] = block.multihead_attn.num_heads
-    return BlockTensorParallelPlan(styles, sizes)
+    plan = tensor_parallel_plan_or_reason(block)
+    return plan if isinstance(plan, BlockTensorParallelPlan) else None
 
 
 # ------------------------------------------------------------------------------------ nn.Linear blocks

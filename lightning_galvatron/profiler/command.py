@@ -3,9 +3,10 @@
 Every rank runs the command: under ``torchrun`` (or any launcher that sets ``RANK``/``WORLD_SIZE``)
 it joins the process group the launcher describes; with ``--devices N`` Lightning's own launcher
 starts the other processes, as ``Trainer(devices=N)`` would. The model and datamodule are built
-from their classes (or a LightningCLI YAML), one training batch is drawn, and
-:func:`lightning_galvatron.profiler.profile` measures; rank 0 writes the profile file and prints
-what was measured.
+from their classes, or from a LightningCLI YAML read by ``LightningCLI`` itself (so a config that
+trains is a config that profiles: class paths, nested classes, checked init arguments), one
+training batch is drawn, and :func:`lightning_galvatron.profiler.profile` measures; rank 0 writes
+the profile file and prints what was measured.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import argparse
 import datetime
 import importlib
 import importlib.util
+import json
 import os
 import sys
 import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,23 +35,28 @@ def run_profile(args: argparse.Namespace) -> int:
     from lightning_galvatron.profiler import ProfileCache, profile
     from lightning_galvatron.profiler.model import _PrecisionConfig
 
-    model_cls, model_args, data_cls, data_args, precision = _resolve_inputs(args)
+    inputs = _resolve_inputs(args)
+    precision = inputs.precision
     _PrecisionConfig.of(precision)  # refuse an unsupported precision before launching anything
     initialised_here = _join_process_group(args)
     try:
         started = time.perf_counter()
-        module = model_cls(**model_args)
+        module, datamodule = inputs.build()
         if hasattr(module, "configure_model"):
             module.configure_model()
         structure = find_blocks(module, args.layers)
-        batch = _example_batch(data_cls(**data_args))
+        batch = _example_batch(datamodule)
         cache = None if args.no_cache else ProfileCache(args.cache_dir)
         result = profile(
             module, structure, batch, precision=precision, cache=cache, batch_sizes=args.batch_sizes, hardware_budget_s=args.budget
         )
         if dist.get_rank() == 0:
             result.save(args.output)
-            print(_summary(result, args.output, precision, dist.get_world_size(), time.perf_counter() - started))
+            seconds = time.perf_counter() - started
+            if getattr(args, "json", False):
+                print(json.dumps({"output": args.output, "profile": result.to_dict(), "seconds": seconds}, indent=2))
+            else:
+                print(_summary(result, args.output, precision, dist.get_world_size(), seconds))
         dist.barrier()
     finally:
         if initialised_here and dist.is_initialized():
@@ -55,34 +65,66 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- inputs
-def _resolve_inputs(args: argparse.Namespace) -> tuple[type, dict, type, dict, str]:
-    """Classes, init arguments and precision from ``--config`` and the command line (which wins)."""
-    config: dict[str, Any] = {}
+@dataclass
+class _Inputs:
+    """What to profile: ``build()`` makes the model and datamodule (after the process group exists)."""
+
+    build: Callable[[], tuple[Any, Any]]
+    precision: str
+
+
+def _resolve_inputs(args: argparse.Namespace) -> _Inputs:
+    """The model, datamodule and precision from ``--config`` (read by LightningCLI) and the command line (which wins)."""
     if args.config:
-        import yaml
-
-        try:
-            config = yaml.safe_load(Path(args.config).read_text()) or {}
-        except FileNotFoundError:
-            raise ValueError(f"config file {args.config!r} does not exist") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"{args.config}: expected a LightningCLI YAML mapping with model/data/trainer sections")
-    model_cls, model_args = _section(config.get("model"), args.model, args.model_args, "model", "--model")
-    data_cls, data_args = _section(config.get("data"), args.datamodule, args.datamodule_args, "data", "--datamodule")
-    precision = args.precision or str((config.get("trainer") or {}).get("precision") or "32-true")
-    return model_cls, model_args, data_cls, data_args, precision
+        return _from_lightning_config(args)
+    model_cls, data_cls = (_class_of(path, flag) for path, flag in ((args.model, "--model"), (args.datamodule, "--datamodule")))
+    return _Inputs(lambda: (model_cls(**args.model_args), data_cls(**args.datamodule_args)), args.precision or "32-true")
 
 
-def _section(section: Any, class_option: str | None, overrides: dict, name: str, flag: str) -> tuple[type, dict]:
-    section = dict(section or {})
-    if "class_path" in section:
-        path = class_option or section["class_path"]
-        init_args = dict(section.get("init_args") or {})
-    else:
-        path, init_args = class_option, section
+def _class_of(path: str | None, flag: str) -> type:
     if not path:
-        raise ValueError(f"say which {name} class to build: {flag} MODULE:CLASS (or a class_path in --config)")
-    return load_class(path), {**init_args, **overrides}
+        raise ValueError(f"say which class to build: {flag} MODULE:CLASS (or a LightningCLI YAML with --config)")
+    return load_class(path)
+
+
+def _from_lightning_config(args: argparse.Namespace) -> _Inputs:
+    """A LightningCLI YAML read by ``LightningCLI`` itself, without building its Trainer."""
+    try:
+        from lightning.pytorch.cli import LightningCLI
+    except ImportError as err:  # jsonargparse is missing
+        raise ValueError(f"--config is read by LightningCLI, which needs jsonargparse[signatures] ({err})") from None
+    if not Path(args.config).is_file():
+        raise ValueError(f"config file {args.config!r} does not exist")
+
+    class ConfigReader(LightningCLI):
+        def instantiate_classes(self) -> None:  # LightningCLI would build the Trainer too; we build on demand
+            pass
+
+    model_cls = load_class(args.model) if args.model else None
+    data_cls = load_class(args.datamodule) if args.datamodule else None
+    argv = ["--config", args.config]
+    argv += [f"--model.{key}={json.dumps(value)}" for key, value in args.model_args.items()]
+    argv += [f"--data.{key}={json.dumps(value)}" for key, value in args.datamodule_args.items()]
+    try:
+        with warnings.catch_warnings():  # it warns that sys.argv is ours, not the config's: on purpose
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+            reader = ConfigReader(
+                model_cls, data_cls, subclass_mode_model=model_cls is None, subclass_mode_data=data_cls is None,
+                args=argv, run=False, save_config_callback=None, auto_configure_optimizers=False,
+                parser_kwargs={"exit_on_error": False},
+            )
+    except argparse.ArgumentError as err:
+        hint = "" if model_cls and data_cls else " (name the classes with --model/--datamodule when the YAML has no class_path)"
+        raise ValueError(f"{args.config}: {err}{hint}") from None
+    precision = args.precision or str(reader.config.get("trainer", {}).get("precision") or "32-true")
+
+    def build() -> tuple[Any, Any]:
+        built = reader.parser.instantiate_classes(reader.config)
+        if built.get("data") is None:
+            raise ValueError(f"{args.config} has no data section: pass --datamodule MODULE:CLASS")
+        return built["model"], built["data"]
+
+    return _Inputs(build, precision)
 
 
 def load_class(path: str) -> type:
@@ -188,6 +230,6 @@ def _summary(result: Any, output: str, precision: str, world: int, seconds: floa
     lines += [text_table(rows), ""]
     memory = format_bytes(hw.device_memory_bytes) if hw.device_memory_bytes else "not budgeted (CPU)"
     lines.append(f"overlap coefficient {hw.overlap_coefficient:.2f}; device memory {memory}; fixed overhead {format_bytes(hw.memory_overhead_bytes)}")
-    budget = "" if hw.device_memory_bytes else " --memory-per-device 4GB"
-    lines.append(f"\nWrote {output}. Next: lightning-galvatron search {output} --world-size {world}{budget} --precision {precision}")
+    budget = "" if hw.device_memory_bytes else " --memory-budget 4GB"
+    lines.append(f"\nWrote {output}. Next: lightning-galvatron search {output} --world-size {world}{budget}")
     return "\n".join(lines)

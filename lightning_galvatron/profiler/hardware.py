@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_galvatron.layout import Layout, p2p_ranks_per_node, ranks_per_node
 from lightning_galvatron.profiles import COLLECTIVE_KINDS, CollectiveFit, HardwareProfile, bus_volume
-from lightning_galvatron.runtime.mesh import Layout, MeshCache
-from lightning_galvatron.search.cost import ranks_per_node
+from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.search.space import divisors
 
 log = logging.getLogger(__name__)
@@ -71,14 +71,13 @@ class GroupLayout:
     stride: int
     ranks_per_node: int
 
+    def layout(self, world_size: int) -> Layout:
+        """The rank layout (collectives) whose tensor-parallel groups are this layout's groups."""
+        return Layout.of_group(world_size, self.group_size, self.stride)
+
     def groups(self, world_size: int) -> list[list[int]]:
         """The rank sets of this layout (collectives): every rank is in exactly one."""
-        span = self.group_size * self.stride
-        return [
-            [base + offset + i * self.stride for i in range(self.group_size)]
-            for base in range(0, world_size, span)
-            for offset in range(self.stride)
-        ]
+        return self.layout(world_size).tp_groups()
 
 
 def measured_layouts(world_size: int, devices_per_node: int, group_sizes: Sequence[int] | None = None) -> list[GroupLayout]:
@@ -103,10 +102,8 @@ def measured_layouts(world_size: int, devices_per_node: int, group_sizes: Sequen
     for pp in divisors(world_size):
         if pp < 2:
             continue
-        stage = world_size // pp
-        same_node = all(r // devices_per_node == (r + stage) // devices_per_node for r in range(world_size - stage))
-        k = 2 if same_node else 1
-        out.setdefault(("p2p", pp, k), GroupLayout("p2p", pp, stage, k))
+        k = p2p_ranks_per_node(world_size, pp, devices_per_node)
+        out.setdefault(("p2p", pp, k), GroupLayout("p2p", pp, world_size // pp, k))
     return list(out.values())
 
 
@@ -189,6 +186,7 @@ def profile_hardware(
         collectives=fits,
         device_memory_bytes=device_memory,
         memory_overhead_bytes=overhead,
+        device_type=device.type,
     )
 
 
@@ -203,6 +201,7 @@ def single_device_hardware(device: torch.device, name: str | None = None) -> Har
         collectives=(),
         device_memory_bytes=device_memory,
         memory_overhead_bytes=overhead,
+        device_type=device.type,
     )
 
 
@@ -221,11 +220,9 @@ class _GroupCache:
         self.world_size = world_size
 
     def get(self, layout: GroupLayout) -> dist.ProcessGroup:
-        g, stride, W = layout.group_size, layout.stride, self.world_size
-        if g == W:
+        if layout.group_size == self.world_size:
             return dist.group.WORLD
-        mesh_layout = Layout(W, W // (g * stride), g, consecutive=stride == 1)
-        return self._meshes.tp_mesh(mesh_layout).get_group()
+        return self._meshes.tp_mesh(layout.layout(self.world_size)).get_group()
 
 
 # ---------------------------------------------------------------------------------------------- timing

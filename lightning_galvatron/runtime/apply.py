@@ -19,17 +19,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
 
-from lightning_galvatron.model.discovery import ModelStructure, model_class
-from lightning_galvatron.model.outside_layers import OutsideLayers
-from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
+from lightning_galvatron.layout import ActivationLayout, Layout
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 from lightning_galvatron.runtime.gradient_sync import GradientReducer
-from lightning_galvatron.runtime.mesh import Layout, MeshCache
+from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.runtime.pipeline import PipelineRunner, StagePartition
-from lightning_galvatron.runtime.recompute import apply_recompute, is_recomputing
-from lightning_galvatron.runtime.relocate import ActivationLayout, exchange_plan, relocate
+from lightning_galvatron.runtime.recompute import apply_recompute
+from lightning_galvatron.runtime.relocate import BlockOutputs, MicroBatch, relocate_inputs, relocate_output
 from lightning_galvatron.runtime.sharding import apply_data_parallel
-from lightning_galvatron.runtime.tensor_parallel import apply_tensor_parallel
+from lightning_galvatron.runtime.structure import ModelStructure, OutsideLayers
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, apply_tensor_parallel
 from lightning_galvatron.runtime.ulysses import apply_ulysses
 from lightning_galvatron.runtime.vocab_parallel import VocabularyLayers, apply_vocab_parallel, find_vocabulary_layers
 
@@ -38,8 +37,14 @@ class NotSupportedYet(PlanError):
     """A valid plan that this version of the runtime cannot execute exactly."""
 
 
-def check_runtime_support(plan: ParallelPlan, structure: ModelStructure) -> None:
-    """Refuse, with the reason, any plan the runtime would not execute exactly."""
+def check_runtime_support(
+    plan: ParallelPlan, structure: ModelStructure, tp_plans: Sequence[BlockTensorParallelPlan | str]
+) -> None:
+    """Refuse, with the reason, any plan the runtime would not execute exactly.
+
+    ``tp_plans``: each block's tensor-parallel plan, or why it has none (resolved by the caller: see
+    :func:`~lightning_galvatron.model.tensor_parallel_plans.block_tensor_parallel_plans`).
+    """
     if plan.num_layers != structure.num_blocks:
         lists = ", ".join(f"{bl.path} ({len(bl.blocks)} x {bl.block_type})" for bl in structure.block_lists)
         raise PlanError(
@@ -58,16 +63,17 @@ def check_runtime_support(plan: ParallelPlan, structure: ModelStructure) -> None
             f"vocab sp={plan.vocab.sp!r}: the embedding and head run on whole sequences (your training_step computes "
             "the loss on them); use vocab sp='none' (vocabulary tensor parallelism is fine)"
         )
-    for index, (block, strategy) in enumerate(zip(structure.blocks, plan.layers)):
+    for index, (block, strategy, tp_plan) in enumerate(zip(structure.blocks, plan.layers, tp_plans)):
         if strategy.tp == 1:
             continue
-        tp_plan = tensor_parallel_plan(block)
-        if tp_plan is None and strategy.sp != "ulysses":
+        if isinstance(tp_plan, str):
+            if strategy.sp == "ulysses":
+                continue  # Ulysses keeps the weights whole; the block must call F.scaled_dot_product_attention
             raise PlanError(
-                f"layers[{index}]: {type(block).__name__} has no tensor-parallel plan, so tp={strategy.tp} cannot run; "
-                "use tp=1 for it or register a plan with lightning_galvatron.register_tensor_parallel_plan"
+                f"layers[{index}]: {type(block).__name__} has no tensor-parallel plan, so tp={strategy.tp} cannot run "
+                f"({tp_plan}); use tp=1 for it or register a plan with lightning_galvatron.register_tensor_parallel_plan"
             )
-        reason = tp_plan.unsupported(strategy.tp, strategy.sp) if tp_plan is not None else None
+        reason = tp_plan.unsupported(strategy.tp, strategy.sp)
         if reason is not None:
             raise PlanError(f"layers[{index}] ({structure.block_names[index]}): tp={strategy.tp}, sp={strategy.sp!r}: {reason}")
 
@@ -84,13 +90,6 @@ def _check_schedule(plan: ParallelPlan) -> None:
             f"schedule 'interleaved_1f1b' with pp={pp} runs rounds of {max(1, m // pp)} micro-batches; "
             f"micro_batches={m} is not a multiple of that, use a multiple of {pp}"
         )
-
-
-@dataclass
-class _MicroBatch:
-    """The stage's micro-batch size of the forward in flight (learned from the first block's input)."""
-
-    size: int = 0
 
 
 @dataclass
@@ -116,6 +115,7 @@ def apply_plan(
     parallel_loss: bool = False,
     boundary_dtype: torch.dtype = torch.float32,
     outside_layers: OutsideLayers | None = None,
+    tp_plans: Sequence[BlockTensorParallelPlan | str] = (),
 ) -> AppliedPlan:
     """Parallelise ``model`` in place as ``plan`` says.
 
@@ -128,17 +128,21 @@ def apply_plan(
         boundary_dtype: dtype of the activations sent between pipeline stages.
         outside_layers: with ``pp > 1``, which layers outside the blocks run before them and which after
             (:func:`~lightning_galvatron.model.outside_layers.trace_outside_layers` on the user's step).
+        tp_plans: each block's tensor-parallel plan or why it has none (one per block; needed where tp > 1).
     """
-    check_runtime_support(plan, structure)
+    tp_plans = list(tp_plans) or ["no tensor-parallel plans were given"] * structure.num_blocks
+    if len(tp_plans) != structure.num_blocks:
+        raise ValueError(f"tp_plans has {len(tp_plans)} entries for {structure.num_blocks} blocks")
+    check_runtime_support(plan, structure, tp_plans)
     rank = dist.get_rank()
-    stage = Layout(plan.world_size, plan.pp, 1)
+    stage = Layout.stage(plan)
     # Creating a mesh is collective over all ranks; a pipeline stage only uses its own blocks' layouts,
     # so every rank creates every layout of the plan first, in the same order.
     for layout in dict.fromkeys([stage, *(Layout.of(plan, s) for s in (plan.vocab, *plan.layers))]):
         meshes.mesh(layout)
     stage_group = meshes.dp_mesh(stage).get_group()
     position = rank % plan.devices_per_stage
-    micro_batch = _MicroBatch()
+    micro_batch = MicroBatch()
     vocab_layout = ActivationLayout.of(plan, plan.vocab)
     layouts = [ActivationLayout.of(plan, s) for s in plan.layers]
     applied = AppliedPlan(plan, input_shards=vocab_layout.layout.dp)
@@ -161,19 +165,29 @@ def apply_plan(
     # Each block list (an encoder, a decoder) starts from and returns to the vocabulary layout: its first
     # block reads embeddings, its last block's output is used by layers outside the blocks (or as the
     # decoder's memory, which then reaches each decoder block along the batch).
+    outputs = BlockOutputs()
     for index in local_blocks:
         block, strategy = all_blocks[index], plan.layers[index]
+        tp_plan = tp_plans[index] if isinstance(tp_plans[index], BlockTensorParallelPlan) else None
         source = vocab_layout if index in starts else layouts[index - 1]
-        applied.hooks.append(
-            _relocate_inputs(
-                block, source, layouts[index], micro_batch, position, stage_group, first=index == 0, extras_source=vocab_layout
-            )
+        applied.hooks += relocate_inputs(
+            block,
+            source,
+            layouts[index],
+            micro_batch,
+            position,
+            stage_group,
+            first=index == 0,
+            extras_source=vocab_layout,
+            carried=outputs.of(index - 1) if index not in starts else None,
+            folded=tp_plan.folded_inputs if tp_plan is not None else {},
+            positions=tp_plan.position_inputs if tp_plan is not None else {},
         )
+        applied.hooks.append(outputs.record(block, index))
         layout = Layout.of(plan, strategy)
         if strategy.sp == "ulysses":
-            apply_ulysses(block, meshes.tp_mesh(layout).get_group())
+            apply_ulysses(block, meshes.tp_mesh(layout).get_group(), tp_plan.position_inputs if tp_plan is not None else None)
         elif strategy.tp > 1:
-            tp_plan = tensor_parallel_plan(block)
             assert tp_plan is not None  # checked above
             apply_tensor_parallel(block, tp_plan.styles(strategy.sp == "megatron"), meshes.tp_mesh(layout))
             tp_plan.localize(block, strategy.tp)
@@ -182,11 +196,11 @@ def apply_plan(
         apply_data_parallel(block, strategy, _gradient_mesh(meshes, plan, strategy), mp_policy, applied.gradients)
     for end in ends:
         if end in local_blocks:
-            applied.hooks.append(_relocate_output(all_blocks[end], layouts[end], vocab_layout, micro_batch, position, stage_group))
+            applied.hooks.append(relocate_output(all_blocks[end], layouts[end], vocab_layout, micro_batch, position, stage_group))
 
     if vocabulary is not None and plan.vocab.tp > 1:
         vocab_tp_mesh = meshes.tp_mesh(Layout.of(plan, plan.vocab))
-        apply_vocab_parallel(vocabulary.present_in(model), vocab_tp_mesh, parallel_loss)
+        apply_vocab_parallel(vocabulary.present_in(model), vocab_tp_mesh, parallel_loss, root=model)
     vocab_dp_mesh = meshes.dp_mesh(Layout.of(plan, plan.vocab))
     if applied.partition is None:
         apply_data_parallel(model, plan.vocab, vocab_dp_mesh, mp_policy, applied.gradients, outside_blocks=True)
@@ -266,126 +280,8 @@ def _gradient_mesh(meshes: MeshCache, plan: ParallelPlan, strategy: LayerStrateg
     so the group joins the data-parallel ranks: the whole stage.
     """
     if strategy.sp == "ulysses":
-        return meshes.dp_mesh(Layout(plan.world_size, plan.pp, 1))
+        return meshes.dp_mesh(Layout.stage(plan))
     return meshes.dp_mesh(Layout.of(plan, strategy))
-
-
-def _relocate_inputs(
-    block: nn.Module,
-    source: ActivationLayout,
-    target: ActivationLayout,
-    micro_batch: _MicroBatch,
-    position: int,
-    group: dist.ProcessGroup,
-    first: bool,
-    extras_source: ActivationLayout,
-):  # noqa: ANN202
-    """Forward pre-hook: bring the block's inputs to the ``target`` layout.
-
-    The hidden states (first tensor argument) move from ``source`` (the previous block's layout) along
-    batch and sequence; other tensors whose first dimension is the local batch (masks, position
-    tables, memory) move from ``extras_source`` (the vocabulary layout) along the batch only.
-    Registered before recomputation so that recompute replays from already relocated inputs.
-    """
-    # Other inputs (masks, positions, an encoder's memory) are made outside the blocks and handed to every
-    # block as they are: they always come from the vocabulary layout, whatever the previous block's was.
-    batch_only_source = ActivationLayout(extras_source.layout)
-    batch_only_target = ActivationLayout(target.layout)
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if is_recomputing(module):
-            return None
-        hidden_index, hidden = next(((i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)), (None, None))
-        if hidden is None:
-            hidden = kwargs.get("hidden_states")
-        if hidden is None:
-            raise RuntimeError(f"{type(module).__name__} was called without a hidden-states tensor to relocate")
-        if first:
-            micro_batch.size = hidden.shape[0] * source.layout.dp  # the input layout's shards are even
-        extras_batch = micro_batch.size // extras_source.layout.dp
-        seq = source.global_seq(hidden.shape[1])
-        slots = [*((i, a) for i, a in enumerate(args) if i != hidden_index), *kwargs.items()]
-        slots = [(name, v) for name, v in slots if not (hidden_index is None and name == "hidden_states")]
-        per_sample = {name for name, v in slots if _is_per_sample(name, v, extras_batch, seq, module)}
-        if _extras_cross_ranks(batch_only_source, batch_only_target, micro_batch.size):
-            _agree_on_per_sample_inputs(module, [name in per_sample for name, _ in slots], group)
-
-        def move(name: Any, value: Any) -> Any:
-            if name == "hidden":
-                return relocate(value, source, target, micro_batch.size, position, group)
-            if name in per_sample:
-                return relocate(value, batch_only_source, batch_only_target, micro_batch.size, position, group)
-            return value
-
-        new_args = tuple(move("hidden" if i == hidden_index else i, a) for i, a in enumerate(args))
-        new_kwargs = {k: move("hidden" if hidden_index is None and k == "hidden_states" else k, v) for k, v in kwargs.items()}
-        return new_args, new_kwargs
-
-    return block.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def _is_per_sample(name: Any, value: Any, batch: int, seq: int, block: nn.Module) -> bool:
-    """Whether a block input other than the hidden states holds one row per sample (and so moves with them).
-
-    Batch-major tensors do (masks ``[b, ...]``, position tables ``[b, s, ...]``, an encoder's memory); a
-    ``[seq, seq]`` mask over positions does not -- unless its name says it pads samples. With as many
-    samples per shard as positions, a positional ``[seq, seq]`` input cannot be told apart: refuse.
-    """
-    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[0] != batch:
-        return False
-    if value.dim() == 2 and value.shape[1] == seq and batch == seq and "padding" not in str(name):
-        raise PlanError(
-            f"{model_class(block).__name__} received a [{seq}, {seq}] input ({name!r}) while each data shard holds "
-            f"{batch} samples of {seq} positions: it could be a mask over positions or one row per sample. Pass a "
-            "per-sample mask by a keyword with 'padding' in its name, or use a batch per shard other than the "
-            "sequence length"
-        )
-    return True
-
-
-_CROSSING: dict[tuple[ActivationLayout, ActivationLayout, int], bool] = {}
-
-
-def _extras_cross_ranks(source: ActivationLayout, target: ActivationLayout, batch: int) -> bool:
-    key = (source, target, batch)
-    if key not in _CROSSING:
-        _CROSSING[key] = any(t.source != t.target for t in exchange_plan(source, target, batch, 1))
-    return _CROSSING[key]
-
-
-def _agree_on_per_sample_inputs(block: nn.Module, present: list[bool], group: dist.ProcessGroup) -> None:
-    """Ranks that exchange a block's per-sample inputs must all have them (else some would wait forever)."""
-    flags = torch.tensor([int(p) for p in present] + [-int(p) for p in present], dtype=torch.int32)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    n = len(present)
-    if any(flags[i] != -flags[n + i] for i in range(n)):  # max != min: some ranks have it, some do not
-        raise PlanError(
-            f"the ranks of a stage passed different inputs to {model_class(block).__name__}: some a per-sample "
-            "tensor (e.g. an attention mask), others None. Hugging Face models drop the attention mask of a batch "
-            "without padding: pass the mask on every batch (or pad every batch), or keep these blocks in the "
-            "embedding's data-parallel layout"
-        )
-
-
-def _relocate_output(
-    block: nn.Module,
-    source: ActivationLayout,
-    target: ActivationLayout,
-    micro_batch: _MicroBatch,
-    position: int,
-    group: dist.ProcessGroup,
-):  # noqa: ANN202
-    """Forward hook on the last block: its hidden states back to the vocabulary layout."""
-
-    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        if isinstance(output, torch.Tensor):
-            return relocate(output, source, target, micro_batch.size, position, group)
-        if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-            moved = relocate(output[0], source, target, micro_batch.size, position, group)
-            return type(output)((moved, *output[1:]))
-        raise RuntimeError(f"{type(module).__name__} returned {type(output).__name__}; expected the hidden states")
-
-    return block.register_forward_hook(hook)
 
 
 def input_shard(plan: ParallelPlan, rank: int) -> tuple[int, int]:

@@ -1,64 +1,23 @@
-"""Rank layouts and the device meshes that realise them.
+"""Device meshes that realise rank layouts.
 
-A stage of ``n = world_size / pp`` devices owns the consecutive ranks ``[s*n, (s+1)*n)``. A block
-with group size ``tp`` splits them into ``dp = n / tp`` groups; with a consecutive layout the
-``tp`` ranks of a group are neighbours, with a strided one they are ``dp`` apart (the ``dp`` ranks
-are then neighbours instead, which keeps gradient traffic inside a node).
-
-:func:`layout_coordinates` is the pure arithmetic; :class:`MeshCache` builds one ``DeviceMesh``
-with dimensions ``("pp", "dp", "tp")`` per distinct layout, collectively and only once, so that
+The arithmetic of a layout (degrees, strides, coordinates, groups) lives in
+:mod:`lightning_galvatron.layout`; :class:`MeshCache` only turns a :class:`~lightning_galvatron.layout.Layout`
+into one ``DeviceMesh`` with dimensions ``("pp", "dp", "tp")``, collectively and only once, so that
 blocks sharing a layout share process groups.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_galvatron.plan import LayerStrategy, ParallelPlan
+from lightning_galvatron.layout import Layout
 
 MESH_DIMS = ("pp", "dp", "tp")
 
-
-@dataclass(frozen=True)
-class Layout:
-    """Where the ranks of one block sit: pipeline degree, group size and rank order."""
-
-    world_size: int
-    pp: int
-    tp: int
-    consecutive: bool = True
-
-    @classmethod
-    def of(cls, plan: ParallelPlan, strategy: LayerStrategy) -> Layout:
-        n = plan.devices_per_stage
-        # With tp of 1 or n both orders give the same groups: normalise so they share one mesh.
-        consecutive = strategy.tp_consecutive or strategy.tp in (1, n)
-        return cls(plan.world_size, plan.pp, strategy.tp, consecutive)
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // self.pp // self.tp
-
-    def rank_grid(self) -> torch.Tensor:
-        """Ranks arranged as ``[pp, dp, tp]``."""
-        ranks = torch.arange(self.world_size).view(self.pp, -1)
-        if self.consecutive:
-            return ranks.view(self.pp, self.dp, self.tp)
-        return ranks.view(self.pp, self.tp, self.dp).transpose(1, 2)
-
-    def coordinates(self, rank: int) -> tuple[int, int, int]:
-        """``(stage, dp_rank, tp_rank)`` of a global rank."""
-        stage, position = divmod(rank, self.world_size // self.pp)
-        if self.consecutive:
-            dp_rank, tp_rank = divmod(position, self.tp)
-        else:
-            tp_rank, dp_rank = divmod(position, self.dp)
-        return stage, dp_rank, tp_rank
+__all__ = ["MESH_DIMS", "Layout", "MeshCache", "local_tensor"]
 
 
 class MeshCache:
@@ -84,7 +43,8 @@ class MeshCache:
 
     def mesh(self, layout: Layout) -> DeviceMesh:
         if layout not in self._meshes:
-            self._meshes[layout] = DeviceMesh(self.device_type, layout.rank_grid(), mesh_dim_names=MESH_DIMS)
+            grid = torch.tensor(layout.rank_grid())
+            self._meshes[layout] = DeviceMesh(self.device_type, grid, mesh_dim_names=MESH_DIMS)
         return self._meshes[layout]
 
     def dp_mesh(self, layout: Layout) -> DeviceMesh:

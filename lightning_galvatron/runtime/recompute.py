@@ -5,25 +5,30 @@ hooks the module in place: parameter names (FQNs) stay unchanged, so checkpoints
 and into the plain model.
 
 The recomputation calls the block again with the arguments of its forward. A KV cache among them
-(Hugging Face models pass one at their defaults) already holds what the forward appended, so the
-re-run gets ``None`` instead (see :mod:`lightning_galvatron.model.call_state`), as Hugging Face's
-own gradient checkpointing switches the cache off.
+(Hugging Face models pass one at their defaults) would already hold what the forward appended, and
+the checkpoint would keep it -- with the keys and values it holds, their autograd graph and, through
+it, the checkpoint itself: a cycle that outlives the step and pins the parameters. So while
+gradients are recorded a recomputed block gets ``None`` instead (see
+:mod:`lightning_galvatron.runtime.structure`), as Hugging Face's own gradient checkpointing switches
+the cache off; without gradients (evaluation) nothing is recomputed and the cache is passed on.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
 
-from lightning_galvatron.model.call_state import without_kv_caches
+from lightning_galvatron.runtime.structure import without_kv_caches
 
 
 def apply_recompute(block: nn.Module) -> None:
     """Keep only the block's inputs in forward; recompute its activations during backward."""
     checkpoint(block)
-    block.register_forward_pre_hook(_no_kv_cache_when_recomputing, with_kwargs=True)
+    # Before the checkpoint's own hook, which keeps the arguments for the recomputation.
+    block.register_forward_pre_hook(_no_kv_cache_with_gradients, with_kwargs=True, prepend=True)
 
 
 def is_recomputing(block: nn.Module) -> bool:
@@ -32,5 +37,5 @@ def is_recomputing(block: nn.Module) -> bool:
     return state is not None and not state.enable_hook
 
 
-def _no_kv_cache_when_recomputing(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict[str, Any]] | None:
-    return without_kv_caches(args, kwargs) if is_recomputing(block) else None
+def _no_kv_cache_with_gradients(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict[str, Any]] | None:
+    return without_kv_caches(args, kwargs) if torch.is_grad_enabled() else None

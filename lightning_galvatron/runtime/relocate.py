@@ -1,8 +1,8 @@
 """Relocation: move activations between blocks whose layouts differ.
 
 Between blocks, an activation ``X`` of shape ``[batch, seq, ...]`` (one micro-batch of a stage) is a
-set of plain local tensors: in an :class:`ActivationLayout` with ``dp`` data shards and a group of
-``tp`` ranks, rank ``r`` holds the batch rows of its dp shard and -- when the block shards the
+set of plain local tensors: in an :class:`~lightning_galvatron.layout.ActivationLayout` with ``dp``
+data shards and a group of ``tp`` ranks, rank ``r`` holds the batch rows of its dp shard and -- when the block shards the
 sequence (Megatron-SP, Ulysses) -- only its group rank's part of the sequence; otherwise the
 ``tp`` ranks of a group hold identical copies.
 
@@ -18,62 +18,28 @@ carries the full gradient of the global loss with respect to it. The backward of
 therefore the relocation of the gradient from the new layout back to the old one; it is the exact
 adjoint of the map from the full activation to its per-rank views, and every copy receives the
 same gradient, which is what DTensor assumes for replicated tensors.
+
+:func:`relocate_inputs` and :func:`relocate_output` are the hooks that do this on the blocks: every
+input of a block reaches its layout (the hidden states along batch and sequence, other per-sample
+inputs along the batch), and each block list's last output returns to the vocabulary layout.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from lightning_galvatron.plan import LayerStrategy, ParallelPlan
-from lightning_galvatron.runtime.mesh import Layout
-
-Range = tuple[int, int]
-Region = tuple[Range, Range]  # (batch rows, sequence positions), half-open
-
-
-@dataclass(frozen=True)
-class ActivationLayout:
-    """How the activation entering or leaving a block is spread over its stage's ranks."""
-
-    layout: Layout
-    seq_sharded: bool = False
-
-    @classmethod
-    def of(cls, plan: ParallelPlan, strategy: LayerStrategy) -> ActivationLayout:
-        return cls(Layout.of(plan, strategy), seq_sharded=strategy.sp != "none")
-
-    @property
-    def stage_size(self) -> int:
-        return self.layout.world_size // self.layout.pp
-
-    def region(self, position: int, batch: int, seq: int) -> Region:
-        """The rectangle held by the rank at ``position`` within its stage."""
-        _, dp_rank, tp_rank = self.layout.coordinates(position)
-        rows = _split(batch, self.layout.dp, dp_rank)
-        if not self.seq_sharded:
-            return rows, (0, seq)
-        if seq % self.layout.tp:
-            raise ValueError(
-                f"sequence length {seq} is not divisible by the sequence-parallel degree {self.layout.tp}; "
-                "pad the sequence or choose a degree that divides it"
-            )
-        return rows, _split(seq, self.layout.tp, tp_rank)
-
-    def local_shape(self, position: int, batch: int, seq: int) -> tuple[int, int]:
-        (b0, b1), (s0, s1) = self.region(position, batch, seq)
-        return b1 - b0, s1 - s0
-
-    def global_seq(self, local_seq: int) -> int:
-        return local_seq * self.layout.tp if self.seq_sharded else local_seq
-
-
-def _split(total: int, parts: int, index: int) -> Range:
-    """Balanced contiguous split: part ``index`` of ``parts`` (sizes differ by at most one)."""
-    return index * total // parts, (index + 1) * total // parts
+from lightning_galvatron.layout import ActivationLayout, Region
+from lightning_galvatron.plan import PlanError
+from lightning_galvatron.runtime.recompute import is_recomputing
+from lightning_galvatron.runtime.structure import model_class
 
 
 @dataclass(frozen=True)
@@ -170,12 +136,12 @@ class Relocate(torch.autograd.Function):
     """Autograd-aware relocation; backward relocates the gradient the other way."""
 
     @staticmethod
-    def forward(ctx, x, source, target, batch, position, group):  # noqa: ANN001, ANN205
+    def forward(ctx, x, source, target, batch, position, group):
         ctx.args = (source, target, batch, position, group)
         return relocate_tensor(x, source, target, batch, position, group)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         source, target, batch, position, group = ctx.args
         return relocate_tensor(grad.contiguous(), target, source, batch, position, group), None, None, None, None, None
 
@@ -191,3 +157,199 @@ def relocate(
     if source == target:
         return x
     return Relocate.apply(x.contiguous(), source, target, batch, position, group)
+
+
+# ---------------------------------------------------------------------------------------------- hooks on the blocks
+@dataclass
+class MicroBatch:
+    """The stage's micro-batch size of the forward in flight (learned from the first block's input)."""
+
+    size: int = 0
+
+
+class BlockOutputs:
+    """What each block returned besides its hidden states, for the next block (weakly held).
+
+    Some models hand a block's other outputs to the next block (T5's position bias, with the mask added,
+    per sample): those are in the previous block's layout, not in the embedding's like inputs made
+    outside the blocks, and are moved from there.
+    """
+
+    def __init__(self) -> None:
+        self._outputs: dict[int, list[weakref.ref]] = {}
+
+    def record(self, block: nn.Module, index: int):  # noqa: ANN201
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            extra = output[1:] if isinstance(output, (tuple, list)) else ()
+            self._outputs[index] = [weakref.ref(t) for t in extra if isinstance(t, torch.Tensor)]
+
+        return block.register_forward_hook(hook)
+
+    def of(self, index: int):  # noqa: ANN201
+        """A test: was this tensor an output of block ``index`` in its latest call? (The same tensor, or an alias of
+        it: FSDP2 hands a block the inputs that need gradients through an autograd function of its own.)"""
+        return lambda value: any(_same_tensor(ref(), value) for ref in self._outputs.get(index, ()))
+
+
+def _same_tensor(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    if a is None or a is b:
+        return a is b
+    return (
+        a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+    )
+
+
+def relocate_inputs(
+    block: nn.Module,
+    source: ActivationLayout,
+    target: ActivationLayout,
+    micro_batch: MicroBatch,
+    position: int,
+    group: dist.ProcessGroup,
+    first: bool,
+    extras_source: ActivationLayout,
+    carried: Any = None,
+    folded: Mapping[str, int] | None = None,
+    positions: Mapping[str | int, int] | None = None,
+) -> list[Any]:
+    """Forward pre-hook: bring the block's inputs to the ``target`` layout.
+
+    The hidden states (first tensor argument) move from ``source`` (the previous block's layout) along
+    batch and sequence; other tensors whose first dimension is the local batch (masks, position
+    tables, memory) move from ``extras_source`` (the vocabulary layout) along the batch only -- or from
+    the previous block's layout when ``carried(tensor)`` says the previous block returned them.
+    ``folded`` names inputs whose first dimension is the batch times a factor (an ALiBi bias per head);
+    ``positions`` those with one entry per position, batch-major (position ids).
+    Registered before recomputation so that recompute replays from already relocated inputs.
+    """
+    # Other inputs (masks, positions, an encoder's memory) are made outside the blocks and handed to every
+    # block as they are: they always come from the vocabulary layout, whatever the previous block's was.
+    batch_only_source = ActivationLayout(extras_source.layout)
+    batch_only_target = ActivationLayout(target.layout)
+    batch_only_previous = ActivationLayout(source.layout)
+    folded = dict(folded or {})
+    positions = dict(positions or {})
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if is_recomputing(module):
+            return None
+        hidden_index, hidden = next(((i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)), (None, None))
+        if hidden is None:
+            hidden = kwargs.get("hidden_states")
+        if hidden is None:
+            raise RuntimeError(f"{type(module).__name__} was called without a hidden-states tensor to relocate")
+        if first:
+            micro_batch.size = hidden.shape[0] * source.layout.dp  # the input layout's shards are even
+        extras_batch = micro_batch.size // extras_source.layout.dp
+        previous_batch = micro_batch.size // source.layout.dp
+        seq = source.global_seq(hidden.shape[1])
+        slots = [*((i, a) for i, a in enumerate(args) if i != hidden_index), *kwargs.items()]
+        slots = [(name, v) for name, v in slots if not (hidden_index is None and name == "hidden_states")]
+        from_previous = {name for name, v in slots if carried is not None and isinstance(v, torch.Tensor) and carried(v)}
+        if batch_only_previous != batch_only_target:
+            # A tensor the previous block returned for every sample at once ([1, ...], T5's position bias without a
+            # mask) is used by other samples here: its gradient must flow back per sample, so it travels per sample.
+            slots = [
+                (name, v.expand(previous_batch, *v.shape[1:]) if name in from_previous and v.requires_grad
+                 and v.shape[0] == 1 < previous_batch else v)
+                for name, v in slots
+            ]
+            args = tuple(dict(slots).get(i, a) for i, a in enumerate(args))
+            kwargs = {k: dict(slots).get(k, v) for k, v in kwargs.items()}
+        moves = {name: batch_only_previous if name in from_previous else batch_only_source for name, _ in slots}
+        per_sample = {  # only where something moves: an input that stays where it is needs no reading
+            name for name, v in slots
+            if moves[name] != batch_only_target and _is_per_sample(
+                name, _unfolded(v, folded.get(name)), previous_batch if name in from_previous else extras_batch, seq,
+                module, batch_major=name in positions,
+            )
+        }
+        if _extras_cross_ranks(batch_only_source, batch_only_target, micro_batch.size) or from_previous & per_sample:
+            _agree_on_per_sample_inputs(module, [name in per_sample for name, _ in slots], group)
+
+        def move(name: Any, value: Any) -> Any:
+            if name == "hidden":
+                return relocate(value, source, target, micro_batch.size, position, group)
+            if name in per_sample:
+                moved = relocate(_unfolded(value, folded.get(name)), moves[name], batch_only_target, micro_batch.size, position, group)
+                return moved.flatten(0, 1) if name in folded else moved
+            return value
+
+        new_args = tuple(move("hidden" if i == hidden_index else i, a) for i, a in enumerate(args))
+        new_kwargs = {k: move("hidden" if hidden_index is None and k == "hidden_states" else k, v) for k, v in kwargs.items()}
+        return new_args, new_kwargs
+
+    return [block.register_forward_pre_hook(hook, with_kwargs=True)]
+
+
+def _unfolded(value: Any, factor: int | None) -> Any:
+    """``[batch x factor, ...]`` as ``[batch, factor, ...]`` (an input whose rows are per sample and head)."""
+    if factor is None or not isinstance(value, torch.Tensor) or value.shape[0] % factor:
+        return value
+    return value.view(value.shape[0] // factor, factor, *value.shape[1:])
+
+
+def _is_per_sample(name: Any, value: Any, batch: int, seq: int, block: nn.Module, batch_major: bool = False) -> bool:
+    """Whether a block input other than the hidden states holds one row per sample (and so moves with them).
+
+    Batch-major tensors do (masks ``[b, ...]``, position tables ``[b, s, ...]``, an encoder's memory); a
+    ``[seq, seq]`` mask over positions does not -- unless its name says it pads samples, or the block's plan
+    says it is a batch-major per-position input (``batch_major``: position ids ``[b or 1, s]``). With as many
+    samples per shard as positions, a positional ``[seq, seq]`` input cannot be told apart otherwise: refuse.
+    """
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[0] != batch:
+        return False
+    if value.dim() == 2 and value.shape[1] == seq and batch == seq and "padding" not in str(name) and not batch_major:
+        raise PlanError(
+            f"{model_class(block).__name__} received a [{seq}, {seq}] input ({name!r}) while each data shard holds "
+            f"{batch} samples of {seq} positions: it could be a mask over positions or one row per sample. Pass a "
+            "per-sample mask by a keyword with 'padding' in its name, or use a batch per shard other than the "
+            "sequence length"
+        )
+    return True
+
+
+_CROSSING: dict[tuple[ActivationLayout, ActivationLayout, int], bool] = {}
+
+
+def _extras_cross_ranks(source: ActivationLayout, target: ActivationLayout, batch: int) -> bool:
+    key = (source, target, batch)
+    if key not in _CROSSING:
+        _CROSSING[key] = any(t.source != t.target for t in exchange_plan(source, target, batch, 1))
+    return _CROSSING[key]
+
+
+def _agree_on_per_sample_inputs(block: nn.Module, present: list[bool], group: dist.ProcessGroup) -> None:
+    """Ranks that exchange a block's per-sample inputs must all have them (else some would wait forever)."""
+    flags = torch.tensor([int(p) for p in present] + [-int(p) for p in present], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    n = len(present)
+    if any(flags[i] != -flags[n + i] for i in range(n)):  # max != min: some ranks have it, some do not
+        raise PlanError(
+            f"the ranks of a stage passed different inputs to {model_class(block).__name__}: some a per-sample "
+            "tensor (e.g. an attention mask), others None. Hugging Face models drop the attention mask of a batch "
+            "without padding: pass the mask on every batch (or pad every batch), or keep these blocks in the "
+            "embedding's data-parallel layout"
+        )
+
+
+def relocate_output(
+    block: nn.Module,
+    source: ActivationLayout,
+    target: ActivationLayout,
+    micro_batch: MicroBatch,
+    position: int,
+    group: dist.ProcessGroup,
+):  # noqa: ANN202
+    """Forward hook on the last block: its hidden states back to the vocabulary layout."""
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return relocate(output, source, target, micro_batch.size, position, group)
+        if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            moved = relocate(output[0], source, target, micro_batch.size, position, group)
+            return type(output)((moved, *output[1:]))
+        raise RuntimeError(f"{type(module).__name__} returned {type(output).__name__}; expected the hidden states")
+
+    return block.register_forward_hook(hook)

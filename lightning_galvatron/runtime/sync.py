@@ -67,3 +67,10 @@ def _broadcast_bucket(tensors: list[torch.Tensor], src: int) -> None:
     dist.broadcast(flat, src)
     for t, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
         t.copy_(synced)
+
+
+def destroy_process_group() -> None:
+    """Destroy the default process group if there is one (registered at exit by the strategy that made it): without
+    this, gloo processes sometimes abort (SIGABRT) while tearing down at exit."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

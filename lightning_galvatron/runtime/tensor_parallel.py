@@ -3,7 +3,7 @@
 ``nn.Linear`` layers use PyTorch's own ``ColwiseParallel`` / ``RowwiseParallel`` /
 ``SequenceParallel`` styles through ``parallelize_module``. Hugging Face's ``Conv1D`` (GPT-2: a
 linear layer with a transposed weight, and a fused query/key/value projection) has no built-in
-style; :class:`ColwiseConv1D` and :class:`RowwiseConv1D` keep its weights as DTensors (so sharding,
+style; :class:`ColwiseFused` (``conv1d=True``) and :class:`RowwiseConv1D` keep its weights as DTensors (so sharding,
 FSDP2 and checkpoints work as for any parameter) and compute on the local shards with the two
 Megatron collectives: identity forward / all-reduce backward in front of a column-parallel layer,
 all-reduce forward / identity backward behind a row-parallel one. A fused projection of ``k``
@@ -21,22 +21,106 @@ replaces the module's forward with attention over the local heads through
 ``F.multi_head_attention_forward`` handles them. FSDP2 then shards that weight along its second
 dimension (:func:`~lightning_galvatron.runtime.sharding.shard_placement`): it cannot shard a
 dimension that is already strided-sharded.
+
+Fused projections of other layouts (:class:`ColwiseFused`) are described by their output sections
+(``q, k, v`` of possibly different sizes), each split by heads or kept whole on every rank (the one
+key/value head of multi-query attention). Equal sections all split are strided shards as above; any
+other mix keeps the weight whole on every rank and uses this rank's rows, with the gradient summed
+over the group (each rank's rows of split sections get gradient only from that rank, rows kept whole
+from every rank): exact, but the weight is not divided by the degree.
+
+Megatron sequence parallelism needs two more pieces: :class:`GatherSequence` gathers the sequence
+of a sub-layer's hidden states (found as its first tensor argument or its ``hidden_states=``
+keyword, so Hugging Face attention modules called by keyword work), and the row-parallel styles
+reduce-scatter their partial outputs along the sequence. Activations stay plain local tensors in
+between; every copy of a replicated activation carries the full gradient (the runtime's convention).
+
+What to split in a block is a :class:`BlockTensorParallelPlan`: the runtime defines the type and
+executes it; the model side (``model/tensor_parallel_plans.py`` and the families) builds one per block
+type, and the glue resolves them per block and hands them to the runtime.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
 
+# ---------------------------------------------------------------------------------------------- block plans
+StylesFn = Callable[[bool], Mapping[str, ParallelStyle]]
+
+NO_MEGATRON_SP = "the block has no Megatron sequence-parallel plan"
+NO_ULYSSES = "the block cannot run Ulysses (its attention does not call F.scaled_dot_product_attention)"
+
+
+@dataclass(frozen=True)
+class BlockTensorParallelPlan:
+    """How to split one block type.
+
+    Attributes:
+        styles: ``styles(sequence_parallel)`` -> submodule name -> ``ParallelStyle``.
+        divisible: named sizes every tensor-parallel degree must divide (attention heads, key/value heads,
+            widths).
+        megatron_sp: the plan has a Megatron sequence-parallel variant.
+        ulysses: the block can run Ulysses sequence parallelism (its attention calls
+            ``F.scaled_dot_product_attention``; masks over all keys and per-position inputs are handled).
+        localize: fix attributes holding global sizes after splitting, ``localize(block, tp)``.
+        ulysses_divisible: named sizes every Ulysses degree must divide (the query heads; key/value heads
+            that a degree does not divide are repeated); by default the attention heads of ``divisible``.
+        position_inputs: block inputs (names, or positions of positional arguments) with one entry per
+            sequence position, and the dimension of the positions (see :data:`HF_POSITION_INPUTS`).
+        folded_inputs: block inputs whose first dimension is the batch times a factor (BLOOM's ALiBi bias
+            is ``[batch x heads, 1, keys]``): name -> factor; they move with their samples as the rest.
+        why_not_megatron_sp, why_not_ulysses: what to tell a user who asks for them.
+    """
+
+    styles: StylesFn
+    divisible: Mapping[str, int] = field(default_factory=dict)
+    megatron_sp: bool = False
+    ulysses: bool = False
+    localize: Callable[[nn.Module, int], None] = field(default=lambda block, tp: None)
+    ulysses_divisible: Mapping[str, int] | None = None
+    position_inputs: Mapping[str | int, int] = field(default_factory=lambda: dict(HF_POSITION_INPUTS))
+    folded_inputs: Mapping[str, int] = field(default_factory=dict)
+    why_not_megatron_sp: str = NO_MEGATRON_SP
+    why_not_ulysses: str = NO_ULYSSES
+
+    @property
+    def ulysses_sizes(self) -> Mapping[str, int]:
+        """Sizes a Ulysses degree must divide (besides the sequence length)."""
+        if self.ulysses_divisible is not None:
+            return self.ulysses_divisible
+        heads = {k: v for k, v in self.divisible.items() if k == "attention heads"}
+        return heads or dict(self.divisible)
+
+    def unsupported(self, tp: int, sp: str) -> str | None:
+        """Why ``(tp, sp)`` cannot run exactly on this block, or ``None`` if it can."""
+        if sp == "ulysses":
+            if not self.ulysses:
+                return self.why_not_ulysses
+            sizes = self.ulysses_sizes
+        else:
+            sizes = self.divisible
+        bad = [f"{size} {what}" for what, size in sizes.items() if size % tp]
+        if bad:
+            return f"degree {tp} does not divide the {', '.join(bad)}"
+        if sp == "megatron" and not self.megatron_sp:
+            return self.why_not_megatron_sp
+        return None
+
+
+
+# ---------------------------------------------------------------------------------------------- Megatron collectives
 class _CopyToGroup(torch.autograd.Function):
     """Identity forward; sums the input gradient over the tensor-parallel group in backward."""
 
@@ -81,37 +165,85 @@ def _conv1d_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out.view(*x.shape[:-1], weight.shape[-1])
 
 
-class ColwiseConv1D(ParallelStyle):
-    """Split a ``Conv1D`` (weight ``[in, out]``) along its outputs; ``parts`` > 1 for fused projections."""
+def _replicated_input(x: torch.Tensor) -> torch.Tensor:
+    """A sub-layer input as the plain tensor every rank of the group holds in full."""
+    return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local() if isinstance(x, DTensor) else x
 
-    def __init__(self, parts: int = 1) -> None:
+
+def fused_rows(sections: Sequence[int], split: Sequence[bool], tp: int, tp_rank: int) -> list[int]:
+    """Output features of a fused projection that rank ``tp_rank`` of ``tp`` computes: its part of every
+    split section (contiguous heads), every feature of the sections kept whole."""
+    rows, offset = [], 0
+    for size, divided in zip(sections, split):
+        if divided:
+            if size % tp:
+                raise ValueError(f"tensor-parallel degree {tp} does not divide a fused projection section of {size} features")
+            part = size // tp
+            rows += range(offset + tp_rank * part, offset + (tp_rank + 1) * part)
+        else:
+            rows += range(offset, offset + size)
+        offset += size
+    return rows
+
+
+class ColwiseFused(ParallelStyle):
+    """Split a fused projection (an ``nn.Linear``, or a Hugging Face ``Conv1D`` with ``conv1d=True``) along its
+    output ``sections``; ``split[i]`` False keeps section ``i`` whole on every rank (see the module docstring).
+
+    ``ColwiseFused((h, h, h))`` is GPT-2's fused q/k/v; ``ColwiseFused((h, d, d), (True, False, False))`` a
+    multi-query projection; ``ColwiseFused((d,), (False,))`` a key or value projection kept whole.
+    """
+
+    def __init__(self, sections: Sequence[int], split: Sequence[bool] | None = None, conv1d: bool = False) -> None:
         super().__init__()
-        self.parts = parts
+        self.sections = tuple(sections)
+        self.split = tuple(split) if split is not None else (True,) * len(self.sections)
+        self.conv1d = conv1d
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = device_mesh.get_group()
-        parts, tp, tp_rank = self.parts, device_mesh.size(), device_mesh.get_local_rank()
-        weight_placement = Shard(1) if parts == 1 else _StridedShard(1, split_factor=parts)
-        _distribute_parameter(module, "weight", device_mesh, weight_placement)
-        if parts == 1:
-            _distribute_parameter(module, "bias", device_mesh, Shard(0))
+        tp, tp_rank = device_mesh.size(), device_mesh.get_local_rank()
+        out_dim = 1 if self.conv1d else 0
+        strided = all(self.split) and len(set(self.sections)) == 1
+        rows = torch.tensor(fused_rows(self.sections, self.split, tp, tp_rank), device=module.weight.device)
+        if strided:
+            parts = len(self.sections)
+            placement = Shard(out_dim) if parts == 1 else _StridedShard(out_dim, split_factor=parts)
+            _distribute_parameter(module, "weight", device_mesh, placement)
+            if parts == 1:
+                _distribute_parameter(module, "bias", device_mesh, Shard(0))
+
+        def local_weight() -> torch.Tensor:
+            if strided:
+                return module.weight.to_local()
+            return _CopyToGroup.apply(module.weight, group).index_select(out_dim, rows)
 
         def local_bias() -> torch.Tensor | None:
             if module.bias is None:
                 return None
-            if parts == 1:
+            if strided and len(self.sections) == 1:
                 return module.bias.to_local()
-            return _CopyToGroup.apply(module.bias, group).view(parts, tp, -1)[:, tp_rank].reshape(-1)
+            # A fused bias stays whole (FSDP2 cannot shard a strided dimension): this rank's features, the
+            # gradient summed over the group.
+            return _CopyToGroup.apply(module.bias, group).index_select(0, rows)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            return _conv1d_forward(_CopyToGroup.apply(x, group), module.weight.to_local(), local_bias())
+            x = _CopyToGroup.apply(_replicated_input(x), group)
+            if self.conv1d:
+                return _conv1d_forward(x, local_weight(), local_bias())
+            return F.linear(x, local_weight(), local_bias())
 
         module.forward = forward  # type: ignore[method-assign]
         return module
 
 
 class RowwiseConv1D(ParallelStyle):
-    """Split a ``Conv1D`` along its inputs; the partial outputs are summed, then the bias is added."""
+    """Split a ``Conv1D`` along its inputs; the partial outputs are summed (or, with ``sequence_parallel``,
+    reduce-scattered along the sequence), then the bias is added."""
+
+    def __init__(self, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = device_mesh.get_group()
@@ -119,8 +251,119 @@ class RowwiseConv1D(ParallelStyle):
         _distribute_parameter(module, "bias", device_mesh, Replicate())
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            out = _ReduceFromGroup.apply(_conv1d_forward(x, module.weight.to_local(), None), group)
-            return out + module.bias.to_local() if module.bias is not None else out
+            partial = _conv1d_forward(x, module.weight.to_local(), None)
+            if module.bias is None:
+                bias = None
+            elif self.sequence_parallel:  # each rank adds it to its own positions: the gradient is summed
+                bias = _CopyToGroup.apply(module.bias.to_local(), group)
+            else:
+                bias = module.bias.to_local()
+            out = reduce_scatter_sequence(partial, device_mesh) if self.sequence_parallel else _ReduceFromGroup.apply(partial, group)
+            return out + bias if bias is not None else out
+
+        module.forward = forward  # type: ignore[method-assign]
+        return module
+
+
+def reduce_scatter_sequence(partial: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Sum partial outputs over the group and keep this rank's part of the sequence (dim 1)."""
+    summed = DTensor.from_local(partial, mesh, [Partial()], run_check=False)
+    return summed.redistribute(mesh, [Shard(1)]).to_local()
+
+
+def gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The whole sequence (dim 1) from every rank's part; the gradient of the result is the full one on every
+    rank (the runtime's convention), so its backward keeps this rank's part."""
+    if isinstance(x, DTensor):
+        return x.redistribute(mesh, [Replicate()]).to_local()
+    return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+
+class GatherSequence(ParallelStyle):
+    """Megatron-SP: a sub-layer (attention, MLP) receives its hidden states split along the sequence and
+    computes on the whole sequence. The hidden states are its first tensor argument or ``hidden_states=``."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            index = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), None)
+            if index is not None:
+                args = (*args[:index], gather_sequence(args[index], device_mesh), *args[index + 1 :])
+            elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                kwargs = {**kwargs, "hidden_states": gather_sequence(kwargs["hidden_states"], device_mesh)}
+            else:
+                raise RuntimeError(f"{type(mod).__name__} was called without hidden states to gather")
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class SliceHeads(ParallelStyle):
+    """Per-head inputs of an attention module (an ALiBi bias, a relative position bias) made from all the
+    heads outside it: this rank's heads, the gradient summed over the group (each rank uses its heads).
+
+    ``inputs`` maps a keyword argument to ``slice(tensor, tp, tp_rank) -> local tensor``.
+    """
+
+    def __init__(self, inputs: Mapping[str, Callable[[torch.Tensor, int, int], torch.Tensor]]) -> None:
+        super().__init__()
+        self.inputs = dict(inputs)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        tp, tp_rank = device_mesh.size(), device_mesh.get_local_rank()
+
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            kwargs = dict(kwargs)
+            for name, local in self.inputs.items():
+                value = kwargs.get(name)
+                if isinstance(value, torch.Tensor):
+                    kwargs[name] = local(_CopyToGroup.apply(value, group), tp, tp_rank)
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def head_slice(dim: int, heads: int) -> Callable[[torch.Tensor, int, int], torch.Tensor]:
+    """This rank's heads of a tensor with ``heads`` heads along ``dim`` (a dimension of 1 broadcasts)."""
+
+    def local(x: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+        if x.shape[dim] == 1:
+            return x
+        if x.shape[dim] != heads:
+            raise ValueError(f"expected {heads} heads along dimension {dim}, got a tensor of shape {tuple(x.shape)}")
+        part = heads // tp
+        return x.narrow(dim, tp_rank * part, part)
+
+    return local
+
+
+def all_gather_heads(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    """Every rank's heads of ``x`` (split along ``dim``) joined; backward keeps this rank's part of the full
+    gradient (every copy of the result carries it)."""
+    return DTensor.from_local(x, mesh, [Shard(dim)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+
+class CopyOutput(ParallelStyle):
+    """Return a copy of the module's output: DTensor's local outputs are views that the model may not modify in
+    place (Falcon adds its attention output to its MLP's with ``+=``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(lambda mod, args, output: output.clone())
+        return module
+
+
+class ColwiseEmbedding(ParallelStyle):
+    """An ``nn.Embedding`` whose columns are heads (T5's relative position bias): each rank keeps and looks
+    up its heads' columns."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _distribute_parameter(module, "weight", device_mesh, Shard(1))
+
+        def forward(indices: torch.Tensor) -> torch.Tensor:
+            return F.embedding(indices, module.weight.to_local(), module.padding_idx, module.max_norm,
+                               module.norm_type, module.scale_grad_by_freq, module.sparse)
 
         module.forward = forward  # type: ignore[method-assign]
         return module

@@ -8,7 +8,7 @@ must then only feed the logits to ``F.cross_entropy``. Vocabulary sizes that the
 divide are fine: DTensor shards unevenly (earlier ranks get one more row) and masks accordingly.
 
 Tied embedding and head weights stay tied: both modules are split with the same row placement and
-the head's parameter is pointed back at the embedding's.
+the head's parameter is pointed back at the embedding's; so are other modules holding the same tensors.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from torch.overrides import TorchFunctionMode
 
-from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.plan import PlanError
+from lightning_galvatron.runtime.structure import ModelStructure
 
 
 @dataclass(frozen=True)
@@ -70,17 +70,39 @@ def find_vocabulary_layers(structure: ModelStructure) -> VocabularyLayers:
     return VocabularyLayers(embedding, head, tied=head is not None and head.weight is embedding.weight)
 
 
-def apply_vocab_parallel(layers: VocabularyLayers, tp_mesh: DeviceMesh, parallel_loss: bool = False) -> None:
-    """Split embedding and head rows over ``tp_mesh`` (either may be absent on a pipeline stage)."""
+def apply_vocab_parallel(
+    layers: VocabularyLayers, tp_mesh: DeviceMesh, parallel_loss: bool = False, root: nn.Module | None = None
+) -> None:
+    """Split embedding and head rows over ``tp_mesh`` (either may be absent on a pipeline stage).
+
+    With ``root``, every other module of it that holds the same tensors keeps holding them: embeddings that
+    share the token table (BART's encoder and decoder ``embed_tokens`` share ``shared``) are split the same
+    way, and other references (BERT's ``cls.predictions.bias`` is its decoder's bias) point at the split
+    parameters -- a stale copy would train apart from the rest, silently.
+    """
+    split: dict[int, nn.Parameter] = {}  # id of a parameter before splitting -> the split one
+
+    def parallelize(module: nn.Module, style) -> None:  # noqa: ANN001
+        before = dict(module.named_parameters(recurse=False))
+        parallelize_module(module, tp_mesh, style)
+        for name, param in before.items():
+            if id(param) in split:  # tied to one split already (a head tied to the embedding)
+                module.register_parameter(name, split[id(param)])
+            else:
+                split[id(param)] = getattr(module, name)
+
     if layers.embedding is not None:
-        parallelize_module(
-            layers.embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        )
+        table = layers.embedding.weight
+        sharing = [m for m in (root.modules() if root is not None else ()) if isinstance(m, nn.Embedding) and m.weight is table]
+        for embedding in dict.fromkeys([layers.embedding, *sharing]):
+            parallelize(embedding, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if layers.head is not None:
         output = Shard(-1) if parallel_loss else Replicate()
-        parallelize_module(layers.head, tp_mesh, ColwiseParallel(output_layouts=output, use_local_output=not parallel_loss))
-    if layers.tied and layers.embedding is not None and layers.head is not None:
-        layers.head.weight = layers.embedding.weight  # both are Shard(0) over the same mesh
+        parallelize(layers.head, ColwiseParallel(output_layouts=output, use_local_output=not parallel_loss))
+    for module in root.modules() if root is not None else ():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in split and split[id(param)] is not param:
+                module.register_parameter(name, split[id(param)])
 
 
 class _LossAsLocalTensor(TorchFunctionMode):

@@ -70,6 +70,8 @@ class BlockShape:
         attention_calls: attention operations per forward (2 for a decoder block with cross-attention).
         supports_tensor_parallel, supports_megatron_sp, supports_ulysses: what the runtime can execute for it.
         tp_collectives_per_forward: all-reduces per forward under Megatron TP (one per row-parallel layer).
+        tensor_parallel_divisors, ulysses_divisors: sizes a Megatron / Ulysses degree must divide (see
+            :class:`~lightning_galvatron.profiles.LayerTypeProfile`); empty: from the heads and widths.
     """
 
     name: str
@@ -86,6 +88,8 @@ class BlockShape:
     supports_megatron_sp: bool = True
     supports_ulysses: bool = True
     tp_collectives_per_forward: int = 2
+    tensor_parallel_divisors: tuple[int, ...] = ()
+    ulysses_divisors: tuple[int, ...] = ()
 
     @property
     def attention_width(self) -> int:
@@ -184,9 +188,8 @@ def _gated_decoder(config: Mapping[str, Any], model_type: str) -> ArchitectureSh
         name=f"{model_type} decoder layer", parameters=matmul + biases + norms, matmul_parameters=matmul,
         hidden_size=h, num_heads=heads, head_dim=head_dim, num_key_value_heads=kv_heads, ffn_hidden_size=ffn,
         gated_mlp=True,
-        # The inferred nn.Linear plan splits these layers; they take masks and rotary tables besides the hidden
-        # states, so the runtime has neither Megatron-SP nor Ulysses for them.
-        supports_megatron_sp=False, supports_ulysses=False,
+        # As the built-in Llama-family plan splits them (key/value heads kept whole under multi-query attention).
+        tensor_parallel_divisors=(heads, *((kv_heads,) if kv_heads > 1 else ()), ffn), ulysses_divisors=(heads,),
     )
     tied = bool(config.get("tie_word_embeddings", False))
     vocab_shape = VocabShape(
@@ -207,7 +210,7 @@ def _gpt2(config: Mapping[str, Any]) -> ArchitectureShape:
     block = BlockShape(
         name="GPT2Block", parameters=matmul + 3 * h + h + ffn + h + 4 * h, matmul_parameters=matmul, hidden_size=h,
         num_heads=heads, head_dim=h // heads, num_key_value_heads=heads, ffn_hidden_size=ffn,
-        supports_megatron_sp=False, supports_ulysses=False,  # the built-in Conv1D plan has neither
+        tensor_parallel_divisors=(heads, ffn), ulysses_divisors=(heads,),
     )
     vocab_shape = VocabShape(
         vocab_size=vocab, embedding_parameters=vocab * h + positions * h, head_parameters=2 * h, head_outputs=vocab,
@@ -229,7 +232,7 @@ def _bert_style(config: Mapping[str, Any], model_type: str) -> ArchitectureShape
     block = BlockShape(
         name=f"{model_type} layer", parameters=matmul + 4 * h + ffn + h + 4 * h, matmul_parameters=matmul,
         hidden_size=h, num_heads=heads, head_dim=h // heads, num_key_value_heads=heads, ffn_hidden_size=ffn,
-        supports_ulysses=False,  # its layers take the attention mask as well
+        tensor_parallel_divisors=(heads, ffn), ulysses_divisors=(heads,),
     )
     architectures = " ".join(config.get("architectures") or [])
     if "MaskedLM" in architectures or not architectures:
@@ -338,6 +341,8 @@ def scaled_model_profile(
                 supports_ulysses=block.supports_ulysses,
                 tp_collectives_per_forward=block.tp_collectives_per_forward,
                 ulysses_all_to_alls_per_forward=4 * block.attention_calls,
+                tensor_parallel_divisors=block.tensor_parallel_divisors,
+                ulysses_divisors=block.ulysses_divisors,
             )
         )
         notes.append(Scaling(block.name, ref_layer.name, time_ratio, activation_ratio))
@@ -376,6 +381,7 @@ def scaled_model_profile(
         seq_length=s,
         activation_dtype_bytes=reference.activation_dtype_bytes,
         block_lists=architecture.block_lists,
+        precision=reference.precision,
     )
     return model, notes
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_galvatron.layout import p2p_ranks_per_node, ranks_per_node
 from lightning_galvatron.plan import LayerStrategy
 from lightning_galvatron.profiles import LayerTypeProfile, LinearFit, Profile, bus_volume
 from lightning_galvatron.search.calibration import Calibration, block_features, load_calibration, vocab_time
@@ -135,15 +136,6 @@ def accumulates_unsharded_gradients(pp: int, micro_batches: int) -> bool:
     return False
 
 
-def ranks_per_node(group_size: int, stride: int, devices_per_node: int, world_size: int) -> int:
-    """How many ranks of a group (members ``stride`` apart, aligned to nodes) share a node."""
-    if world_size <= devices_per_node:
-        return group_size
-    if stride >= devices_per_node:
-        return 1
-    return max(1, min(group_size, devices_per_node // stride))
-
-
 def overlap_time(compute, comm, alpha: float):
     """Time of computation and communication overlapped: ``max + (alpha - 1) * min``."""
     return np.maximum(compute, comm) + (alpha - 1.0) * np.minimum(compute, comm)
@@ -208,8 +200,7 @@ class CostModel:
         if ctx.pp == 1:
             return 0.0
         hw = self.profile.hardware
-        k = 2 if ctx.world_size <= hw.devices_per_node else 1
-        fit = hw.collective("p2p", ctx.pp, k)
+        fit = hw.collective("p2p", ctx.pp, p2p_ranks_per_node(ctx.world_size, ctx.pp, hw.devices_per_node))
         nbytes = ctx.samples_per_device * seq * hidden * self.precision.compute_bytes
         if fit.kind == "p2p":
             return fit.latency_s + nbytes / fit.bandwidth_bytes_per_s

@@ -56,6 +56,7 @@ from lightning_galvatron.search.space import (
     StrategyArrays,
     layer_candidates,
     layout_of,
+    megatron_degree_ok,
     pipeline_configs,
     pipeline_degrees,
     vocab_candidates,
@@ -756,10 +757,11 @@ def _baselines(cm: CostModel, world_size: int, budget: int, global_batch: int, o
     tp_plans = []
     degrees = [g for g in _divisors(W) if options.max_tp is None or g <= options.max_tp]
     for g in sorted(degrees, reverse=True):
-        if all(lt.supports_tensor_parallel and lt.num_heads % g == 0 and lt.hidden_size % g == 0 and lt.ffn_hidden_size % g == 0 for lt in model.layer_types):
+        if all(lt.supports_tensor_parallel and megatron_degree_ok(lt, g) for lt in model.layer_types):
             vg = g if model.vocab.supports_tensor_parallel else 1
             # Megatron-SP only where every block type has it (the runtime refuses it otherwise).
-            kinds = ("megatron", "none") if all(lt.supports_megatron_sp for lt in model.layer_types) else ("none",)
+            sp_ok = all(lt.supports_megatron_sp and megatron_degree_ok(lt, g, True) for lt in model.layer_types)
+            kinds = ("megatron", "none") if sp_ok else ("none",)
             for sp in kinds:
                 tp_plans += list(uniform(LayerStrategy(tp=g, sp=sp if g > 1 else "none"), LayerStrategy(tp=vg)))
             break

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 from lightning_galvatron.profiles import Profile, load_profile
 from lightning_galvatron.search.calibration import Calibration
@@ -170,7 +171,7 @@ def evaluate(
         time = 0.0
         states = acts = 0.0
         cache: dict[tuple[int, LayerStrategy], Any] = {}
-        for chunk in range(rank, pp * v, pp):
+        for chunk in rank_chunks(rank, pp, v):
             previous = None
             for i in plan.chunk_layers(chunk):
                 t = model.blocks[i]
@@ -229,6 +230,8 @@ def _executability_warnings(profile: Profile, plan: ParallelPlan) -> list[str]:
             out.append(f"layers[{i}]: TP degree {s.tp} is not executable for {lt.name} (heads {lt.num_heads}, hidden {lt.hidden_size}, FFN {lt.ffn_hidden_size})")
         elif s.sp == "megatron" and not lt.supports_megatron_sp:
             out.append(f"layers[{i}]: {lt.name} has no Megatron sequence parallelism")
+        elif s.sp == "megatron" and not megatron_degree_ok(lt, s.tp, True):
+            out.append(f"layers[{i}]: Megatron-SP degree {s.tp} does not divide the sequence of {lt.seq_length}")
     vocab, v = model.vocab, plan.vocab
     if v.sp != "none":
         out.append(f"vocab: sp={v.sp!r} is not executable: the embedding and head run on whole sequences (use sp='none')")

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_galvatron.jsonfile import read_json_object
+from lightning_galvatron.layout import ranks_per_node
 from lightning_galvatron.profiles import (
     CollectiveFit,
     DegreeTable,
@@ -57,6 +58,8 @@ from lightning_galvatron.profiles import (
 MIB = 2**20
 MS = 1e-3
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# The reference trains "bf16"/"fp16" with fp32 master weights and optimizer states (mixed precision).
+DTYPE_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
 
 # Published shapes of models the reference ships profiles for; any of them can be overridden.
 KNOWN_MODELS: dict[str, dict[str, int]] = {
@@ -82,6 +85,7 @@ def import_galvatron(
     model_name: str | None = None,
     memory_overhead_bytes: int = 0,
     device_memory_bytes: int | None = None,
+    hardware_name: str | None = None,
 ) -> Profile:
     """Read the reference system's profile files in ``directory`` and return our profile.
 
@@ -140,8 +144,9 @@ def import_galvatron(
         hidden_size=hidden_size,
         seq_length=seq_length,
         activation_dtype_bytes=dtype_bytes,
+        precision=DTYPE_PRECISION[dtype],
     )
-    hardware = _hardware(directory, memory_overhead_bytes, device_memory_bytes)
+    hardware = _hardware(directory, memory_overhead_bytes, device_memory_bytes, hardware_name)
     source = f"imported from Hetu-Galvatron profiles ({directory.name}/, {dtype}, seq {seq_length})"
     return Profile(model=model, hardware=hardware, source=source)
 
@@ -233,7 +238,9 @@ def _seq_entry(memory: dict, key: str, seq: int, path: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- hardware
-def _hardware(directory: Path, memory_overhead_bytes: int, device_memory_bytes: int | None) -> HardwareProfile:
+def _hardware(
+    directory: Path, memory_overhead_bytes: int, device_memory_bytes: int | None, hardware_name: str | None = None
+) -> HardwareProfile:
     clusters = {}
     for path in directory.glob("*.json"):
         if m := _CLUSTER.search(path.name):
@@ -254,7 +261,7 @@ def _hardware(directory: Path, memory_overhead_bytes: int, device_memory_bytes: 
                 sweeps[(m.group(1), int(m.group(2)))].append((int(m.group(3)) * MIB, ms * MS))
         for (kind, g), pts in sweeps.items():
             ours = "all_reduce" if kind == "allreduce" else "all_to_all"
-            k = _ranks_per_node(g, 1, per_node, nodes * gpus)
+            k = ranks_per_node(g, 1, per_node, nodes * gpus)
             fit = CollectiveFit.fit(ours, g, k, [s for s, _ in pts], [t for _, t in pts])
             if ours == "all_reduce":
                 latency[g] = fit.latency_s
@@ -272,7 +279,7 @@ def _hardware(directory: Path, memory_overhead_bytes: int, device_memory_bytes: 
             for key, bw in _read_json(directory / name).items():
                 if m := re.fullmatch(r"allreduce_size_(\d+)_consec_([01])", key):
                     g, consec = int(m.group(1)), m.group(2) == "1"
-                    k = _ranks_per_node(g, 1 if consec else world // g, per_node, world)
+                    k = ranks_per_node(g, 1 if consec else world // g, per_node, world)
                     candidates[("all_reduce", g, k)].append((world, CollectiveFit("all_reduce", g, k, latency_for(g), bw * MIB / MS)))
         elif name.startswith("p2p_bandwidth_"):
             for key, bw in _read_json(directory / name).items():
@@ -294,22 +301,16 @@ def _hardware(directory: Path, memory_overhead_bytes: int, device_memory_bytes: 
     overlap_path = directory / "overlap_coefficient.json"
     overlap = float(_read_json(overlap_path).get("overlap_coe", 1.0)) if overlap_path.exists() else 1.0
     sizes = sorted({n * d for n, d in clusters.values()})
+    measured = f"Hetu-Galvatron measurements on {', '.join(map(str, sizes))} devices"
     return HardwareProfile(
-        name=f"{per_node} devices per node (Hetu-Galvatron measurements on {', '.join(map(str, sizes))} devices)",
+        name=f"{hardware_name} ({measured})" if hardware_name else f"{per_node} devices per node ({measured})",
         devices_per_node=per_node,
         overlap_coefficient=max(overlap, 1.0),
         collectives=tuple(collectives),
         device_memory_bytes=device_memory_bytes,
         memory_overhead_bytes=memory_overhead_bytes,
+        device_type="cuda",  # the reference system profiles GPUs with NCCL
     )
-
-
-def _ranks_per_node(group_size: int, stride: int, per_node: int, world: int) -> int:
-    if world <= per_node:
-        return group_size
-    if stride >= per_node:
-        return 1
-    return max(1, min(group_size, per_node // stride))
 
 
 # ---------------------------------------------------------------------------------------------- files

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import even_partition
 
 
@@ -46,7 +47,7 @@ def in_flight_micro_batches(schedule: str, pp: int, micro_batches: int, stage: i
 def p2p_transfers(pp: int, stage: int, virtual_stages: int = 1) -> int:
     """Transfers a rank receives per micro-batch: activations from the previous chunk, gradients from the next."""
     chunks = pp * virtual_stages
-    return sum((c > 0) + (c < chunks - 1) for c in range(stage, chunks, pp))
+    return sum((c > 0) + (c < chunks - 1) for c in rank_chunks(stage, pp, virtual_stages))
 
 
 def pipeline_step_time(stage_times: np.ndarray, micro_batches: int, virtual_stages: int = 1) -> np.ndarray:

@@ -6,8 +6,8 @@ world size, at most the number of blocks), then per block the size of its model-
 sequence parallelism, or Ulysses), the data-parallel degree ``d = n/g`` takes the rest, then how the
 ``d`` replicas hold their states (DDP, ZeRO-2, ZeRO-3), recomputation, and the rank layout.
 
-Everything offered is executable by the runtime: degrees divide heads/hidden/FFN (Megatron) or
-heads/sequence (Ulysses), the global batch divides by ``d * micro_batches`` for every block, layer
+Everything offered is executable by the runtime: degrees divide what the block's tensor-parallel
+plan splits (Megatron; and the sequence with Megatron-SP) or heads/sequence (Ulysses), the global batch divides by ``d * micro_batches`` for every block, layer
 types that have no TP or Ulysses support only get ``g = 1``, and schedules respect what
 ``torch.distributed.pipelining`` accepts (1F1B and interleaved need ``m >= pp``; interleaved
 ``m % pp == 0``). Pruned because they cannot help: ZeRO at ``d = 1`` (identical to DDP), strided
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lightning_galvatron.layout import ActivationForm, activation_form
 from lightning_galvatron.plan import DP_TYPES, SCHEDULES, LayerStrategy
 from lightning_galvatron.profiles import LayerTypeProfile, VocabProfile
 
@@ -149,14 +150,19 @@ def _layouts(g: int, n: int, stage_spans_nodes: bool, options: SearchOptions) ->
     return [True]
 
 
-def megatron_degree_ok(layer: LayerTypeProfile, g: int) -> bool:
-    """Megatron TP splits heads, hidden and FFN: the degree must divide all three."""
-    return layer.num_heads % g == 0 and layer.hidden_size % g == 0 and layer.ffn_hidden_size % g == 0
+def megatron_degree_ok(layer: LayerTypeProfile, g: int, sequence_parallel: bool = False) -> bool:
+    """Megatron TP splits what the block's plan splits (heads, key/value heads, widths: the profile's
+    ``tensor_parallel_divisors``; heads, hidden and FFN for older profiles); with sequence parallelism
+    the sequence too."""
+    sizes = layer.tensor_parallel_divisors or (layer.num_heads, layer.hidden_size, layer.ffn_hidden_size)
+    return all(size % g == 0 for size in sizes) and (not sequence_parallel or layer.seq_length % g == 0)
 
 
 def ulysses_degree_ok(layer: LayerTypeProfile, g: int) -> bool:
-    """Ulysses splits the sequence and then the heads: the degree must divide both."""
-    return layer.num_heads % g == 0 and layer.seq_length % g == 0
+    """Ulysses splits the sequence and then the (query) heads: the degree must divide both, and leave each rank
+    at least two positions (attention code tells a causal pass from a one-token decoding step by that)."""
+    heads = layer.ulysses_divisors or (layer.num_heads,)
+    return all(size % g == 0 for size in heads) and layer.seq_length % g == 0 and layer.seq_length // g >= 2
 
 
 def layer_candidates(
@@ -180,7 +186,7 @@ def layer_candidates(
             continue
         kinds = ["none"] if g == 1 else []
         if g > 1 and layer.supports_tensor_parallel and "tensor_parallel" not in options.disable and megatron_degree_ok(layer, g):
-            if layer.supports_megatron_sp and "megatron_sp" not in options.disable:
+            if layer.supports_megatron_sp and "megatron_sp" not in options.disable and megatron_degree_ok(layer, g, True):
                 kinds.append("megatron")
             if "tp_without_sp" not in options.disable:
                 kinds.append("none")
@@ -230,23 +236,13 @@ def vocab_candidates(
 DP_CODE = {t: i for i, t in enumerate(DP_TYPES)}
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How activations between blocks are laid out: group size, replicated or split, rank order.
-
-    Blocks with the same layout hand activations over as they are; others need a relocation.
-    Megatron-SP and Ulysses of the same degree both split the sequence over the same group.
-    """
-
-    group: int
-    replicated: bool
-    consecutive: bool
+#: How activations between blocks are laid out (group size, replicated or split, rank order): blocks with the
+#: same layout hand activations over as they are; others need a relocation. Owned by :mod:`lightning_galvatron.layout`.
+Layout = ActivationForm
 
 
 def layout_of(strategy: LayerStrategy, devices_per_stage: int) -> Layout:
-    g = strategy.tp
-    consecutive = strategy.tp_consecutive or g in (1, devices_per_stage)
-    return Layout(g, g > 1 and strategy.sp == "none", consecutive)
+    return activation_form(strategy, devices_per_stage)
 
 
 @dataclass(frozen=True, eq=False)

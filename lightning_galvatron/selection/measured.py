@@ -4,7 +4,8 @@ After the search (:func:`~lightning_galvatron.autoplan.plan_automatically`), in 
 
 1. rank 0 takes the search's best plan, the best plan of each other kind and the uniform plans that fit
    (:func:`~lightning_galvatron.search.candidates.diverse_candidates`) and tells every rank;
-2. every rank runs each candidate for a few steps on a copy of the model (:class:`~.trials.TrialRunner`), in
+2. every rank runs each candidate for a few steps on a copy of the model (``runner``, a
+   :class:`lightning_galvatron.trials.TrialRunner`), in
    order, while rank 0 expects the next trial to end within the time budget;
 3. rank 0 calibrates the cost model from what the runtime profiler saw in the trials
    (:func:`~lightning_galvatron.search.calibration.fit_calibration`) and searches again with it; a new plan is
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.search.calibration import Calibration
 from lightning_galvatron.search.report import plan_summary, text_table
-from lightning_galvatron.selection.trials import Measurement, TrialRunner, TrialSettings, preserved_rng
+from lightning_galvatron.selection.settings import Measurement, TrialSettings, preserved_rng
 from lightning_galvatron.units import format_bytes
 
 SELECTION_FORMAT = "lightning_galvatron.selection"
@@ -217,7 +218,7 @@ def selection_key(profile: Any, search_arguments: Mapping[str, Any], settings: T
 # ---------------------------------------------------------------------------------------------- the selection
 def select_by_measurement(
     auto: Any,
-    runner: TrialRunner,
+    runner: Any,
     settings: TrialSettings,
     *,
     cache: SelectionCache | None,

@@ -15,6 +15,8 @@ are stepped the same with either ``eps``.
 
 from __future__ import annotations
 
+import functools
+
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,19 @@ class _Trainable(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
         self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        self.log("test_loss", self.loss(batch), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        """The inputs (to align predictions across data shards) and the model's logits for them."""
+        inputs, _ = batch
+        return inputs, self.logits(batch).float()
+
+    def loss(self, batch):  # noqa: ANN001, ANN201
+        _, targets = batch
+        logits = self.logits(batch)
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
     def configure_optimizers(self):  # noqa: ANN201
         return torch.optim.AdamW(self.parameters(), lr=self.learning_rate, eps=1e-6)
@@ -97,14 +112,13 @@ class TorchEncoderLM(_Trainable):
         self.norm = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB)
 
-    def loss(self, batch):  # noqa: ANN001, ANN201
-        inputs, targets = batch
+    def logits(self, batch):  # noqa: ANN001, ANN201
+        inputs, _ = batch
         seq = inputs.shape[1]
         x = self.embedding(inputs) + self.positions(torch.arange(seq, device=inputs.device))
         causal = nn.Transformer.generate_square_subsequent_mask(seq, device=inputs.device)
         x = self.encoder(x, mask=causal, is_causal=True)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return self.head(self.norm(x))
 
 
 def torch_encoder() -> TorchEncoderLM:
@@ -184,3 +198,105 @@ class PlainBlocksLM(_Trainable):
 def plain_blocks() -> PlainBlocksLM:
     torch.manual_seed(1234)
     return PlainBlocksLM()
+
+
+# ---------------------------------------------------------------------------------------------- the family matrix
+class FamilyLM(_Trainable):
+    """A model of one family built from a small config at its defaults (only dropout off), trained on the token
+    batches: causal LMs predict the targets from the inputs, BERT fills them in (with a padding mask), encoder-
+    decoders translate the inputs into the targets (the decoder reads the targets shifted by one)."""
+
+    def __init__(self, family: str) -> None:
+        super().__init__()
+        self.family = family
+        self.kind, self.model = FAMILY_MODELS[family]()
+
+    def logits(self, batch):  # noqa: ANN001, ANN201
+        inputs, targets = batch
+        if self.kind == "causal":
+            return self.model(input_ids=inputs).logits
+        if self.kind == "litgpt":
+            return self.model(inputs)
+        if self.kind == "masked":
+            return self.model(input_ids=inputs, attention_mask=padding_mask(inputs)).logits
+        shifted = torch.cat([torch.zeros_like(targets[:, :1]), targets[:, :-1]], dim=1)
+        return self.model(input_ids=inputs, decoder_input_ids=shifted).logits
+
+
+def _hf(kind: str, architecture: str, config: str, **settings):  # noqa: ANN003, ANN202
+    import transformers
+
+    def build():  # noqa: ANN202
+        return kind, getattr(transformers, architecture)(getattr(transformers, config)(vocab_size=VOCAB, **settings))
+
+    return build
+
+
+def _litgpt():  # noqa: ANN202
+    from litgpt import GPT, Config
+
+    config = Config(
+        name="tiny-llama", block_size=8, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=4, n_head=HEADS,
+        n_query_groups=2, n_embd=HIDDEN, rotary_percentage=1.0, parallel_residual=False, bias=False,
+        norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=FFN,
+    )
+    return "litgpt", GPT(config)
+
+
+_SIZES = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, max_position_embeddings=8)
+_ROTARY = dict(_SIZES, num_hidden_layers=4, intermediate_size=FFN)
+#: family -> factory of (kind, model): small configs, every setting at its default except the sizes and dropout.
+FAMILY_MODELS = {
+    # decoder-only, learned positions, fused q/k/v (Conv1D), sequential residual
+    "gpt2": _hf("causal", "GPT2LMHeadModel", "GPT2Config", n_embd=HIDDEN, n_layer=4, n_head=HEADS, n_positions=8,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    # rotary (partial), fused q/k/v per head, parallel residual
+    "gpt_neox": _hf("causal", "GPTNeoXForCausalLM", "GPTNeoXConfig", **_ROTARY, hidden_dropout=0.0, attention_dropout=0.0),
+    # rotary, grouped-query attention (2 key/value heads), gated MLP
+    "llama": _hf("causal", "LlamaForCausalLM", "LlamaConfig", **_ROTARY, num_key_value_heads=2),
+    "qwen2": _hf("causal", "Qwen2ForCausalLM", "Qwen2Config", **_ROTARY, num_key_value_heads=2),
+    "mistral": _hf("causal", "MistralForCausalLM", "MistralConfig", **_ROTARY, num_key_value_heads=2),
+    # multi-query attention with separate projections (as Gemma-2B)
+    "gemma": _hf("causal", "GemmaForCausalLM", "GemmaConfig", **_ROTARY, num_key_value_heads=1, head_dim=HIDDEN // HEADS),
+    # learned positions, separate q/k/v, fc1/fc2 on the layer
+    "opt": _hf("causal", "OPTForCausalLM", "OPTConfig", **_SIZES, num_hidden_layers=4, ffn_dim=FFN,
+               word_embed_proj_dim=HIDDEN, dropout=0.0, attention_dropout=0.0),
+    # multi-query attention fused [q | k | v], rotary, parallel attention and MLP
+    "falcon": _hf("causal", "FalconForCausalLM", "FalconConfig", hidden_size=HIDDEN, num_attention_heads=HEADS,
+                  num_hidden_layers=4, hidden_dropout=0.0, attention_dropout=0.0),
+    # ALiBi, fused q/k/v per head (eager attention)
+    "bloom": _hf("causal", "BloomForCausalLM", "BloomConfig", hidden_size=HIDDEN, n_head=HEADS, n_layer=4,
+                 hidden_dropout=0.0, attention_dropout=0.0),
+    # rotary inside the attention (eager), parallel residual
+    "gptj": _hf("causal", "GPTJForCausalLM", "GPTJConfig", n_embd=HIDDEN, n_head=HEADS, n_layer=4, n_positions=8,
+                rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    # partial rotary, parallel residual, dense output projection
+    "phi": _hf("causal", "PhiForCausalLM", "PhiConfig", **_ROTARY, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+    # multi-query attention fused [q | k | v], learned positions
+    "gpt_bigcode": _hf("causal", "GPTBigCodeForCausalLM", "GPTBigCodeConfig", n_embd=HIDDEN, n_head=HEADS, n_layer=4,
+                       n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    # encoder-only (post-norm, padding mask)
+    "bert": _hf("masked", "BertForMaskedLM", "BertConfig", **_SIZES, num_hidden_layers=4, intermediate_size=FFN,
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    # encoder-decoder with a relative position bias per head (eager attention)
+    "t5": _hf("seq2seq", "T5ForConditionalGeneration", "T5Config", d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=FFN,
+              num_layers=2, num_heads=HEADS, dropout_rate=0.0),
+    # encoder-decoder, post-norm, learned positions
+    "bart": _hf("seq2seq", "BartForConditionalGeneration", "BartConfig", d_model=HIDDEN, encoder_layers=2, decoder_layers=2,
+                encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN,
+                max_position_embeddings=8, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0),
+    # LitGPT's GPT: fused [q | k | v] with grouped queries, RMSNorm, LLaMA MLP
+    "litgpt": _litgpt,
+}
+
+
+def family(name: str):  # noqa: ANN201
+    """A factory (picklable for the worker pool) of the family's LightningModule, seeded."""
+    return functools.partial(_family, name)
+
+
+def _family(name: str) -> L.LightningModule:
+    torch.manual_seed(1234)
+    if name == "torch_encoder":
+        return TorchEncoderLM()
+    return FamilyLM(name)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.tensor import DTensor, Replicate
@@ -37,7 +38,16 @@ from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan
 from lightning_galvatron.runtime.mesh import local_tensor
-from lightning_galvatron.runtime.tensor_parallel import ColwiseConv1D, ParallelMultiheadAttention, RowwiseConv1D
+from lightning_galvatron.model.families._common import Compose
+from lightning_galvatron.runtime.tensor_parallel import (
+    ColwiseEmbedding,
+    ColwiseFused,
+    CopyOutput,
+    GatherSequence,
+    ParallelMultiheadAttention,
+    RowwiseConv1D,
+    SliceHeads,
+)
 from lightning_galvatron.runtime.ulysses import ulysses_group
 from lightning_galvatron.runtime.vocab_parallel import find_vocabulary_layers
 
@@ -47,6 +57,9 @@ def describe_rank(strategy: Any) -> dict[str, Any]:
     """This rank's parameters (global shape, local size, sharded mesh dimensions and their ranks, DDP group) and
     blocks (recomputed, Ulysses group), read from the parallelised model."""
     module, applied = strategy.lightning_module, strategy._applied
+    for sub in module.modules():  # ZeRO-2 blocks stay unsharded after a forward without backward (validation)
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
     params = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         sharded, replicated = {}, {}
@@ -89,14 +102,20 @@ def _split_parameters(style: ParallelStyle, layer: nn.Module) -> set[str] | None
     """Which of ``layer``'s parameters a style splits over the tensor-parallel group (the others stay whole): what
     each style promises -- a fused projection's bias, a row-wise layer's bias and ``nn.MultiheadAttention``'s
     fused bias and output bias are kept whole on every rank. ``None`` for a style this check does not know."""
-    if isinstance(style, (SequenceParallel, PrepareModuleInput)):  # they move activations only
-        return set()
+    if isinstance(style, (SequenceParallel, PrepareModuleInput, GatherSequence, SliceHeads, CopyOutput)):
+        return set()  # they move or copy activations only
+    if isinstance(style, Compose):
+        parts = [_split_parameters(s, layer) for s in style.styles]
+        return None if None in parts else set().union(*parts)
     if isinstance(style, ColwiseParallel):
         names = {"weight", "bias"}
     elif isinstance(style, (RowwiseParallel, RowwiseConv1D)):
         names = {"weight"}
-    elif isinstance(style, ColwiseConv1D):
-        names = {"weight", "bias"} if style.parts == 1 else {"weight"}
+    elif isinstance(style, ColwiseFused):  # split as a DTensor when every section is split evenly, else kept whole
+        strided = all(style.split) and len(set(style.sections)) == 1
+        names = ({"weight", "bias"} if len(style.sections) == 1 else {"weight"}) if strided else set()
+    elif isinstance(style, ColwiseEmbedding):
+        names = {"weight"}
     elif isinstance(style, ParallelMultiheadAttention):
         names = {"in_proj_weight", "out_proj.weight"}
     else:

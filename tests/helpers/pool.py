@@ -14,6 +14,7 @@ for that world size forks a fresh one.
 from __future__ import annotations
 
 import datetime
+import pickle
 import multiprocessing as mp
 import os
 import socket
@@ -54,7 +55,9 @@ def _worker(rank: int, world_size: int, port: int, conn: Any) -> None:
             break
         fn, args, kwargs = task
         try:
-            conn.send(("ok", fn(*args, **kwargs)))
+            # Plain pickle: tensors travel as bytes, not as shared-memory file descriptors (many results would
+            # exhaust the descriptors a process may hold).
+            conn.send(("ok", pickle.dumps(fn(*args, **kwargs))))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             conn.send(("error", traceback.format_exc()))
     dist.destroy_process_group()
@@ -97,6 +100,8 @@ class WorkerPool:
                 self.shutdown()
                 raise DistributedFailure(f"rank {rank} did not finish {fn.__name__} within {timeout:.0f} s")
             status, value = conn.recv()
+            if status == "ok":
+                value = pickle.loads(value)
             if status == "error":
                 errors.append(f"--- rank {rank} ---\n{value}")
             results[rank] = value

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import functools
 import tempfile
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as L
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -23,6 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from examples.gpt import ArithmeticText, GPTModule
 from lightning_galvatron import GalvatronStrategy
+from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 from tests.helpers.plan_check import assert_plan_applied
 
 SEQ = 8
@@ -40,8 +43,10 @@ class RunResult:
     grads: dict[str, torch.Tensor] | None = None  # full gradients of the first step, before clipping
     param_dtypes: set[torch.dtype] = field(default_factory=set)  # as trained, before gathering
     val_loss: float | None = None
-    test_loss: float | None = None  # with evaluate=True
-    predictions: torch.Tensor | None = None  # with evaluate=True: predict_step's outputs joined
+    test_loss: float | None = None  # with evaluate=True: trainer.test after training
+    predictions: dict[tuple, torch.Tensor] | torch.Tensor | None = None  # with evaluate=True: keyed by input tokens where
+    # predict_step returns (inputs, predictions), else predict_step's outputs joined
+    plan: Any = None  # the plan the strategy ran (distributed runs)
 
 
 class _LossRecorder(L.Callback):
@@ -102,19 +107,24 @@ def run_single(
     evaluate: bool = False,
     **trainer_kwargs: Any,
 ) -> RunResult:
+    """The single-process reference. With ``evaluate``, ``fit`` validates after the last step, then ``test`` and
+    ``predict`` run on held-out samples (the module logs ``val_loss``/``test_loss``; ``predict_step`` returns
+    ``(inputs, predictions)``)."""
     module = model() if model is not None else tiny_gpt(**(model_kwargs or {}))
     initial = _float_copy(module.state_dict())
     data = dataset(num_samples)
     loader = DataLoader(data, batch_size=global_batch, sampler=DistributedSampler(data, 1, 0, shuffle=True, seed=0))
+    if evaluate:
+        trainer_kwargs.setdefault("val_check_interval", trainer_kwargs.get("max_steps", 3))
     trainer, recorder = _trainer("auto", 1, precision, **trainer_kwargs)
-    trainer.fit(module, loader)
+    trainer.fit(module, loader, val_dataloaders=_evaluation_data(global_batch, global_batch) if evaluate else None)
     result = RunResult(
         losses=recorder.losses, state=_float_copy(module.state_dict()), grads=recorder.grads, initial=initial
     )
-    if validate or evaluate:
+    if validate:
         result.val_loss = _validation_loss(trainer, module, global_batch)
     if evaluate:
-        _test_and_predict(trainer, module, global_batch, result)
+        _evaluate(trainer, module, global_batch, global_batch, result)
     return result
 
 
@@ -136,6 +146,9 @@ def run_distributed(
 ) -> RunResult:
     """Train on all ranks of the pool; the DataLoader has DDP's per-device batch size.
 
+    With ``evaluate``, ``fit`` validates after the last step, then ``test`` and ``predict`` run on held-out
+    samples (see :func:`run_single`).
+
     With ``check_plan`` (and the Galvatron strategy) every rank's parameters, blocks and groups are checked
     against the plan after ``fit`` (:func:`~tests.helpers.plan_check.assert_plan_applied`).
     """
@@ -146,8 +159,11 @@ def run_distributed(
     loader = DataLoader(dataset(num_samples), batch_size=global_batch // world, shuffle=True)
     if strategy is None:
         strategy = GalvatronStrategy(plan=plan if plan is not None else "auto", **(strategy_kwargs or {}))
+    if evaluate:
+        trainer_kwargs.setdefault("val_check_interval", trainer_kwargs.get("max_steps", 3))
     trainer, recorder = _trainer(strategy, world, precision, **trainer_kwargs)
-    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    validation = _evaluation_data(global_batch, global_batch // world) if evaluate else None
+    trainer.fit(module, loader, val_dataloaders=validation, ckpt_path=ckpt_path)
     if check_plan and isinstance(trainer.strategy, GalvatronStrategy):
         assert_plan_applied(trainer.strategy, factory)
     if save_path is not None:
@@ -155,24 +171,38 @@ def run_distributed(
     result = RunResult(losses=_mean_over_ranks(recorder.losses), grads=_merge_over_ranks(recorder.grads), initial=initial)
     result.param_dtypes = {p.dtype for p in trainer.lightning_module.parameters()}
     result.state = gather_full_state(trainer.lightning_module)
-    if validate or evaluate:
+    if validate:
         result.val_loss = _validation_loss(trainer, module, global_batch // world)
     if evaluate:
-        _test_and_predict(trainer, module, global_batch // world, result)
+        _evaluate(trainer, module, global_batch, global_batch // world, result)
+        if isinstance(result.predictions, dict):
+            result.predictions = _merge_over_ranks(result.predictions)
+    result.plan = getattr(trainer.strategy, "plan", None)
     return result
+
+
+def _evaluation_data(global_batch: int, batch_size: int) -> DataLoader:
+    """Held-out samples: two global batches (every data shard gets whole batches, so means over batches agree)."""
+    return DataLoader(ArithmeticText(2 * global_batch, SEQ, seed=1), batch_size=batch_size)
+
+
+def _evaluate(trainer: L.Trainer, module: L.LightningModule, global_batch: int, batch_size: int, result: RunResult) -> None:
+    """Validation loss of the fit, then ``trainer.test`` and ``trainer.predict``: predictions keyed by their input
+    where ``predict_step`` returns ``(inputs, predictions)`` (comparable over data shards), else joined."""
+    result.val_loss = float(trainer.callback_metrics["val_loss"])
+    result.test_loss = float(trainer.test(module, _evaluation_data(global_batch, batch_size), verbose=False)[0]["test_loss"])
+    outputs = trainer.predict(module, _evaluation_data(global_batch, batch_size))
+    if outputs and isinstance(outputs[0], tuple):
+        result.predictions = {
+            tuple(x.tolist()): p.detach().float().cpu() for inputs, logits in outputs for x, p in zip(inputs, logits)
+        }
+    else:
+        result.predictions = torch.cat([p.detach().float().cpu() for p in outputs])
 
 
 def _validation_loss(trainer: L.Trainer, module: GPTModule, batch_size: int) -> float:
     metrics = trainer.validate(module, DataLoader(ArithmeticText(16, SEQ, seed=1), batch_size=batch_size), verbose=False)
     return float(metrics[0]["val_loss"])
-
-
-def _test_and_predict(trainer: L.Trainer, module: L.LightningModule, batch_size: int, result: RunResult) -> None:
-    """``test_loss`` and the predictions on 16 held-out samples (``validate=True`` adds the validation loss:
-    with ``evaluate=True`` the run covers fit, validate, test and predict)."""
-    loader = DataLoader(ArithmeticText(16, SEQ, seed=1), batch_size=batch_size)
-    result.test_loss = float(trainer.test(module, loader, verbose=False)[0]["test_loss"])
-    result.predictions = torch.cat([p.detach().float().cpu() for p in trainer.predict(module, loader)])
 
 
 def _mean_over_ranks(values: list[float]) -> list[float]:
@@ -282,3 +312,71 @@ def assert_parameters_moved_alike(
         assert float(error.mean()) <= mean_rtol * mean_scale, (
             f"{name}: mean error {float(error.mean()):.3g} > {mean_rtol} x mean movement {mean_scale:.3g}"
         )
+
+
+def assert_same_evaluation(actual: RunResult, expected: RunResult, loss_tol: float, prediction_tol: float) -> None:
+    """Same validation and test losses, and the same predictions for every held-out sample."""
+    assert actual.val_loss == pytest_approx(expected.val_loss, loss_tol), ("val_loss", actual.val_loss, expected.val_loss)
+    assert actual.test_loss == pytest_approx(expected.test_loss, loss_tol), ("test_loss", actual.test_loss, expected.test_loss)
+    assert actual.predictions is not None and expected.predictions is not None
+    if isinstance(expected.predictions, torch.Tensor):
+        torch.testing.assert_close(actual.predictions, expected.predictions, atol=prediction_tol, rtol=0)
+        return
+    assert actual.predictions.keys() == expected.predictions.keys()
+    for key, value in expected.predictions.items():
+        torch.testing.assert_close(actual.predictions[key], value, atol=prediction_tol, rtol=0)
+
+
+def pytest_approx(value: float | None, tol: float) -> Any:
+    return pytest.approx(value, abs=tol, rel=0)
+
+
+def run_cases(cases: dict[str, dict[str, Any]], model: Callable[[], L.LightningModule], global_batch: int,
+              cache_dir: str, **common: Any) -> dict[str, RunResult | str]:
+    """Several distributed runs of one model in one pool call, each ``run_distributed(**common, **case)``.
+
+    A case ``{"auto": "ample"}`` trains with ``plan="auto"`` and the default memory budget, ``{"auto": "tight"}``
+    with a budget between pure ZeRO-3's and pure DDP's (see :func:`budget_between_zero3_and_ddp`); profiles are
+    cached in ``cache_dir``. A case the strategy refuses gives its error message instead of a result; one that
+    fails gives its traceback, and the cases after it are not run (its ranks may have stopped in different places,
+    so what follows would only wait for the others): the caller should then start a fresh pool.
+    """
+    out: dict[str, RunResult | str] = {}
+    for name, case in cases.items():
+        if name in out:
+            continue
+        case = dict(case)
+        auto = case.pop("auto", None)
+        try:
+            if auto is not None:
+                budget = budget_between_zero3_and_ddp(model, global_batch, cache_dir) if auto == "tight" else None
+                case["strategy"] = GalvatronStrategy(memory_budget=budget, profile_cache=cache_dir, save_plan=False)
+            out[name] = run_distributed(model=model, global_batch=global_batch, **common, **case)
+        except PlanError as error:
+            out[name] = f"PlanError: {error}"
+        except Exception:  # noqa: BLE001 - reported by the test of this case
+            out[name] = f"failed: {traceback.format_exc()}"
+            # Ranks may have stopped in different places: what follows would only wait for the others.
+            out |= {later: f"not run: {name} failed before it" for later in cases if later not in out}
+    return out
+
+
+def budget_between_zero3_and_ddp(model: Callable[[], L.LightningModule], batch: int, cache_dir: str) -> int:
+    """A memory budget that pure DDP exceeds and pure ZeRO-3 fits, from the profile the strategy will use (the
+    same cache), as predicted for AdamW in fp32."""
+    from lightning_galvatron.model.discovery import find_blocks
+    from lightning_galvatron.profiler import profile
+    from lightning_galvatron.search import evaluate
+
+    world = dist.get_world_size()
+    module = model()
+    measured = profile(
+        module, find_blocks(module), dataset(batch)[0 : batch // world], precision="32-true", devices_per_node=world,
+        cache=cache_dir,
+    )
+    peaks = [
+        evaluate(measured, ParallelPlan.uniform(world, measured.model.num_blocks, LayerStrategy(dp_type=name)),
+                 global_batch_size=batch, precision="32-true", optimizer="adamw").peak_memory_bytes
+        for name in ("ddp", "zero3")
+    ]
+    return int(sum(peaks) / 2)

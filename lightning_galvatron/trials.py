@@ -1,4 +1,5 @@
-"""Trials: a few real training steps of a candidate plan, on a copy of the user's model.
+"""Trials: a few real training steps of a candidate plan on a copy of the user's model -- the Lightning side of
+measured selection (:mod:`lightning_galvatron.selection` decides; this module runs and reports).
 
 A trial deep-copies the LightningModule (never touching the user's module, whose first optimizer step must be
 that of the chosen plan), applies the plan to the copy exactly as the strategy would (precision, FSDP mixed
@@ -10,28 +11,36 @@ and trains it on one real global batch of the user's data:
   (other work on the machine only ever adds to a step, so the fastest is the least disturbed);
 * on CPU the runtime profiler (:mod:`lightning_galvatron.profiler.runtime`) records the same steps (its hooks
   cost microseconds there); on CUDA, where it synchronises the device at every boundary, two more steps;
-* the peak memory of a step (:mod:`.memory`), the largest over the ranks.
+* the peak memory of a step (:mod:`lightning_galvatron.selection.memory`), the largest over the ranks.
 
-``self.log`` calls of the copy are dropped. The caller keeps the random state (:func:`preserved_rng`).
+``self.log`` calls of the copy are dropped; the random state is restored after the trials.
+
+:func:`choose_plan` is what the strategy calls with what ``plan="auto"`` found: it prints it, runs the trials
+when fitting and adds :class:`StepClock`, which compares the first training steps with the prediction. The
+training loop adds its own work to every step (logging, callbacks) that neither the cost model nor a trial
+counts, so that comparison is a sanity check, not a calibration.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
-import math
-import random
+import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch import Callback
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -39,100 +48,88 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.model.outside_layers import OutsideLayers
+from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans
 from lightning_galvatron.plan import ParallelPlan
-from lightning_galvatron.runtime.apply import apply_plan, input_shard
+from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_flag
+from lightning_galvatron.runtime.apply import apply_plan, check_runtime_support, input_shard
 from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.runtime.pipeline import loss_of
 from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 from lightning_galvatron.search.calibration import Observation
+from lightning_galvatron.search.report import plan_summary
+from lightning_galvatron.selection import SelectionCache, select_by_measurement
 from lightning_galvatron.selection.memory import step_peak_bytes
+from lightning_galvatron.selection.settings import Measurement, TrialSettings, TrialUnavailable
+
+# ---------------------------------------------------------------------------------------------- the strategy's side
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-@dataclass(frozen=True)
-class TrialSettings:
-    """How much measured selection may spend (``GalvatronStrategy(trials=...)``).
+def choose_plan(strategy: Any, trainer: Any, auto: Any, loader: Any, global_batch: int) -> ParallelPlan:
+    """The plan to train: the search's, or with ``strategy._trials`` and when fitting, the fastest measured.
 
-    Attributes:
-        budget_s: wall-clock seconds for all trials together; the search's best plan is always tried, the next
-            candidate only while the trials so far say it will end within the budget.
-        warmup_steps, timed_steps: untimed and timed training steps per trial.
-        max_candidates: plans tried at most (the search's best, the best of other kinds, the uniform plans).
-        measure_memory: measure each trial's peak memory per rank (a plan over the budget is not chosen).
+    Collective (every rank, the same plan); sets ``strategy.selection``.
     """
-
-    budget_s: float = 20.0
-    warmup_steps: int = 1
-    timed_steps: int = 3
-    max_candidates: int = 6
-    measure_memory: bool = True
-
-    def __post_init__(self) -> None:
-        if isinstance(self.budget_s, bool) or not isinstance(self.budget_s, (int, float)) or not 0 < self.budget_s < math.inf:
-            raise ValueError(f"trials budget_s must be a positive number of seconds, got {self.budget_s!r}")
-        for name, least in (("warmup_steps", 0), ("timed_steps", 1), ("max_candidates", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"trials {name} must be an integer >= {least}, got {value!r}")
-        if not isinstance(self.measure_memory, bool):
-            raise ValueError(f"trials measure_memory must be True or False, got {self.measure_memory!r}")  # noqa: TRY004
-
-    @classmethod
-    def of(cls, value: bool | float | Mapping[str, Any] | TrialSettings | None) -> TrialSettings | None:
-        """``True``: the defaults; ``False``/``None``: no trials; a number: the budget in seconds; a dict: fields."""
-        if value is True:
-            return cls()
-        if value is False or value is None:
-            return None
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, (int, float)):
-            return cls(budget_s=value)
-        if isinstance(value, Mapping):
-            known = {f.name for f in fields(cls)}
-            unknown = set(value) - known
-            if unknown:
-                raise ValueError(f"unknown trials settings {sorted(unknown)}; known: {sorted(known)}")
-            return cls(**value)
-        raise ValueError(
-            f"trials must be True, False, a budget in seconds or a dict of {sorted(f.name for f in fields(cls))}, "
-            f"got {value!r}"
+    rank_zero_info(auto.report)
+    source = "cached profile" if auto.profile_cached else "profiling"
+    rank_zero_info(f"Galvatron: {source} took {auto.seconds['profile']:.2f} s, search {auto.seconds['search']:.2f} s")
+    if auto.plan.global_batch_size != global_batch:
+        rank_zero_info(
+            f"Galvatron: the search changed the global batch size from {global_batch} to "
+            f"{auto.plan.global_batch_size} (search_batch_size=True)"
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-@dataclass
-class Measurement:
-    """What a trial measured, the same on every rank."""
-
-    step_s: float | None  # the fastest timed step (each the slowest rank's); None: the trial failed
-    peak_bytes: int | None  # the largest peak over the ranks; None: not measured
-    seconds: float  # the whole trial: copying, applying the plan, all its steps
-    error: str | None = None
-
-
-class TrialUnavailable(RuntimeError):
-    """Trials cannot run for this module or data (the message says why); the search's plan is used."""
+    plan = auto.plan
+    predicted = auto.search_result.estimate.step_time_s if auto.search_result is not None else None
+    trial_s = runner_up = None
+    if strategy._trials is not None and trainer.state.fn == TrainerFn.FITTING:  # trials train
+        selection = _trials(strategy, trainer, auto, loader)
+        if selection is not None:
+            strategy.selection, plan = selection, selection.plan
+            chosen, other = selection.chosen, selection.runner_up
+            if chosen is not None:
+                predicted, trial_s = chosen.calibrated_step_s or chosen.predicted_step_s, chosen.step_s
+            runner_up = (other.name, other.plan, other.step_s) if other is not None else None
+    if strategy.global_rank == 0 and trainer.state.fn == TrainerFn.FITTING:
+        trainer.callbacks.append(StepClock(predicted, trial_s, runner_up, rank_zero_info))
+    return plan
 
 
-@contextmanager
-def preserved_rng(device: torch.device) -> Iterator[None]:
-    """Restore torch's (CPU and CUDA), numpy's and Python's random states on exit."""
-    import numpy as np
-
-    states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-    cuda = torch.cuda.get_rng_state_all() if device.type == "cuda" and torch.cuda.is_initialized() else None
+def _trials(strategy: Any, trainer: Any, auto: Any, loader: Any) -> Any:
+    module = strategy.lightning_module
     try:
-        yield
-    finally:
-        torch.set_rng_state(states[0])
-        random.setstate(states[1])
-        np.random.set_state(states[2])
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
+        reason = no_trials_reason(module)
+        if reason is not None:
+            raise TrialUnavailable(reason)
+        batch = global_batch_samples(loader, auto.plan.global_batch_size)
+    except TrialUnavailable as why:
+        rank_zero_info(f"Galvatron: no trials ({why}): training the search's plan")
+        return None
+    flag = precision_flag(strategy.precision_plugin)
+    traced: dict[str, Any] = {}
+
+    def outside_layers() -> Any:  # traced once, for the first pipelined candidate (collective)
+        if "layers" not in traced:
+            traced["layers"] = strategy._trace_outside_layers(trainer)
+        return traced["layers"]
+
+    runner = TrialRunner(
+        module, trainer, strategy._layers, batch, strategy._meshes, strategy.precision_plugin, mixed_precision_policy(flag),
+        boundary_dtype(flag), strategy.root_device, [name for name in _STEP_METHODS if is_overridden(name, module)],
+        strategy._vocab_parallel_loss, outside_layers,
+    )
+    structure = strategy.structure
+    tp_plans = block_tensor_parallel_plans(structure)
+    rank_zero_info(f"Galvatron: measured selection: trying candidate plans for up to {strategy._trials.budget_s:g} s")
+    selection = select_by_measurement(
+        auto, runner, strategy._trials, cache=SelectionCache.of(strategy._search.profile_cache),
+        check=lambda plan: check_runtime_support(plan, structure, tp_plans), report=rank_zero_info,
+        progress=strategy._progress,
+    )
+    rank_zero_info(selection.report())
+    return selection
 
 
+# ---------------------------------------------------------------------------------------------- running a trial
 def global_batch_samples(loader: Any, count: int) -> Any:
     """``count`` samples of the loader's first batches joined along the batch (the loader's random state kept)."""
     batches, have = [], 0
@@ -238,6 +235,7 @@ class TrialRunner:
         applied = apply_plan(
             model, structure, plan, self.meshes, self.mp_policy, entry_methods=self.entry_methods,
             parallel_loss=self._parallel_loss(plan), boundary_dtype=self.boundary_dtype, outside_layers=outside,
+            tp_plans=block_tensor_parallel_plans(structure),
         )
         _materialize_distributed_module(model, self.device)
         model.to(self.device)
@@ -347,12 +345,72 @@ def no_trials_reason(module: Any) -> str | None:
     return None
 
 
-__all__ = [
-    "Measurement",
-    "TrialRunner",
-    "TrialSettings",
-    "TrialUnavailable",
-    "global_batch_samples",
-    "no_trials_reason",
-    "preserved_rng",
-]
+# ---------------------------------------------------------------------------------------------- after the trials
+class StepClock(Callback):
+    """Times training steps (start to start) and reports once, after ``skip`` + ``steps`` steps (a callback the
+    strategy adds on rank 0).
+
+    Args:
+        predicted_s: the running plan's predicted step time (the calibrated one when there is one).
+        trial_s: its step time measured in its trial, if it had one.
+        runner_up: ``(name, plan, seconds)`` of the fastest other fitting plan of the trials.
+        report: where the line goes (rank 0's output).
+    """
+
+    def __init__(
+        self,
+        predicted_s: float | None,
+        trial_s: float | None,
+        runner_up: tuple[str, object, float] | None,
+        report: Callable[[str], None],
+        skip: int = 2,
+        steps: int = 5,
+    ) -> None:
+        self.predicted_s = predicted_s
+        self.trial_s = trial_s
+        self.runner_up = runner_up
+        self.report = report
+        self.skip, self.steps = skip, steps
+        self._starts: list[float] = []
+        self.measured_s: float | None = None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.step_started()
+
+    def step_started(self) -> None:
+        if self.measured_s is not None:
+            return
+        self._starts.append(time.perf_counter())
+        if len(self._starts) == self.skip + self.steps + 1:
+            durations = [b - a for a, b in zip(self._starts[self.skip :], self._starts[self.skip + 1 :])]
+            self.measured_s = statistics.median(durations)
+            self.report(self.message())
+
+    def message(self) -> str:
+        assert self.measured_s is not None
+        measured = self.measured_s
+        first, last = self.skip + 1, self.skip + self.steps
+        line = f"Galvatron: training steps {first}-{last} took {measured * 1e3:.1f} ms each (median, rank 0)"
+        parts = []
+        if self.predicted_s is not None:
+            parts.append(f"predicted {self.predicted_s * 1e3:.1f} ms ({_ratio(measured, self.predicted_s)})")
+        if self.trial_s is not None:
+            parts.append(f"its trial measured {self.trial_s * 1e3:.1f} ms")
+        if parts:
+            line += "; " + ", ".join(parts)
+        if self.runner_up is not None and self.runner_up[2] < measured:
+            name, plan, seconds = self.runner_up
+            line += (
+                f"\nGalvatron: the runner-up of the trials, {name} ({plan_summary(plan)}), measured {seconds * 1e3:.1f} ms "
+                "per step in its trial, less than this plan takes now (trials leave out the training loop's own work -- "
+                "logging, callbacks -- and a busy machine disturbs them; to measure again, delete the cached selection "
+                "or give trials= more timed steps)"
+            )
+        return line
+
+
+def _ratio(measured: float, predicted: float) -> str:
+    return f"measured {measured / predicted:.2f}x" if predicted > 0 else "-"
+
+
+__all__ = ["StepClock", "TrialRunner", "choose_plan", "global_batch_samples", "no_trials_reason"]

@@ -1,0 +1,125 @@
+"""What the family plans share: a builder from the roles of a block's layers, and small readers.
+
+A family plan names, per block type, the column-parallel projections (split by output features, with
+the style that fits their layout), the row-parallel ones (split by input features), the norms on the
+residual stream, and the sub-layers whose hidden states Megatron sequence parallelism gathers on
+entry. :func:`megatron_plan` turns that into a :class:`BlockTensorParallelPlan` with both variants:
+plain tensor parallelism, and Megatron-SP (norms on sequence shards, sub-layers gathering the
+sequence, row-parallel outputs reduce-scattered back to sequence shards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, GatherSequence, RowwiseConv1D
+
+
+class Compose(ParallelStyle):
+    """Several styles on one module, applied in order (e.g. gather the sequence and slice per-head inputs)."""
+
+    def __init__(self, *styles: ParallelStyle) -> None:
+        super().__init__()
+        self.styles = styles
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        for style in self.styles:
+            module = style._apply(module, device_mesh)
+        return module
+
+
+def megatron_plan(
+    block: nn.Module,
+    *,
+    columns: Mapping[str, ParallelStyle | None],
+    rows: Sequence[str],
+    norms: Sequence[str],
+    gathers: Sequence[str],
+    divisible: Mapping[str, int],
+    sequence_dims: Mapping[str, int] | None = None,
+    extra: Mapping[str, ParallelStyle] | None = None,
+    localize: Callable[[nn.Module, int], None] | None = None,
+    ulysses: bool | str = False,
+    megatron_sp: bool | str = True,
+    position_inputs: Mapping[str | int, int] = HF_POSITION_INPUTS,
+    folded_inputs: Mapping[str, int] | None = None,
+    ulysses_divisible: Mapping[str, int] | None = None,
+) -> BlockTensorParallelPlan:
+    """A plan from the roles of ``block``'s layers.
+
+    Args:
+        columns: column-parallel layers and their style (``None``: ``ColwiseParallel``).
+        rows: row-parallel layers (``nn.Linear`` or ``Conv1D``).
+        norms: norms on the residual stream (on sequence shards under Megatron-SP).
+        gathers: sub-layers (or column layers called directly by the block) whose hidden-states input
+            Megatron-SP gathers; a column layer named here gathers itself.
+        sequence_dims: the sequence dimension where it is not 1 (a block that flattens batch and sequence
+            before its MLP, like OPT, shards dimension 0 there; any per-token order works).
+        extra: other styles (per-head inputs, outputs to copy), applied after any other style of the same module.
+        ulysses, megatron_sp: ``True``, or the reason the block cannot run it.
+    """
+    dims = dict(sequence_dims or {})
+    extra = dict(extra or {})
+    present = {name for name, _ in block.named_modules()}
+    norms = [n for n in norms if n in present and not isinstance(block.get_submodule(n), nn.Identity)]
+
+    def styles(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+        out: dict[str, ParallelStyle] = {}
+        for name, style in columns.items():
+            if sequence_parallel and name in gathers:
+                assert style is None, f"{name}: a column layer that gathers itself must be a plain nn.Linear"
+                out[name] = ColwiseParallel(input_layouts=Shard(dims.get(name, 1)))
+            else:
+                out[name] = style if style is not None else ColwiseParallel()
+        for name in rows:
+            conv1d = type(block.get_submodule(name)).__name__ == "Conv1D"
+            if conv1d:
+                out[name] = RowwiseConv1D(sequence_parallel=sequence_parallel)
+            else:
+                out[name] = RowwiseParallel(output_layouts=Shard(dims.get(name, 1))) if sequence_parallel else RowwiseParallel()
+        if sequence_parallel:
+            for name in norms:
+                out[name] = SequenceParallel(sequence_dim=dims.get(name, 1), use_local_output=True)
+            for name in gathers:
+                if name not in columns:
+                    out[name] = GatherSequence()
+        for name, style in extra.items():
+            out[name] = Compose(out[name], style) if name in out else style
+        return out
+
+    return BlockTensorParallelPlan(
+        styles,
+        dict(divisible),
+        megatron_sp=megatron_sp is True,
+        ulysses=ulysses is True,
+        localize=localize or (lambda module, tp: None),
+        ulysses_divisible=ulysses_divisible,
+        position_inputs=dict(position_inputs),
+        folded_inputs=dict(folded_inputs or {}),
+        **({"why_not_megatron_sp": megatron_sp} if isinstance(megatron_sp, str) else {}),
+        **({"why_not_ulysses": ulysses} if isinstance(ulysses, str) else {}),
+    )
+
+
+def hf_sdpa(module: nn.Module) -> bool | str:
+    """``True`` if a Hugging Face block's attention calls ``F.scaled_dot_product_attention``, else why not."""
+    config = next((m.config for m in module.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")), None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation == "sdpa":
+        return True
+    return (
+        f"its attention implementation is {implementation!r}: Ulysses needs one that calls "
+        "F.scaled_dot_product_attention (attn_implementation='sdpa', where the model has it)"
+    )
+
+
+def local_heads(module: nn.Module, tp: int, *names: str) -> None:
+    """Divide the head counts (or widths) a module reads in its forward by the degree."""
+    for name in names:
+        setattr(module, name, getattr(module, name) // tp)

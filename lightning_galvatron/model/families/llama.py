@@ -1,0 +1,83 @@
+"""Hugging Face Llama-style decoders (Llama, Qwen2, Mistral, Gemma, and Phi's attention): separate
+``q_proj``/``k_proj``/``v_proj``/``o_proj``, a gated MLP (``gate_proj``/``up_proj``/``down_proj``) or
+``fc1``/``fc2``, rotary positions, grouped-query attention.
+
+Grouped-query attention: a degree must divide the key/value heads (each rank keeps whole groups).
+Multi-query attention (one key/value head): the key and value projections stay whole on every rank
+and only the queries are split (see :class:`~lightning_galvatron.runtime.tensor_parallel.ColwiseFused`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_galvatron.model.families._common import hf_sdpa, megatron_plan
+from lightning_galvatron.model.plan_registry import add_plan
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, ColwiseFused
+
+
+def attention_projections(attn: nn.Module, prefix: str) -> tuple[dict[str, ParallelStyle | None], dict[str, int], int]:
+    """Column styles of ``q_proj``/``k_proj``/``v_proj``, the sizes a degree must divide, and the key/value heads."""
+    config = attn.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    columns: dict[str, ParallelStyle | None] = {f"{prefix}.q_proj": None}
+    if kv_heads == 1:  # multi-query: keys and values whole on every rank
+        for name in ("k_proj", "v_proj"):
+            columns[f"{prefix}.{name}"] = ColwiseFused((getattr(attn, name).out_features,), (False,))
+        sizes = {"attention heads": heads}
+    else:
+        columns |= {f"{prefix}.k_proj": None, f"{prefix}.v_proj": None}
+        sizes = {"attention heads": heads, "key/value heads": kv_heads}
+    return columns, sizes, kv_heads
+
+
+def localize_groups(attn: nn.Module, tp: int, heads: int, kv_heads: int) -> None:
+    """Query heads per key/value head on this rank (read when keys are repeated for a mask)."""
+    if hasattr(attn, "num_key_value_groups"):
+        attn.num_key_value_groups = (heads // tp) // (1 if kv_heads == 1 else kv_heads // tp)
+
+
+def llama_plan(block: nn.Module) -> BlockTensorParallelPlan:
+    columns, sizes, kv_heads = attention_projections(block.self_attn, "self_attn")
+    heads = block.self_attn.config.num_attention_heads
+    columns |= {"mlp.gate_proj": None, "mlp.up_proj": None}
+    return megatron_plan(
+        block,
+        columns=columns,
+        rows=["self_attn.o_proj", "mlp.down_proj"],
+        norms=["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"],
+        gathers=["self_attn", "mlp"],
+        divisible=sizes | {"MLP width": block.mlp.up_proj.out_features},
+        localize=lambda module, tp: localize_groups(module.self_attn, tp, heads, kv_heads),
+        ulysses=hf_sdpa(block),
+    )
+
+
+def phi_plan(block: nn.Module) -> BlockTensorParallelPlan:
+    """Phi: one norm feeding attention and MLP in parallel, ``dense`` output projection, ``fc1``/``fc2``,
+    partial rotary positions."""
+    columns, sizes, kv_heads = attention_projections(block.self_attn, "self_attn")
+    heads = block.self_attn.config.num_attention_heads
+    return megatron_plan(
+        block,
+        columns=columns | {"mlp.fc1": None},
+        rows=["self_attn.dense", "mlp.fc2"],
+        norms=["input_layernorm"],
+        gathers=["self_attn", "mlp"],
+        divisible=sizes | {"MLP width": block.mlp.fc1.out_features},
+        localize=lambda module, tp: localize_groups(module.self_attn, tp, heads, kv_heads),
+        ulysses=hf_sdpa(block),
+    )
+
+
+for _name in (
+    "llama.modeling_llama.LlamaDecoderLayer",
+    "qwen2.modeling_qwen2.Qwen2DecoderLayer",
+    "qwen3.modeling_qwen3.Qwen3DecoderLayer",
+    "mistral.modeling_mistral.MistralDecoderLayer",
+    "gemma.modeling_gemma.GemmaDecoderLayer",
+):
+    add_plan(f"transformers.models.{_name}", llama_plan)
+add_plan("transformers.models.phi.modeling_phi.PhiDecoderLayer", phi_plan)

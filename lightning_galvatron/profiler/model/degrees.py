@@ -1,0 +1,129 @@
+"""Phase 4, degrees: a block's saved bytes per tensor/sequence-parallel degree.
+
+With a live process group the block is split for real by the runtime's own code and counted on
+each rank; without one, the degree-1 count split by module gives the degrees (see the package
+docstring).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_galvatron.model.tensor_parallel_plans import BlockTensorParallelPlan
+from lightning_galvatron.profiler.model.saved import SavedTensorCounter, _per_sample
+from lightning_galvatron.profiles import DegreeTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Styles:
+    """The model-parallel styles the runtime can run on a block type."""
+
+    tensor_parallel: bool
+    megatron_sp: bool
+    ulysses: bool
+
+
+class _DegreeMeasurement:
+    """The per-degree half of the block profiler (:class:`~.blocks._BlockProfiler` supplies the block)."""
+
+    name: str
+    device: torch.device
+    hidden: torch.Tensor
+    tp_plan: BlockTensorParallelPlan | None
+
+    def copy(self) -> nn.Module:
+        raise NotImplementedError
+
+    def saved_bytes(self, block: nn.Module, batch: int, seq_split: int = 1) -> SavedTensorCounter:
+        raise NotImplementedError
+
+    def per_degree(
+        self,
+        per_sample: float,
+        roles: Mapping[str, float],
+        degrees: Sequence[int],
+        world: int,
+        count_sizes: Sequence[int],
+        styles: _Styles,
+    ) -> tuple[DegreeTable, float]:
+        """(bytes per sample per degree of a group that splits the activations, the part plain TP keeps whole).
+
+        The table is the largest of the sequence-splitting styles the block supports (Megatron-SP,
+        Ulysses), so a memory estimate never undershoots either; the replicated part is what plain
+        Megatron TP keeps on top of it: ``(plain(g) - split(g)) / (1 - 1/g)``, which reproduces
+        the measured plain-TP bytes exactly in the cost model.
+        """
+        table = {1: per_sample}
+        replicated: list[float] = []
+        measured = [
+            g for g in degrees if 1 < g <= world and world % g == 0 and (styles.tensor_parallel or styles.ulysses)
+        ]
+        for g in measured:
+            results = self.measure_degree(g, world, count_sizes, styles)
+            if not results:
+                continue  # no style runs at this degree (it splits a head): the search will not offer it
+            splitting = [results[s] for s in ("megatron", "ulysses") if s in results]
+            table[g] = max(splitting) if splitting else results["none"]
+            if "none" in results:
+                replicated.append(max(results["none"] - table[g], 0.0) / (1 - 1 / g))
+        if len(table) == 1:  # no group to measure on: derive from the degree-1 count (module docstring)
+            for g in (g for g in degrees if g > 1):
+                candidates = []
+                if styles.tensor_parallel:  # plain TP adds the replicated norms below to this
+                    candidates.append(roles["column"] + (per_sample - roles["column"]) / g)
+                if styles.ulysses:
+                    candidates.append(per_sample / g)
+                if candidates:
+                    table[g] = max(candidates)
+            replicated = [roles["norm"]] if styles.tensor_parallel else []
+        return DegreeTable(tuple(table.items())), (statistics.fmean(replicated) if replicated else 0.0)
+
+    def measure_degree(self, g: int, world: int, count_sizes: Sequence[int], styles: _Styles) -> dict[str, float]:
+        """Bytes per sample on one rank of a group of ``g`` ranks, per style the runtime can run at ``g``.
+
+        Every rank takes part (each in its consecutive group of ``g``); the decision of which styles
+        run depends only on the model, so all ranks issue the same collectives.
+        """
+        from lightning_galvatron.runtime.mesh import Layout, MeshCache
+        from lightning_galvatron.runtime.tensor_parallel import apply_tensor_parallel
+        from lightning_galvatron.runtime.ulysses import apply_ulysses
+
+        tp_mesh = MeshCache.shared(self.device.type).tp_mesh(Layout(world, 1, g, True))
+        seq = int(self.hidden.shape[1]) if self.hidden.dim() >= 3 else 1
+        results = {}
+        plan = self.tp_plan
+        runnable = []
+        if styles.tensor_parallel and plan is not None and plan.unsupported(g, "none") is None:
+            runnable.append("none")
+        if styles.megatron_sp and plan is not None and plan.unsupported(g, "megatron") is None and seq % g == 0:
+            runnable.append("megatron")
+        if (
+            styles.ulysses
+            and plan is not None
+            and plan.unsupported(g, "ulysses") is None
+            and seq % g == 0
+            and seq // g >= 2
+        ):
+            runnable.append("ulysses")
+        for style in runnable:
+            block = self.copy()
+            if style == "ulysses":
+                assert plan is not None
+                apply_ulysses(block, tp_mesh.get_group(), plan.position_inputs)
+            else:
+                assert plan is not None
+                apply_tensor_parallel(block, plan.styles(style == "megatron"), tp_mesh)
+                plan.localize(block, g)
+            split = 1 if style == "none" else g
+            points = [(b, float(self.saved_bytes(block, b, seq_split=split).total)) for b in count_sizes]
+            results[style] = _per_sample(points)
+            log.debug("%s at degree %d, sp=%s: saved bytes per batch size %s", self.name, g, style, points)
+        return results
