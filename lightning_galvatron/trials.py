@@ -172,9 +172,11 @@ def _batch_size(batch: Any) -> int:
 def _shard(batch: Any, num_shards: int, shard: int) -> Any:
     flat, spec = tree_flatten(batch)
     size = _batch_size(batch) // num_shards
-    return tree_unflatten(
-        [x[shard * size : (shard + 1) * size] if isinstance(x, (torch.Tensor, list)) and len(x) else x for x in flat], spec
-    )
+    def part(x: Any) -> Any:
+        batched = (isinstance(x, torch.Tensor) and x.dim() > 0) or isinstance(x, list)
+        return x[shard * size : (shard + 1) * size] if batched else x
+
+    return tree_unflatten([part(x) for x in flat], spec)
 
 
 @dataclass
