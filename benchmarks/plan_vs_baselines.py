@@ -1,24 +1,30 @@
-"""The automatic plan against the baselines, in an ample budget and in one where DDP does not fit.
+"""The default ``strategy="galvatron"`` against every uniform plan and Lightning's own strategies, as a user runs it.
 
-On 4 CPU processes (gloo), same model (``harness.BenchModel``), data, global batch and optimizer for all:
+Same model (``harness.BenchModel``), data, global batch and optimizer for every configuration, on 2 and on 4 CPU
+processes (gloo; 2 is one process per core, closer to one GPU per process):
 
-* ``auto``: ``GalvatronStrategy(plan="auto", memory_budget=..., calibration=...)`` -- the strategy profiles
-  (the profile measured at the start of this run, from its cache), searches with the cost model calibrated
-  from the runtime profiler's measurements of three probe plans (``lightning_galvatron.calibrate.probe_plans``;
-  none of them is a baseline), and trains the plan it found;
-* ``auto-uncalibrated``: the same without the calibration (the profile alone), for reference;
-* the search's uniform baselines, executed by the same runtime: pure DDP, pure ZeRO-3 (FSDP2), pure TP
-  (degree 4, vocabulary too);
-* Lightning's own ``ModelParallelStrategy`` with a hand-written ``configure_model`` (FSDP2 on every block and
-  the model: ``harness.FSDP2GPT``);
-* for information, Lightning's ``DDPStrategy`` (PyTorch DDP), outside the search's space.
+* ``auto``: the **default path** -- ``GalvatronStrategy(memory_budget=...)`` with nothing else: no calibration
+  file, a fresh (empty) profile cache for every run, so every run profiles, searches and runs its measured
+  selection (trials) in ``setup``. Its setup time is reported separately and amortised over 1,000 steps;
+* every uniform plan the search knows, executed by the same runtime: DDP, ZeRO-2, ZeRO-3, ZeRO-3 with
+  recomputation, tensor parallelism over all devices, pipelines of DDP blocks (1F1B, GPipe, interleaved 1F1B);
+* Lightning's ``DDPStrategy`` (PyTorch DDP) and ``ModelParallelStrategy`` with FSDP2 on every block
+  (``harness.FSDP2GPT``), first-class baselines.
 
-Two budgets: ample (1 GiB per device) and tight (halfway between pure ZeRO-3's and pure DDP's predicted
-peaks: DDP does not fit). A baseline *fits* a budget if its measured peak per rank does. Runs are
-interleaved over ``--rounds`` rounds; the throughput ratio auto/baseline is taken per round (the two ran
-minutes apart at most) and its median reported, with the median step times.
+Settings (budgets per device, derived from the peaks the uniform plans *measured* in the first round):
 
-    python benchmarks/plan_vs_baselines.py [--rounds 3]
+* ``ample``: 1 GiB;
+* ``no-ddp``: halfway between pure ZeRO-3's and pure DDP's measured peaks (DDP does not fit);
+* ``zero3-recompute-only``: halfway between ZeRO-3 with recomputation's peak and the next smallest (only it fits);
+* ``max_pp=1``: the ``no-ddp`` budget with pipelines switched off (``GalvatronStrategy(max_pp=1)``), where the best
+  plan may mix strategies per block; its gain is measured against the best fitting uniform plan without a pipeline.
+
+A configuration *fits* a budget if its measured peak per rank (allocator-level, ``harness.py``) does. Runs are
+interleaved over ``--rounds`` rounds; throughput ratios ``auto / other`` are taken per round and their median
+reported (steady state, and with each configuration's setup amortised over 1,000 steps).
+
+    python benchmarks/plan_vs_baselines.py [--rounds 3] [--worlds 2 4]
+    python benchmarks/plan_vs_baselines.py --quick     # one round, fewer steps
 """
 
 from __future__ import annotations
@@ -32,53 +38,50 @@ from pathlib import Path
 from typing import Any
 
 import harness
-from harness import (
-    FSDP2GPT,
-    RESULTS,
-    BenchModel,
-    fit_from_runs,
-    interleaved,
-    make_module,
-    measure_run,
-    mib,
-    model_parallel_fsdp2,
-    worker_pool,
-)
+from harness import FSDP2GPT, RESULTS, BenchModel, interleaved, make_module, measure_run, mib, model_parallel_fsdp2
 
 from lightning_galvatron import GalvatronStrategy
-from lightning_galvatron.calibrate import probe_plans
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
-from lightning_galvatron.profiles import Profile
-from lightning_galvatron.search import evaluate
+from lightning_galvatron.search.report import plan_summary
+from pool import DistributedFailure, WorkerPool
 
-WORLD = 4
-PRECISION = "32-true"
-OPTIMIZER = "adamw"
+AMORTISED_STEPS = 1000
+LIGHTNING = ("lightning-ddp", "lightning-model-parallel-fsdp2")
 
 
-def profile_into_cache(model: BenchModel, cache: str) -> dict:
-    """Profile once, as ``plan="auto"`` does, into the cache the auto runs then read."""
-    import torch.distributed as dist
+# ---------------------------------------------------------------------------------------------- configurations
+def uniform_plans(model: BenchModel, world: int) -> dict[str, ParallelPlan]:
+    """Every kind of uniform plan (one strategy for every block) the search considers, for ``world`` devices."""
+    L, B, W = model.n_layer, model.global_batch, world
 
-    from lightning_galvatron.model.discovery import find_blocks
-    from lightning_galvatron.profiler import profile
+    def uniform(strategy: S, vocab: S | None = None, **kw: Any) -> ParallelPlan:
+        return ParallelPlan.uniform(W, L, strategy, vocab=vocab or strategy, global_batch_size=B, **kw)
 
-    module = make_module(model)
-    batch = next(iter(harness.make_loader(model, dist.get_world_size())))
-    return profile(module, find_blocks(module), batch, precision=PRECISION, devices_per_node=dist.get_world_size(), cache=cache).to_dict()
+    plans = {
+        "ddp": uniform(S()),
+        "zero2": uniform(S(dp_type="zero2")),
+        "zero3": uniform(S(dp_type="zero3")),
+        "zero3-recompute": uniform(S(dp_type="zero3", recompute=True), S(dp_type="zero3")),
+        f"tp{W}": uniform(S(tp=W), S(tp=W)),
+        "pp2-1f1b-m4": uniform(S(), pp=2, schedule="1f1b", micro_batches=4),
+        f"pp{W}-interleaved-m4": uniform(S(), pp=W, schedule="interleaved_1f1b", micro_batches=4, virtual_stages=2),
+    }
+    if W > 2:
+        plans[f"pp{W}-gpipe-m4"] = uniform(S(), pp=W, schedule="gpipe", micro_batches=4)
+    return plans
 
 
 def run(spec: dict, model: BenchModel, warmup: int, timed: int, memory: bool) -> dict:
-    """One training run of the configuration ``spec`` (a picklable description; strategies are built in the worker)."""
+    """One training run of ``spec`` (a picklable description; strategies are built in the worker)."""
     kind = spec["kind"]
     module_cls = None
     if kind == "galvatron":
         def make() -> Any:
             return GalvatronStrategy(save_plan=False, **spec["kwargs"])
-    elif kind == "model_parallel_fsdp2":
+    elif kind == "lightning-model-parallel-fsdp2":
         make, module_cls = model_parallel_fsdp2, (lambda m: make_module(m, FSDP2GPT))
-    elif kind == "lightning_ddp":
+    elif kind == "lightning-ddp":
         def make() -> Any:
             from lightning.pytorch.strategies import DDPStrategy
 
@@ -88,143 +91,255 @@ def run(spec: dict, model: BenchModel, warmup: int, timed: int, memory: bool) ->
 
     def info(strategy: Any) -> dict:
         plan = getattr(strategy, "plan", None)
-        return {"plan": plan.to_dict() if plan is not None else None}
+        selection = getattr(strategy, "selection", None)
+        out: dict[str, Any] = {"plan": plan.to_dict() if plan is not None else None}
+        if selection is not None:
+            out["selection"] = {
+                "seconds": selection.seconds,
+                "chosen": selection.chosen.name if selection.chosen is not None else None,
+                "trials": [
+                    {"name": t.name, "plan": plan_summary(t.plan), "predicted_s": t.predicted_step_s, "calibrated_s": t.calibrated_step_s,
+                     "measured_s": t.step_s, "peak_bytes": t.peak_bytes, "seconds": t.seconds, "error": t.error}
+                    for t in selection.trials
+                ],
+            }
+        return out
 
-    return measure_run(make, model, warmup=warmup, timed=timed, memory=memory, module_cls=module_cls, info=info,
-                       runtime_profile=spec.get("runtime_profile", False))
+    return measure_run(make, model, warmup=warmup, timed=timed, memory=memory, module_cls=module_cls, info=info)
 
 
-def budgets(model: BenchModel, profile: Profile) -> dict[str, int]:
-    peaks = {
-        dp: evaluate(profile, ParallelPlan.uniform(WORLD, model.n_layer, S(dp_type=dp), global_batch_size=model.global_batch),
-                     precision=PRECISION, optimizer=OPTIMIZER).peak_memory_bytes
-        for dp in ("ddp", "zero3")
-    }
-    return {"ample": 2**30, "tight": int((peaks["ddp"] + peaks["zero3"]) / 2)}
+# ---------------------------------------------------------------------------------------------- main
+class Pools:
+    """One worker pool per world size, made again when a run kills it."""
+
+    def __init__(self) -> None:
+        self.pools: dict[int, WorkerPool] = {}
+
+    def run(self, world: int, *args: Any, **kwargs: Any) -> Any:
+        if world not in self.pools or not self.pools[world].alive:
+            self.pools[world] = WorkerPool(world)
+        return self.pools[world].run(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        for pool in self.pools.values():
+            pool.shutdown()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one round, 1 warm-up and 3 timed steps")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--timed-steps", type=int, default=5)
-    parser.add_argument("--output", default=str(RESULTS / "plan_vs_baselines.json"))
+    parser.add_argument("--output", default=None)
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.warmup_steps, args.timed_steps = 1, 1, 3
+    output = Path(args.output or RESULTS / ("plan_vs_baselines_quick.json" if args.quick else "plan_vs_baselines.json"))
     model = BenchModel()
     started = time.perf_counter()
-    L, B = model.n_layer, model.global_batch
+    pools = Pools()
+    results: dict[str, Any] = {}
+    scratch = Path(tempfile.mkdtemp(prefix="plan_vs_baselines_"))
+    try:
+        for world in args.worlds:
+            results[str(world)] = measure_world(pools, world, model, args, scratch)
+            report_world(results[str(world)], world, model)
+    finally:
+        pools.shutdown()
+    seconds = time.perf_counter() - started
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({
+        "machine": harness.machine(), "model": model.describe(), "rounds": args.rounds, "quick": args.quick,
+        "warmup_steps": args.warmup_steps, "timed_steps": args.timed_steps, "amortised_over_steps": AMORTISED_STEPS,
+        "worlds": results, "seconds": seconds,
+    }, indent=1) + "\n")
+    plot(results, output.with_suffix(".png"), model)
+    print(f"\nresults written to {output} and {output.with_suffix('.png')}  ({seconds:.0f} s)")
 
-    def uniform(strategy: S) -> dict:
-        plan = ParallelPlan.uniform(WORLD, L, strategy, global_batch_size=B)
-        return {"kind": "galvatron", "kwargs": {"plan": plan.to_dict()}}
 
-    baselines = {
-        "ddp": uniform(S()),
-        "zero3": uniform(S(dp_type="zero3")),
-        "tp": uniform(S(tp=WORLD)),
-        "lightning-model-parallel-fsdp2": {"kind": "model_parallel_fsdp2"},
-        "lightning-ddp (reference)": {"kind": "lightning_ddp"},
-    }
+def measure_world(pools: Pools, world: int, model: BenchModel, args: Any, scratch: Path) -> dict:
+    """Every configuration on ``world`` processes, ``args.rounds`` rounds; budgets from the first round's peaks."""
+    baselines = {name: {"kind": "galvatron", "kwargs": {"plan": plan.to_dict()}} for name, plan in uniform_plans(model, world).items()}
+    baselines.update({name: {"kind": name} for name in LIGHTNING})
     runs: dict[str, list[dict]] = {}
-    with tempfile.TemporaryDirectory() as scratch, worker_pool(WORLD) as pool:
-        cache = str(Path(scratch) / "profiles")
-        profile = Profile.from_dict(pool.run(profile_into_cache, model, cache)[0])
-        probes = probe_plans(profile, WORLD, model.global_batch)
-        print("calibration probes:")
-        probe_runs = []
-        for name, plan in probes.items():
-            spec = {"kind": "galvatron", "kwargs": {"plan": plan.to_dict()}, "runtime_profile": True}
-            result = pool.run(run, spec, model, args.warmup_steps, args.timed_steps, False, timeout=600)[0]
-            probe_runs.append(result)
-            print(f"  {name:34s} {result['step_time_s'] * 1e3:8.1f} ms", flush=True)
-        calibration = fit_from_runs(profile, probe_runs, PRECISION, OPTIMIZER)
-        calibration_file = Path(scratch) / "calibration.json"
-        calibration.save(calibration_file)
-        print(f"calibration: {calibration.describe()}")
-        limits = budgets(model, profile)
-        configs = dict(baselines)
-        for budget_name, budget in limits.items():
-            auto = {"memory_budget": budget, "profile_cache": cache}
-            configs[f"auto@{budget_name}"] = {"kind": "galvatron", "kwargs": {**auto, "calibration": str(calibration_file)}}
-            configs[f"auto-uncalibrated@{budget_name}"] = {"kind": "galvatron", "kwargs": auto}
-        current = None
-        for r, name in interleaved(list(configs), args.rounds):
-            if r != current:
-                print(f"round {r}:")
-                current = r
-            result = pool.run(run, configs[name], model, args.warmup_steps, args.timed_steps, r == 0, timeout=600)[0]
-            runs.setdefault(name, []).append(result)
-            print(f"  {name:34s} {result['step_time_s'] * 1e3:8.1f} ms", flush=True)
-    report(runs, limits, model, args, calibration, time.perf_counter() - started)
+    counter = iter(range(10**6))
+
+    def measure(name: str, spec: dict, memory: bool) -> None:
+        try:
+            result = pools.run(world, run, spec, model, args.warmup_steps, args.timed_steps, memory, timeout=900)[0]
+        except DistributedFailure as failure:
+            result = {"error": str(failure).splitlines()[-1][:400]}
+            print(f"  {name:34s} FAILED: {result['error']}", flush=True)
+        else:
+            setup = f"setup {result['setup_s']:5.1f} s"
+            print(f"  {name:34s} {result['step_time_s'] * 1e3:8.1f} ms  {setup}", flush=True)
+        runs.setdefault(name, []).append(result)
+
+    print(f"\n=== {world} processes: {model.describe()}")
+    print("round 0 (baselines, with memory):")
+    for name, spec in baselines.items():
+        measure(name, spec, True)
+    peaks = {name: _peak(rs) for name, rs in runs.items() if _peak(rs) is not None}
+    settings = budgets(peaks)
+    for name, setting in settings.items():
+        print(f"  budget {name}: {mib(setting['budget_bytes']) if setting['budget_bytes'] else '-'} ({setting['why']})")
+
+    def auto_spec(setting: dict) -> dict:
+        cache = scratch / f"cache-{world}-{next(counter)}"  # fresh: the run profiles, searches and tries plans
+        kwargs = {"memory_budget": setting["budget_bytes"], "profile_cache": str(cache), **setting.get("strategy", {})}
+        return {"kind": "galvatron", "kwargs": kwargs}
+
+    autos = {f"auto@{name}": s for name, s in settings.items() if s["budget_bytes"]}
+    print("round 0 (default path):")
+    for name, setting in autos.items():
+        measure(name, auto_spec(setting), True)
+    current = 0
+    for r, name in interleaved([*baselines, *autos], args.rounds):
+        if r == 0:
+            continue
+        if r != current:
+            print(f"round {r}:")
+            current = r
+        spec = auto_spec(autos[name]) if name in autos else baselines[name]
+        measure(name, spec, False)
+    return {"runs": runs, "settings": settings, "peaks": peaks, "ratios": ratios(runs, settings)}
 
 
-def report(runs: dict[str, list[dict]], limits: dict[str, int], model: BenchModel, args: Any, calibration: Any, seconds: float) -> None:
-    def median_step(name: str) -> float:
-        return statistics.median(r["step_time_s"] for r in runs[name])
-
-    def peak(name: str) -> int:
-        return max(next(r for r in runs[name] if r["memory_source"] != "none")["peak_bytes_per_rank"])
-
-    baselines = [n for n in runs if not n.startswith("auto")]
-    settings = {}
-    print(f"\nAuto plan vs baselines on {WORLD} CPU processes, {model.describe()}, {args.rounds} rounds")
-    for budget_name, budget in limits.items():
-        rows = []
-        for auto in (f"auto@{budget_name}", f"auto-uncalibrated@{budget_name}"):
-            plan = runs[auto][0]["info"]["plan"]
-            ratios = {}
-            for b in baselines:
-                per_round = [rb["step_time_s"] / ra["step_time_s"] for ra, rb in zip(runs[auto], runs[b])]
-                ratios[b] = {"throughput_ratio": statistics.median(per_round), "per_round": per_round,
-                             "fits": peak(b) <= budget, "step_s": median_step(b), "peak_bytes": peak(b)}
-            rows.append({"config": auto, "plan": plan, "step_s": median_step(auto), "peak_bytes": peak(auto),
-                         "fits": peak(auto) <= budget, "versus": ratios})
-        settings[budget_name] = {"budget_bytes": budget, "autos": rows}
-        print(f"\n{budget_name} budget: {mib(budget)} per device")
-        print(f"  {'configuration':34s} {'step':>8s} {'peak/rank':>10s} {'fits':>5s} {'auto/it':>8s} {'uncal./it':>9s}")
-        auto_row, uncal_row = rows
-        for name in [auto_row["config"], uncal_row["config"], *baselines]:
-            fits = peak(name) <= budget
-            line = f"  {name:34s} {median_step(name) * 1e3:6.0f}ms {mib(peak(name)):>10s} {'yes' if fits else 'NO':>5s}"
-            if name in baselines:
-                line += f" {auto_row['versus'][name]['throughput_ratio']:7.2f}x {uncal_row['versus'][name]['throughput_ratio']:8.2f}x"
-            print(line)
-        fitting = [b for b in baselines if auto_row["versus"][b]["fits"] and not b.endswith("(reference)")]
-        best = min(fitting, key=median_step) if fitting else None
-        if best:
-            print(f"  auto vs the best fitting baseline ({best}): {auto_row['versus'][best]['throughput_ratio']:.2f}x")
-        settings[budget_name]["best_fitting_baseline"] = best
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "machine": harness.machine(), "model": model.describe(), "world_size": WORLD, "rounds": args.rounds,
-        "settings": settings, "calibration": calibration.to_dict(), "seconds": seconds,
-        "runs": {name: [{k: v for k, v in r.items() if k != "info"} | {"plan": r["info"].get("plan")} for r in rs] for name, rs in runs.items()},
-    }, indent=2) + "\n")
-    plot(settings, runs, out.with_suffix(".png"), model)
-    print(f"\nresults written to {out} and {out.with_suffix('.png')}  ({seconds:.0f} s)")
+def _peak(results: list[dict]) -> int | None:
+    for r in results:
+        if "error" not in r and r.get("memory_source") != "none" and all(p is not None for p in r["peak_bytes_per_rank"]):
+            return max(r["peak_bytes_per_rank"])
+    return None
 
 
-def plot(settings: dict, runs: dict, path: Path, model: BenchModel) -> None:
-    import matplotlib
+def budgets(peaks: dict[str, int]) -> dict[str, dict]:
+    """The settings' budgets from the measured peaks of the uniform plans."""
+    out: dict[str, dict] = {"ample": {"budget_bytes": 2**30, "why": "ample"}}
+    if "ddp" in peaks and "zero3" in peaks and peaks["zero3"] < peaks["ddp"]:
+        tight = int((peaks["ddp"] + peaks["zero3"]) / 2)
+        out["no-ddp"] = {"budget_bytes": tight, "why": "halfway between pure ZeRO-3's and pure DDP's measured peaks"}
+        out["max_pp=1"] = {"budget_bytes": tight, "why": "no-ddp budget, no pipelines", "strategy": {"max_pp": 1}}
+    else:
+        out["no-ddp"] = {"budget_bytes": None, "why": "pure ZeRO-3 did not measure below pure DDP"}
+    rc = peaks.get("zero3-recompute")
+    others = [p for name, p in peaks.items() if name != "zero3-recompute"]
+    if rc is not None and others and rc < min(others):
+        out["zero3-recompute-only"] = {
+            "budget_bytes": int((rc + min(others)) / 2),
+            "why": "halfway between ZeRO-3 with recomputation's peak and the next smallest measured peak",
+        }
+    else:
+        out["zero3-recompute-only"] = {"budget_bytes": None, "why": "ZeRO-3 with recomputation is not the smallest measured peak"}
+    return out
 
+
+def ratios(runs: dict[str, list[dict]], settings: dict[str, dict]) -> dict[str, Any]:
+    """Per setting: the default path against every configuration that fits, per round (steady and amortised)."""
+    out: dict[str, Any] = {}
+    peaks = {name: _peak(rs) for name, rs in runs.items()}
+
+    def ok(rs: list[dict]) -> list[dict]:
+        return [r for r in rs if "error" not in r]
+
+    for name, setting in settings.items():
+        auto = f"auto@{name}"
+        budget = setting["budget_bytes"]
+        if not budget or not ok(runs.get(auto, [])):
+            out[name] = {"skipped": setting["why"] if not budget else "the default path failed", "budget_bytes": budget}
+            continue
+        row: dict[str, Any] = {"budget_bytes": budget, "versus": {}}
+        autos = runs[auto]
+        for other, rs in runs.items():
+            if other.startswith("auto@"):
+                continue
+            pairs = [(a, b) for a, b in zip(autos, rs) if "error" not in a and "error" not in b]
+            if not pairs:
+                continue
+            steady = [b["step_time_s"] / a["step_time_s"] for a, b in pairs]
+            amortised = [_amortised(b) / _amortised(a) for a, b in pairs]
+            row["versus"][other] = {
+                "fits": peaks.get(other) is not None and peaks[other] <= budget, "peak_bytes": peaks.get(other),
+                "step_s": statistics.median(b["step_time_s"] for _, b in pairs),
+                "setup_s": statistics.median(b["setup_s"] for _, b in pairs),
+                "throughput_ratio": statistics.median(steady), "amortised_ratio": statistics.median(amortised),
+                "per_round": steady,
+            }
+        ok_autos = ok(autos)
+        row["auto"] = {
+            "step_s": statistics.median(a["step_time_s"] for a in ok_autos),
+            "setup_s": statistics.median(a["setup_s"] for a in ok_autos),
+            "peak_bytes": peaks.get(auto), "fits": peaks.get(auto) is not None and peaks[auto] <= budget,
+            "plans": [plan_summary(ParallelPlan.from_dict(a["info"]["plan"])) for a in ok_autos],
+            "mixed": [len({*ParallelPlan.from_dict(a["info"]["plan"]).layers}) > 1 for a in ok_autos],
+            "selection": ok_autos[0]["info"].get("selection"),
+        }
+        fitting = {k: v for k, v in row["versus"].items() if v["fits"]}
+        if fitting:
+            best = min(fitting, key=lambda k: fitting[k]["step_s"])
+            row["best_baseline"] = best
+            uniform = {k: v for k, v in fitting.items() if k not in LIGHTNING}
+            if setting.get("strategy", {}).get("max_pp") == 1:
+                uniform = {k: v for k, v in uniform.items() if not k.startswith("pp")}
+            if uniform:
+                row["best_uniform"] = min(uniform, key=lambda k: uniform[k]["step_s"])
+        out[name] = row
+    return out
+
+
+def _amortised(run: dict) -> float:
+    return run["step_time_s"] + run["setup_s"] / AMORTISED_STEPS
+
+
+def report_world(result: dict, world: int, model: BenchModel) -> None:
+    print(f"\nDefault path vs baselines on {world} CPU processes, {model.describe()}")
+    for name, row in result["ratios"].items():
+        if "skipped" in row:
+            print(f"\n{name}: skipped ({row['skipped']})")
+            continue
+        auto = row["auto"]
+        print(f"\n{name} budget: {mib(row['budget_bytes'])} per device")
+        print(f"  default path: {auto['step_s'] * 1e3:.0f} ms/step, setup {auto['setup_s']:.1f} s, peak "
+              f"{mib(auto['peak_bytes']) if auto['peak_bytes'] else '-'} ({'fits' if auto['fits'] else 'DOES NOT FIT'}); "
+              f"plan(s): {'; '.join(dict.fromkeys(auto['plans']))}")
+        print(f"  {'configuration':34s} {'step':>8s} {'setup':>7s} {'peak/rank':>10s} {'fits':>5s} {'auto/it':>8s} {'amortised':>9s}")
+        for other, v in sorted(row["versus"].items(), key=lambda kv: kv[1]["step_s"]):
+            peak = mib(v["peak_bytes"]) if v["peak_bytes"] else "-"
+            print(f"  {other:34s} {v['step_s'] * 1e3:6.0f}ms {v['setup_s']:6.1f}s {peak:>10s} {'yes' if v['fits'] else 'NO':>5s} "
+                  f"{v['throughput_ratio']:7.2f}x {v['amortised_ratio']:8.2f}x")
+        for label in ("best_baseline", "best_uniform"):
+            if label in row:
+                v = row["versus"][row[label]]
+                print(f"  default path vs the {label.replace('_', ' ')} that fits ({row[label]}): {v['throughput_ratio']:.2f}x "
+                      f"steady, {v['amortised_ratio']:.2f}x with setup amortised over {AMORTISED_STEPS} steps")
+
+
+def plot(results: dict, path: Path, model: BenchModel) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings), 4.8))
-    for ax, (budget_name, setting) in zip(axes, settings.items()):
-        auto = setting["autos"][0]
-        names = [auto["config"], setting["autos"][1]["config"], *auto["versus"]]
-        throughput = [model.global_batch / statistics.median(r["step_time_s"] for r in runs[n]) for n in names]
-        fits = [auto["fits"], setting["autos"][1]["fits"], *(v["fits"] for v in auto["versus"].values())]
+    panels = [(w, name, row) for w, res in results.items() for name, row in res["ratios"].items() if "skipped" not in row]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 5.0), squeeze=False)
+    for ax, (world, name, row) in zip(axes[0], panels):
+        names = ["default path", *sorted(row["versus"], key=lambda k: row["versus"][k]["step_s"])]
+        steps = [row["auto"]["step_s"], *(row["versus"][k]["step_s"] for k in names[1:])]
+        fits = [row["auto"]["fits"], *(row["versus"][k]["fits"] for k in names[1:])]
         colors = ["tab:green" if i == 0 else ("tab:blue" if f else "tab:gray") for i, f in enumerate(fits)]
-        ax.barh(range(len(names)), throughput, color=colors)
-        ax.set_yticks(range(len(names)), [n + ("" if f else " (does not fit)") for n, f in zip(names, fits)], fontsize=8)
+        ax.barh(range(len(names)), [model.global_batch / s for s in steps], color=colors)
+        ax.set_yticks(range(len(names)), [n + ("" if f else " (no fit)") for n, f in zip(names, fits)], fontsize=7)
         ax.invert_yaxis()
-        ax.set(xlabel="throughput (samples/s, median of rounds)", title=f"{budget_name} budget: {setting['budget_bytes'] / 2**20:.0f} MiB per device")
-    fig.suptitle(f"Auto plan vs baselines, 4 CPU processes: {model.describe()}", fontsize=9)
+        ax.set_title(f"{world} processes, {name}: {row['budget_bytes'] / 2**20:.0f} MiB", fontsize=8)
+        ax.set_xlabel("samples/s (median of rounds)", fontsize=8)
+    fig.suptitle(f"Default strategy='galvatron' vs uniform plans and Lightning: {model.describe()}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

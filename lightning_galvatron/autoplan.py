@@ -86,6 +86,8 @@ class AutoPlan:
     estimate: Estimate  # the plan's predicted time and memory (every rank)
     seconds: dict[str, float] = field(default_factory=dict)
     profile_cached: bool = False
+    search_result: Any = None  # the search's SearchResult (rank 0; None elsewhere)
+    search_arguments: dict[str, Any] = field(default_factory=dict)  # what the search was given (rank 0)
 
 
 def device_memory(device: torch.device, processes_per_node: int) -> tuple[int, str]:
@@ -151,17 +153,18 @@ def plan_automatically(
 
     started = time.perf_counter()
     cache_info: dict[str, Any] = {}
-    measured = profile(
-        module,
-        structure,
-        example_batch,
-        world_size=world_size,
-        devices_per_node=devices_per_node,
-        precision=precision,
-        cache=settings.profile_cache,
-        device=device,
-        info=cache_info,
-    )
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training must not see its draws
+        measured = profile(
+            module,
+            structure,
+            example_batch,
+            world_size=world_size,
+            devices_per_node=devices_per_node,
+            precision=precision,
+            cache=settings.profile_cache,
+            device=device,
+            info=cache_info,
+        )
     profiled = time.perf_counter()
     budget = settings.memory_budget_bytes or default_memory_budget(device, devices_per_node)
     # Pipelines cannot carry an encoder's output to decoder stages (see runtime.pipeline); on one device every
@@ -172,17 +175,19 @@ def plan_automatically(
         baselines=settings.options.baselines and world_size > 1,
     )
     outcome: tuple[dict | None, str, str | None] = (None, "", None)
+    # What the search is given, flat (its options by field): measured selection searches again with them.
+    arguments: dict[str, Any] = {
+        "world_size": world_size,
+        "memory_budget_bytes": budget,
+        "global_batch_size": global_batch_size,
+        "optimizer": optimizer,
+        "precision": precision,
+        **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)},
+    }
+    result = None
     if dist.get_rank() == 0:
         try:
-            result = search(
-                measured,
-                world_size,
-                budget,
-                global_batch_size=global_batch_size,
-                optimizer=optimizer,
-                precision=precision,
-                options=options,
-            )
+            result = search(measured, **arguments)
             outcome = (result.plan.to_dict(), describe_alternatives(result), None)
         except ValueError as error:  # infeasible budget, no valid plan: say it on every rank
             outcome = (None, "", str(error))
@@ -205,4 +210,6 @@ def plan_automatically(
         ),
         seconds={"profile": profiled - started, "search": time.perf_counter() - profiled},
         profile_cached=bool(cache_info.get("cached")),
+        search_result=result,
+        search_arguments=arguments,
     )

@@ -48,14 +48,26 @@ class Prediction:
         return self.estimate.stages[rank // self.plan.devices_per_stage].peak_memory_bytes
 
 
-def searched_prediction(auto: AutoPlan) -> Prediction:
+def searched_prediction(
+    auto: AutoPlan, chosen: ParallelPlan | None = None, *, optimizer: str = "adamw", precision: str = "bf16-mixed"
+) -> Prediction:
+    """What the search predicted for its plan -- or for ``chosen``, where measured selection picked another of the
+    candidates (priced with the same profile, budget, optimizer and precision)."""
     seconds = auto.seconds["profile"]
     measured = f"cached ({seconds:.2f} s to load)" if auto.profile_cached else f"measured in {seconds:.2f} s"
+    estimate, source = auto.estimate, "searched"
+    if chosen is not None and chosen != auto.plan:
+        from lightning_galvatron.search import evaluate
+
+        source = "searched, chosen by measurement"
+        estimate = evaluate(
+            auto.profile, chosen, optimizer=optimizer, precision=precision, memory_budget_bytes=auto.memory_budget_bytes
+        )
     return Prediction(
-        plan=auto.estimate.plan,
-        source="searched",
+        plan=estimate.plan,
+        source=source,
         memory_budget_bytes=auto.memory_budget_bytes,
-        estimate=auto.estimate,
+        estimate=estimate,
         profile=auto.profile,
         profile_note=f"{auto.profile.source}; {measured}",
         search_report=auto.report,

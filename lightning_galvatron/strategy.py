@@ -84,7 +84,9 @@ from lightning_galvatron.runtime.pipeline import PipelineRunner, join_micro_batc
 from lightning_galvatron.runtime.sync import agree_across_ranks, broadcast_module_states, destroy_process_group
 from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 from lightning_galvatron.runtime.watchdog import RankMonitor, WatchdogSettings
+from lightning_galvatron.selection import TrialSettings
 from lightning_galvatron.step_logs import recording_logs, replay_logs
+from lightning_galvatron.trials import choose_plan
 
 _DESCRIPTION = "Hybrid parallelism with a per-layer plan searched by Galvatron"
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -113,6 +115,8 @@ class GalvatronStrategy(ModelParallelStrategy):
         calibration, search_options: price plans with the cost model calibrated on this machine (a Calibration or
             its JSON file, see ``lightning-galvatron calibrate``); every knob of the search, a dict of the fields of
             :class:`~lightning_galvatron.search.options.SearchOptions` (or one; the arguments above win over it).
+        trials: measured selection with ``plan="auto"`` (README): ``True`` (default, 20 s), ``False`` (the search's plan),
+            a budget in seconds or a dict of :class:`~lightning_galvatron.selection.TrialSettings` fields.
         save_plan: write the plan (and, when searched, the profile) next to the logger's files.
         layers: dotted path(s) of the container(s) holding the Transformer blocks, relative to the
             LightningModule (e.g. ``"model.blocks"``); detected when omitted.
@@ -154,6 +158,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         max_global_batch_size: int | None = None,
         profile_cache: bool | str | os.PathLike = True,
         calibration: Any = None,
+        trials: bool | float | Mapping[str, Any] | TrialSettings = True,
         save_plan: bool = True,
         broadcast_initial_weights: bool = True,
         vocab_parallel_loss: bool = False,
@@ -177,6 +182,7 @@ class GalvatronStrategy(ModelParallelStrategy):
             self._search = SearchSettings.of(memory_budget, profile_cache, search_options, **knobs)
             self._watchdog = WatchdogSettings.of(watchdog)
             self._compile = compile_options(compile)
+            self._trials, self.selection = TrialSettings.of(trials), None  # selection: what the trials decided
         self._monitor: RankMonitor | None = None
         self._add_monitor = monitor
         self._plan_source = plan
@@ -352,13 +358,14 @@ class GalvatronStrategy(ModelParallelStrategy):
                 "recomputation and micro-batches to fit the memory budget"
             )
         auto = plan_automatically(module, structure, example, global_batch_size=global_batch, **context)
-        check_runtime_support(auto.plan, structure, self._tp_plans)  # before the plan is printed or applied
-        if auto.plan.global_batch_size != global_batch:
+        plan = choose_plan(self, trainer, auto, loader, global_batch)  # trials when fitting (measured selection)
+        check_runtime_support(plan, structure, self._tp_plans)  # before the plan is printed or applied
+        if plan.global_batch_size != global_batch:
             rank_zero_info(
                 f"Galvatron: the search changed the global batch size from {global_batch} to "
-                f"{auto.plan.global_batch_size} (search_batch_size=True)"
+                f"{plan.global_batch_size} (search_batch_size=True)"
             )
-        return auto.plan, searched_prediction(auto)
+        return plan, searched_prediction(auto, plan, optimizer=context["optimizer"], precision=context["precision"])
 
     # ------------------------------------------------------------------ data: batch semantics
     @property

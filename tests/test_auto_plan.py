@@ -17,7 +17,8 @@ from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiler import profile
 from lightning_galvatron.search import evaluate
-from tests.helpers.training import assert_close_runs, dataset, run_distributed, run_single, tiny_gpt
+from lightning_galvatron.selection import Selection
+from tests.helpers.training import QUICK_TRIALS, assert_close_runs, dataset, run_distributed, run_single, tiny_gpt
 from tests.test_parity_data_parallel import FP32_TOL
 
 pytestmark = pytest.mark.timeout(900)
@@ -37,7 +38,7 @@ def _auto_where_ddp_does_not_fit(cache_dir: str) -> dict:
         for name in ("ddp", "zero3")
     }
     budget = int((peaks["ddp"] + peaks["zero3"]) / 2)
-    strategy = GalvatronStrategy(memory_budget=budget, profile_cache=cache_dir, save_plan=False)
+    strategy = GalvatronStrategy(memory_budget=budget, profile_cache=cache_dir, save_plan=False, trials=QUICK_TRIALS)
     result = run_distributed(strategy=strategy)
     plan = strategy.plan
     chosen_peak = evaluate(measured, plan, precision="32-true", optimizer="adamw").peak_memory_bytes
@@ -60,7 +61,10 @@ def test_budget_nothing_fits_names_the_smallest(pools, tmp_path):
 
 
 def test_corrupt_cache_is_reprofiled_with_a_warning(pools, tmp_path):
-    kwargs = dict(strategy_kwargs=dict(memory_budget="1GB", profile_cache=str(tmp_path), save_plan=False), plan="auto", max_steps=1)
+    kwargs = dict(
+        strategy_kwargs=dict(memory_budget="1GB", profile_cache=str(tmp_path), save_plan=False, trials=QUICK_TRIALS),
+        plan="auto", max_steps=1,
+    )
     pools(4).run(run_distributed, **kwargs)
     (cached,) = list(tmp_path.glob("*.json"))
     cached.write_text("{not json")
@@ -96,13 +100,19 @@ def _env() -> dict:
 
 
 def test_example_auto_caches_its_profile_and_the_cli_search_agrees(tmp_path):
-    """Second run reuses the profile; `lightning-galvatron search` on the saved profile gives the same plan."""
+    """Second run reuses the profile and the measured selection; `lightning-galvatron search` on the saved profile
+    gives the plan the strategy's search gave (the first candidate of the trials, which chose among them)."""
     first = _example("configs/gpt_tiny_cpu_auto.yaml", tmp_path / "cache", tmp_path / "logs")
     assert re.search(r"Profile: lightning_galvatron.profiler: 32-true on 4 x cpu \(gloo\); measured in [\d.]+ s", first)
+    assert "Galvatron: measured selection (" in first
     second = _example("configs/gpt_tiny_cpu_auto.yaml", tmp_path / "cache", tmp_path / "logs")
     assert re.search(r"Profile: .*; cached \([\d.]+ s to load\)", second)
+    assert "Galvatron: measured selection (from the cache" in second
     run = sorted((tmp_path / "logs" / "gpt_tiny_cpu_auto").glob("version_*"))[-1]
     chosen = ParallelPlan.load(run / "galvatron_plan.json")
+    (cached,) = (tmp_path / "cache" / "selections").glob("*.json")
+    selection = Selection.from_dict(json.loads(cached.read_text()))
+    assert selection.plan == chosen and chosen in [t.plan for t in selection.trials]
     searched = tmp_path / "searched.json"
     command = [
         sys.executable, "-m", "lightning_galvatron.cli", "search", str(run / "galvatron_profile.json"),
@@ -110,4 +120,4 @@ def test_example_auto_caches_its_profile_and_the_cli_search_agrees(tmp_path):
         "--precision", "32-true", "-o", str(searched),
     ]
     subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=120)
-    assert ParallelPlan.load(searched) == chosen
+    assert selection.trials[0].name == "searched" and ParallelPlan.load(searched) == selection.trials[0].plan

@@ -24,6 +24,7 @@ from lightning_galvatron import GalvatronStrategy
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from tests.helpers.training import (
+    QUICK_TRIALS,
     _LossRecorder,
     _merge_over_ranks,
     assert_parameters_moved_alike,
@@ -56,7 +57,9 @@ def _fit(
     L.seed_everything(0, verbose=False)
     module = GPTModule(**EXAMPLE_MODEL)
     loader = DataLoader(ArithmeticText(train_samples, 32, seed=0), batch_size=GLOBAL_BATCH // world, shuffle=True)
-    strategy = GalvatronStrategy(plan=plan, memory_budget=EXAMPLE_BUDGET, profile_cache=cache, save_plan=False)
+    strategy = GalvatronStrategy(
+        plan=plan, memory_budget=EXAMPLE_BUDGET, profile_cache=cache, save_plan=False, trials=QUICK_TRIALS
+    )
     recorder = _LossRecorder()
     callbacks: list[Any] = [recorder]
     if checkpoint_every:

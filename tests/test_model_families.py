@@ -30,7 +30,7 @@ from lightning_galvatron.profiler import profile
 from lightning_galvatron.search import evaluate
 from tests.helpers.hf_models import hf_gpt2, hf_llama
 from tests.helpers.model_families import hf_bert, plain_blocks, torch_encoder, torch_seq2seq
-from tests.helpers.training import assert_close_runs, dataset, run_distributed, run_single
+from tests.helpers.training import QUICK_TRIALS, assert_close_runs, dataset, run_distributed, run_single
 from tests.test_parity_data_parallel import FP32_TOL
 
 pytestmark = pytest.mark.timeout(900)
@@ -199,7 +199,7 @@ def _auto_plan_between_zero3_and_ddp(model: Callable[[], L.LightningModule], bat
         for name in ("ddp", "zero3")
     }
     budget = int((peaks["ddp"] + peaks["zero3"]) / 2)
-    strategy = GalvatronStrategy(memory_budget=budget, profile_cache=cache_dir, save_plan=False, **limits)
+    strategy = GalvatronStrategy(memory_budget=budget, profile_cache=cache_dir, save_plan=False, trials=QUICK_TRIALS, **limits)
     result = run_distributed(strategy=strategy, model=model, global_batch=batch)
     return dict(result=result, plan=strategy.plan, budget=budget, peaks=peaks)
 

@@ -30,6 +30,9 @@ from tests.helpers.plan_check import assert_plan_applied
 
 SEQ = 8
 TINY_GPT = dict(vocab_size=16, seq_length=SEQ, n_layer=4, n_head=4, n_embd=32, learning_rate=1e-2)
+# Measured selection in tests of other features: a short budget (the search's plan and, time permitting, one
+# other), so that plan="auto" stays quick; tests/test_measured_selection.py gives trials more room.
+QUICK_TRIALS = {"budget_s": 4, "timed_steps": 1, "max_candidates": 2}
 
 
 @dataclass

@@ -1,0 +1,101 @@
+"""What measured selection may spend (``GalvatronStrategy(trials=...)``), what a trial measured, and the random
+state kept around the trials. Lightning-free (the trials themselves run in :mod:`lightning_galvatron.trials`)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class TrialSettings:
+    """How much measured selection may spend (``GalvatronStrategy(trials=...)``).
+
+    Attributes:
+        budget_s: wall-clock seconds for all trials together; the search's best plan is always tried, the next
+            candidate only while the trials so far say it will end within the budget.
+        warmup_steps, timed_steps: untimed and timed training steps per trial.
+        max_candidates: plans tried at most (the search's best, the best of other kinds, the uniform plans).
+        measure_memory: measure each trial's peak memory per rank (a plan over the budget is not chosen).
+    """
+
+    budget_s: float = 20.0
+    warmup_steps: int = 1
+    timed_steps: int = 3
+    max_candidates: int = 6
+    measure_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.budget_s, bool) or not isinstance(self.budget_s, (int, float)) or not 0 < self.budget_s < math.inf:
+            raise ValueError(f"trials budget_s must be a positive number of seconds, got {self.budget_s!r}")
+        for name, least in (("warmup_steps", 0), ("timed_steps", 1), ("max_candidates", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"trials {name} must be an integer >= {least}, got {value!r}")
+        if not isinstance(self.measure_memory, bool):
+            raise ValueError(f"trials measure_memory must be True or False, got {self.measure_memory!r}")  # noqa: TRY004
+
+    @classmethod
+    def of(cls, value: bool | float | Mapping[str, Any] | TrialSettings | None) -> TrialSettings | None:
+        """``True``: the defaults; ``False``/``None``: no trials; a number: the budget in seconds; a dict: fields."""
+        if value is True:
+            return cls()
+        if value is False or value is None:
+            return None
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, (int, float)):
+            return cls(budget_s=value)
+        if isinstance(value, Mapping):
+            known = {f.name for f in fields(cls)}
+            unknown = set(value) - known
+            if unknown:
+                raise ValueError(f"unknown trials settings {sorted(unknown)}; known: {sorted(known)}")
+            return cls(**value)
+        raise ValueError(
+            f"trials must be True, False, a budget in seconds or a dict of {sorted(f.name for f in fields(cls))}, "
+            f"got {value!r}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class Measurement:
+    """What a trial measured, the same on every rank."""
+
+    step_s: float | None  # the fastest timed step (each the slowest rank's); None: the trial failed
+    peak_bytes: int | None  # the largest peak over the ranks; None: not measured
+    seconds: float  # the whole trial: copying, applying the plan, all its steps
+    error: str | None = None
+
+
+class TrialUnavailable(RuntimeError):
+    """Trials cannot run for this module or data (the message says why); the search's plan is used."""
+
+
+@contextmanager
+def preserved_rng(device: torch.device) -> Iterator[None]:
+    """Restore torch's (CPU and CUDA), numpy's and Python's random states on exit."""
+    import numpy as np
+
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    cuda = torch.cuda.get_rng_state_all() if device.type == "cuda" and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+__all__ = ["Measurement", "TrialSettings", "TrialUnavailable", "preserved_rng"]

@@ -1,0 +1,411 @@
+"""Trials: a few real training steps of a candidate plan on a copy of the user's model -- the Lightning side of
+measured selection (:mod:`lightning_galvatron.selection` decides; this module runs and reports).
+
+A trial deep-copies the LightningModule (never touching the user's module, whose first optimizer step must be
+that of the chosen plan), applies the plan to the copy exactly as the strategy would (precision, FSDP mixed
+precision, entry methods, pipeline stages), makes the copy's own optimizers with its ``configure_optimizers``
+and trains it on one real global batch of the user's data:
+
+* ``warmup_steps`` untimed steps (lazy initialisation, first collectives);
+* ``timed_steps`` steps timed on every rank; a step's time is the slowest rank's, the trial's the fastest step
+  (other work on the machine only ever adds to a step, so the fastest is the least disturbed);
+* on CPU the runtime profiler (:mod:`lightning_galvatron.profiler.runtime`) records the same steps (its hooks
+  cost microseconds there); on CUDA, where it synchronises the device at every boundary, two more steps;
+* the peak memory of a step (:mod:`lightning_galvatron.selection.memory`), the largest over the ranks.
+
+``self.log`` calls of the copy are dropped; the random state is restored after the trials.
+
+:func:`choose_plan` is what the strategy calls with what ``plan="auto"`` found: it prints it, runs the trials
+when fitting and adds :class:`StepClock`, which compares the first training steps with the prediction. The
+training loop adds its own work to every step (logging, callbacks) that neither the cost model nor a trial
+counts, so that comparison is a sanity check, not a calibration.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch import Callback
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_galvatron.model.discovery import find_blocks
+from lightning_galvatron.model.outside_layers import OutsideLayers
+from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans
+from lightning_galvatron.plan import ParallelPlan
+from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_flag
+from lightning_galvatron.runtime.apply import apply_plan, check_runtime_support, input_shard
+from lightning_galvatron.runtime.mesh import MeshCache
+from lightning_galvatron.runtime.pipeline import loss_of
+from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
+from lightning_galvatron.search.calibration import Observation
+from lightning_galvatron.search.report import plan_summary
+from lightning_galvatron.selection import SelectionCache, select_by_measurement
+from lightning_galvatron.selection.memory import step_peak_bytes
+from lightning_galvatron.selection.settings import Measurement, TrialSettings, TrialUnavailable
+
+# ---------------------------------------------------------------------------------------------- the strategy's side
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def choose_plan(strategy: Any, trainer: Any, auto: Any, loader: Any, global_batch: int) -> ParallelPlan:
+    """The plan to train: the search's, or with ``strategy._trials`` and when fitting, the fastest measured
+    (``global_batch``: the batch the loader gives, kept for callers; the plan may carry another).
+
+    Collective (every rank, the same plan); sets ``strategy.selection``.
+    """
+    plan = auto.plan  # the search's report is printed with the plan that trains (display.setup_report)
+    predicted = auto.search_result.estimate.step_time_s if auto.search_result is not None else None
+    trial_s = runner_up = None
+    if strategy._trials is not None and trainer.state.fn == TrainerFn.FITTING:  # trials train
+        selection = _trials(strategy, trainer, auto, loader)
+        if selection is not None:
+            strategy.selection, plan = selection, selection.plan
+            chosen, other = selection.chosen, selection.runner_up
+            if chosen is not None:
+                predicted, trial_s = chosen.calibrated_step_s or chosen.predicted_step_s, chosen.step_s
+            runner_up = (other.name, other.plan, other.step_s) if other is not None else None
+    if strategy.global_rank == 0 and trainer.state.fn == TrainerFn.FITTING:
+        trainer.callbacks.append(StepClock(predicted, trial_s, runner_up, rank_zero_info))
+    return plan
+
+
+def _trials(strategy: Any, trainer: Any, auto: Any, loader: Any) -> Any:
+    module = strategy.lightning_module
+    try:
+        reason = no_trials_reason(module)
+        if reason is not None:
+            raise TrialUnavailable(reason)
+        batch = global_batch_samples(loader, auto.plan.global_batch_size)
+    except TrialUnavailable as why:
+        rank_zero_info(f"Galvatron: no trials ({why}): training the search's plan")
+        return None
+    flag = precision_flag(strategy.precision_plugin)
+    traced: dict[str, Any] = {}
+
+    def outside_layers() -> Any:  # traced once, for the first pipelined candidate (collective)
+        if "layers" not in traced:
+            traced["layers"] = strategy._trace_outside_layers(trainer)
+        return traced["layers"]
+
+    runner = TrialRunner(
+        module, trainer, strategy._layers, batch, strategy._meshes, strategy.precision_plugin, mixed_precision_policy(flag),
+        boundary_dtype(flag), strategy.root_device, [name for name in _STEP_METHODS if is_overridden(name, module)],
+        strategy._vocab_parallel_loss, outside_layers,
+    )
+    structure = strategy.structure
+    tp_plans = block_tensor_parallel_plans(structure)
+    rank_zero_info(f"Galvatron: measured selection: trying candidate plans for up to {strategy._trials.budget_s:g} s")
+    selection = select_by_measurement(
+        auto, runner, strategy._trials, cache=SelectionCache.of(strategy._search.profile_cache),
+        check=lambda plan: check_runtime_support(plan, structure, tp_plans), report=rank_zero_info,
+        progress=strategy._progress,
+    )
+    rank_zero_info(selection.report())
+    return selection
+
+
+# ---------------------------------------------------------------------------------------------- running a trial
+def global_batch_samples(loader: Any, count: int) -> Any:
+    """``count`` samples of the loader's first batches joined along the batch (the loader's random state kept)."""
+    batches, have = [], 0
+    with torch.random.fork_rng():
+        for batch in loader:
+            batches.append(batch)
+            have += _batch_size(batch)
+            if have >= count:
+                break
+    if not batches:
+        raise TrialUnavailable("the training DataLoader gave no batch")
+    while have < count:  # a small dataset: repeat its batches
+        batches = batches + batches
+        have *= 2
+    leaves = [tree_flatten(b) for b in batches]
+    spec = leaves[0][1]
+    if any(s != spec for _, s in leaves):
+        raise TrialUnavailable("the DataLoader's batches differ in structure")
+    joined = []
+    for column in zip(*(flat for flat, _ in leaves)):
+        first = column[0]
+        if isinstance(first, torch.Tensor) and first.dim() > 0:
+            if any(t.shape[1:] != first.shape[1:] for t in column):
+                raise TrialUnavailable("the DataLoader's batches differ in shape beyond the batch dimension")
+            joined.append(torch.cat(column)[:count])
+        elif isinstance(first, list):
+            joined.append([x for part in column for x in part][:count])
+        else:
+            joined.append(first)
+    return tree_unflatten(joined, spec)
+
+
+def _batch_size(batch: Any) -> int:
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise TrialUnavailable("the DataLoader's batches hold no tensor with a batch dimension")
+
+
+def _shard(batch: Any, num_shards: int, shard: int) -> Any:
+    flat, spec = tree_flatten(batch)
+    size = _batch_size(batch) // num_shards
+    def part(x: Any) -> Any:
+        batched = (isinstance(x, torch.Tensor) and x.dim() > 0) or isinstance(x, list)
+        return x[shard * size : (shard + 1) * size] if batched else x
+
+    return tree_unflatten([part(x) for x in flat], spec)
+
+
+@dataclass
+class TrialRunner:
+    """What a trial needs from the strategy: the user's module and data, and how the strategy applies a plan."""
+
+    module: nn.Module  # the user's LightningModule: copied, never changed
+    trainer: Any
+    layers: str | Sequence[str] | None
+    batch: Any  # a global batch of samples (global_batch_samples)
+    meshes: MeshCache
+    precision_plugin: Any
+    mp_policy: MixedPrecisionPolicy
+    boundary_dtype: torch.dtype
+    device: torch.device
+    entry_methods: Sequence[str]
+    vocab_parallel_loss: bool
+    outside_layers: Callable[[], OutsideLayers]  # collective; called only for pipelined candidates
+
+    def run(self, plan: ParallelPlan, settings: TrialSettings, observe: bool = True) -> tuple[Measurement, list[Observation]]:
+        """Train ``plan`` for a few steps on a copy (collective: every rank, the same plans in the same order).
+
+        Returns the measurement (the same on every rank) and, on rank 0, every rank's observation for the
+        calibration (empty elsewhere, and when ``observe`` is false or the trial failed).
+        """
+        started = time.perf_counter()
+        outcome: tuple[list[float], int | None, Observation | None, str | None]
+        outside = self.outside_layers() if plan.pp > 1 else None  # collective, before anything can fail
+        try:
+            outcome = self._train(plan, settings, observe, outside)
+        except Exception as error:  # noqa: BLE001 - a plan that fails here is not chosen; the others go on
+            outcome = ([], None, None, f"{type(error).__name__}: {error}")
+        finally:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, outcome)
+        errors = [error for *_, error in gathered if error is not None]
+        seconds = time.perf_counter() - started
+        if errors:
+            return Measurement(None, None, seconds, errors[0]), []
+        steps = [max(column) for column in zip(*(times for times, *_ in gathered))]
+        peaks = [peak for _, peak, *_ in gathered if peak is not None]
+        observations = [obs for _, _, obs, _ in gathered if obs is not None] if dist.get_rank() == 0 else []
+        return Measurement(min(steps), max(peaks) if peaks else None, seconds), observations
+
+    # ------------------------------------------------------------------ one trial on this rank
+    def _train(
+        self, plan: ParallelPlan, settings: TrialSettings, observe: bool, outside: OutsideLayers | None
+    ) -> tuple[list[float], int | None, Observation | None, None]:
+        from lightning_galvatron.profiler.runtime import RuntimeProfiler
+
+        model = self._copy()
+        structure = find_blocks(model, self.layers)
+        blocks = structure.blocks  # by global index; a pipeline stage keeps only its own in the containers
+        model = self.precision_plugin.convert_module(model)
+        applied = apply_plan(
+            model, structure, plan, self.meshes, self.mp_policy, entry_methods=self.entry_methods,
+            parallel_loss=self._parallel_loss(plan), boundary_dtype=self.boundary_dtype, outside_layers=outside,
+            tp_plans=block_tensor_parallel_plans(structure),
+        )
+        _materialize_distributed_module(model, self.device)
+        model.to(self.device)
+        optimizers = [o for o in _init_optimizers_and_lr_schedulers(model)[0] if o.param_groups]
+        for optimizer in optimizers:
+            optimizer.register_step_post_hook(lambda *_: applied.gradients.optimizer_stepped())
+        num_shards, shard = input_shard(plan, dist.get_rank())
+        batch = move_data_to_device(_shard(self.batch, num_shards, shard), self.device)
+        takes_index = is_param_in_hook_signature(model.training_step, "batch_idx", min_args=2)
+        train_context = self.precision_plugin.train_step_context
+        step_context = parallel_cross_entropy if self._parallel_loss(plan) else nullcontext
+
+        def user_step(micro_batch: Any) -> Any:
+            with train_context():
+                return model.training_step(micro_batch, 0) if takes_index else model.training_step(micro_batch)
+
+        def step() -> None:
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            if applied.runner is None:
+                with step_context():
+                    loss = loss_of(user_step(batch))
+                    if loss is None:
+                        raise TrialUnavailable("training_step returned no loss")
+                    (loss / applied.input_shards).backward()
+            else:
+                scale = 1.0 / (applied.input_shards * plan.micro_batches)
+                with step_context(), applied.gradients.deferred():
+                    applied.runner.run(batch, user_step, loss_scale=scale, train=True)
+                applied.gradients.reduce()
+            if runtime is not None:
+                runtime.optimizer_started()
+            for optimizer in optimizers:
+                optimizer.step()
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+
+        runtime: RuntimeProfiler | None = None
+        local = applied.partition.local_blocks if applied.partition is not None else range(len(blocks))
+        cuda = self.device.type == "cuda"
+        model.train()
+        for _ in range(settings.warmup_steps):
+            step()
+        if observe and not cuda:
+            runtime = RuntimeProfiler(plan, {i: blocks[i] for i in local}, optimizers, self.device)
+            runtime.start()
+        times = []
+        for _ in range(settings.timed_steps):
+            if runtime is not None:
+                runtime.step_started()
+            began = _now(self.device)
+            step()
+            times.append(_now(self.device) - began)
+        observation = _finish(runtime)
+        runtime = None
+        peak = step_peak_bytes(step, model, optimizers, self.device) if settings.measure_memory else None
+        if observe and cuda:
+            runtime = RuntimeProfiler(plan, {i: blocks[i] for i in local}, optimizers, self.device)
+            runtime.start()
+            for _ in range(2):
+                runtime.step_started()
+                step()
+            observation = _finish(runtime)
+        applied.gradients.remove()
+        return times, peak, observation, None
+
+    def _parallel_loss(self, plan: ParallelPlan) -> bool:
+        return self.vocab_parallel_loss and plan.vocab.tp > 1
+
+    def _copy(self) -> nn.Module:
+        """A deep copy of the user's module that shares the Trainer (Lightning drops it when copying) and logs
+        nothing."""
+        try:
+            model = copy.deepcopy(self.module)
+        except Exception as error:
+            raise TrialUnavailable(f"the LightningModule cannot be copied for trials ({type(error).__name__}: {error})") from error
+        model._trainer = self.trainer
+        model.log = _ignore_log  # type: ignore[method-assign]
+        return model
+
+
+def _finish(runtime: Any) -> Observation | None:
+    """Stop the runtime profiler (closing the step in progress) and take its observation."""
+    if runtime is None:
+        return None
+    runtime.stop()
+    runtime.step_started()
+    observation = runtime.observation(dist.get_rank())
+    runtime.remove()
+    return observation
+
+
+def _ignore_log(*args: Any, **kwargs: Any) -> None:
+    """``self.log`` of a trial's copy: what trials compute is not the user's training."""
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def no_trials_reason(module: Any) -> str | None:
+    """Why a module cannot be tried (the strategy then trains the search's plan), or ``None``."""
+    if not getattr(module, "automatic_optimization", True):
+        return "manual optimization (the trial would have to run your optimizers' steps itself)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- after the trials
+class StepClock(Callback):
+    """Times training steps (start to start) and reports once, after ``skip`` + ``steps`` steps (a callback the
+    strategy adds on rank 0).
+
+    Args:
+        predicted_s: the running plan's predicted step time (the calibrated one when there is one).
+        trial_s: its step time measured in its trial, if it had one.
+        runner_up: ``(name, plan, seconds)`` of the fastest other fitting plan of the trials.
+        report: where the line goes (rank 0's output).
+    """
+
+    def __init__(
+        self,
+        predicted_s: float | None,
+        trial_s: float | None,
+        runner_up: tuple[str, object, float] | None,
+        report: Callable[[str], None],
+        skip: int = 2,
+        steps: int = 5,
+    ) -> None:
+        self.predicted_s = predicted_s
+        self.trial_s = trial_s
+        self.runner_up = runner_up
+        self.report = report
+        self.skip, self.steps = skip, steps
+        self._starts: list[float] = []
+        self.measured_s: float | None = None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.step_started()
+
+    def step_started(self) -> None:
+        if self.measured_s is not None:
+            return
+        self._starts.append(time.perf_counter())
+        if len(self._starts) == self.skip + self.steps + 1:
+            durations = [b - a for a, b in zip(self._starts[self.skip :], self._starts[self.skip + 1 :])]
+            self.measured_s = statistics.median(durations)
+            self.report(self.message())
+
+    def message(self) -> str:
+        assert self.measured_s is not None
+        measured = self.measured_s
+        first, last = self.skip + 1, self.skip + self.steps
+        line = f"Galvatron: training steps {first}-{last} took {measured * 1e3:.1f} ms each (median, rank 0)"
+        parts = []
+        if self.predicted_s is not None:
+            parts.append(f"predicted {self.predicted_s * 1e3:.1f} ms ({_ratio(measured, self.predicted_s)})")
+        if self.trial_s is not None:
+            parts.append(f"its trial measured {self.trial_s * 1e3:.1f} ms")
+        if parts:
+            line += "; " + ", ".join(parts)
+        if self.runner_up is not None and self.runner_up[2] < measured:
+            name, plan, seconds = self.runner_up
+            line += (
+                f"\nGalvatron: the runner-up of the trials, {name} ({plan_summary(plan)}), measured {seconds * 1e3:.1f} ms "
+                "per step in its trial, less than this plan takes now (trials leave out the training loop's own work -- "
+                "logging, callbacks -- and a busy machine disturbs them; to measure again, delete the cached selection "
+                "or give trials= more timed steps)"
+            )
+        return line
+
+
+def _ratio(measured: float, predicted: float) -> str:
+    return f"measured {measured / predicted:.2f}x" if predicted > 0 else "-"
+
+
+__all__ = ["StepClock", "TrialRunner", "choose_plan", "global_batch_samples", "no_trials_reason"]

@@ -1,0 +1,164 @@
+"""Measured selection (issue 15): trials choose the plan, never change what is trained, are cached, can be off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from examples.gpt import GPTModule
+from lightning_galvatron import GalvatronStrategy
+from lightning_galvatron.plan import LayerStrategy as S
+from lightning_galvatron.plan import ParallelPlan
+from lightning_galvatron.profiles import Profile
+from lightning_galvatron.search import search
+from lightning_galvatron.search.candidates import diverse_candidates, plan_kind
+from lightning_galvatron.selection import TrialSettings
+from tests.helpers.training import TINY_GPT, dataset, run_distributed
+
+pytestmark = pytest.mark.timeout(600)
+
+DROPOUT = {"dropout": 0.1}  # trials draw random numbers: training must not see it
+TRIALS = {"budget_s": 60, "warmup_steps": 1, "timed_steps": 1, "max_candidates": 3}
+
+
+def _auto_cached_and_off(cache_dir: str) -> dict:
+    """Auto with trials, the chosen plan given explicitly, auto again from the cache, auto with trials off."""
+    kwargs = dict(memory_budget="1GB", profile_cache=cache_dir, save_plan=False)
+    measured = GalvatronStrategy(**kwargs, trials=TRIALS)
+    auto = run_distributed(strategy=measured, model_kwargs=DROPOUT)
+    explicit = run_distributed(plan=measured.plan, model_kwargs=DROPOUT)
+    again = GalvatronStrategy(**kwargs, trials=TRIALS)
+    run_distributed(strategy=again, model_kwargs=DROPOUT, max_steps=1)
+    off = GalvatronStrategy(**kwargs, trials=False)
+    run_distributed(strategy=off, model_kwargs=DROPOUT, max_steps=1)
+    return dict(
+        auto=auto, explicit=explicit, plan=measured.plan, selection=measured.selection, again=again.selection,
+        again_plan=again.plan, off_selection=off.selection, off_plan=off.plan,
+    )
+
+
+def test_measured_selection_trains_exactly_the_chosen_plan_is_cached_and_can_be_off(pools, tmp_path):
+    out = pools(2).run(_auto_cached_and_off, str(tmp_path))[0]
+    selection = out["selection"]
+    assert len(selection.trials) >= 2 and not selection.from_cache
+    assert all(t.step_s is not None and t.step_s > 0 and t.peak_bytes > 0 for t in selection.trials), selection.report()
+    assert selection.plan == out["plan"] and selection.chosen is not None
+    assert selection.chosen.step_s == min(t.step_s for t in selection.trials if t.fits(selection.memory_budget_bytes))
+
+    # Parity: trials on copies, random state restored -- bit for bit what training the chosen plan from the start gives.
+    auto, explicit = out["auto"], out["explicit"]
+    assert auto.losses == explicit.losses
+    assert auto.state.keys() == explicit.state.keys()
+    for name, value in explicit.state.items():
+        assert torch.equal(auto.state[name], value), name
+
+    # The second setup reads the decision, the measurements and the calibration from the cache.
+    again = out["again"]
+    assert again.from_cache and out["again_plan"] == out["plan"]
+    assert again.trials == selection.trials and again.calibration == selection.calibration
+    assert (tmp_path / "selections").is_dir() and again.cache_file.startswith(str(tmp_path / "selections"))
+
+    # Off: the search's own plan, no trials.
+    (profile_file,) = tmp_path.glob("*.json")
+    searched = search(Profile.load(profile_file), 2, "1GB", global_batch_size=8, precision="32-true", optimizer="adamw")
+    assert out["off_selection"] is None and out["off_plan"] == searched.plan
+
+
+class _CountingGPT(GPTModule):
+    """The tiny GPT, counting the optimizers it made (trials make theirs on copies)."""
+
+    def configure_optimizers(self):
+        self.optimizers_made = getattr(self, "optimizers_made", 0) + 1
+        return super().configure_optimizers()
+
+
+def _trials_on_copies() -> dict:
+    import lightning.pytorch as L
+    from lightning.pytorch.plugins.precision import Precision
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
+    from lightning_galvatron.model.discovery import find_blocks
+    from lightning_galvatron.model.outside_layers import trace_outside_layers
+    from lightning_galvatron.runtime.mesh import MeshCache
+    from lightning_galvatron.selection import preserved_rng
+    from lightning_galvatron.trials import TrialRunner, global_batch_samples
+
+    torch.manual_seed(1234)
+    module = _CountingGPT(**{**TINY_GPT, **DROPOUT})
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(dataset(32), batch_size=4, shuffle=True)
+    batch = global_batch_samples(loader, 8)
+    runner = TrialRunner(
+        module, trainer, None, batch, MeshCache.shared("cpu"), Precision(), MixedPrecisionPolicy(), torch.float32,
+        torch.device("cpu"), ["training_step"], False,
+        lambda: trace_outside_layers(module, find_blocks(module), "training_step", batch),
+    )
+    settings = TrialSettings(timed_steps=2)
+    plans = [
+        ParallelPlan.uniform(2, 4, S(), pp=2, schedule="1f1b", micro_batches=2, global_batch_size=8),
+        ParallelPlan.uniform(2, 4, S(dp_type="zero3", recompute=True), vocab=S(dp_type="zero3"), global_batch_size=8),
+    ]
+    rng = torch.get_rng_state()
+    with preserved_rng(torch.device("cpu")):
+        results = [runner.run(plan, settings) for plan in plans]
+    restored = torch.equal(rng, torch.get_rng_state())
+    runner.run(plans[1], settings)  # without preserved_rng: a trial draws from the random state (dropout)
+    drawn = not torch.equal(rng, torch.get_rng_state())
+    return dict(
+        results=results, restored=restored, drawn=drawn, rank=dist.get_rank(),
+        unchanged=all(torch.equal(before[k], v) for k, v in module.state_dict().items()),
+        plain=not any(isinstance(p, DTensor) for p in module.parameters()),
+        blocks=len(module.model.blocks),
+        hooks=sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules()),
+        grads=any(p.grad is not None for p in module.parameters()),
+        optimizers_made=getattr(module, "optimizers_made", 0),
+        logs_patched="log" in vars(module),
+    )
+
+
+def test_trials_leave_the_module_its_optimizer_and_the_random_state_untouched(pools):
+    outs = pools(2).run(_trials_on_copies)
+    for out in outs:
+        assert out["restored"] and out["drawn"]
+        assert out["unchanged"] and out["plain"] and out["blocks"] == 4 and out["hooks"] == 0 and not out["grads"]
+        assert out["optimizers_made"] == 0 and not out["logs_patched"]
+        for measurement, observations in out["results"]:
+            assert measurement.error is None and measurement.step_s > 0 and measurement.peak_bytes > 0
+            assert len(observations) == (2 if out["rank"] == 0 else 0)  # every rank's, gathered on rank 0
+            assert all(o.blocks for o in observations)
+
+
+def test_candidates_are_distinct_fit_and_cover_other_kinds():
+    from tests.search_profiles import llama_profile
+
+    profile = llama_profile()
+    arguments = dict(world_size=8, memory_budget_bytes="60GB", global_batch_size=8, precision="bf16-mixed", optimizer="adamw")
+    result = search(profile, **arguments)
+    candidates = diverse_candidates(profile, result, arguments, max_candidates=6)
+    assert candidates[0].plan == result.plan and candidates[0].name == "searched"
+    assert len({c.plan for c in candidates}) == len(candidates) >= 3
+    assert all(c.estimate.fits for c in candidates)
+    assert len({plan_kind(c.plan) for c in candidates}) >= 3
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("yes", "trials must be True, False, a budget"), ({"budget": 3}, r"unknown trials settings \['budget'\]"),
+     (0, "budget_s must be a positive number"), ({"timed_steps": 0}, "timed_steps must be an integer >= 1")],
+)
+def test_bad_trials_argument_is_refused_when_the_strategy_is_made(value, message):
+    with pytest.raises(ValueError, match=message):
+        GalvatronStrategy(trials=value)
+
+
+def test_the_calibrated_search_leaves_out_what_no_trial_measured():
+    from lightning_galvatron.search.candidates import unmeasured
+
+    ddp = ParallelPlan.uniform(4, 4, S(), global_batch_size=8)
+    tp_pipeline = ParallelPlan.uniform(4, 4, S(tp=2, sp="megatron", dp_type="zero3"), vocab=S(tp=2), pp=2, global_batch_size=8)
+    assert unmeasured([ddp]) == {"zero2", "zero3", "recompute", "tensor_parallel", "tp_without_sp", "megatron_sp",
+                                 "ulysses", "vocab_parallel", "strided", "pipeline"}
+    assert unmeasured([ddp, tp_pipeline]) == {"zero2", "recompute", "tp_without_sp", "ulysses", "strided"}
