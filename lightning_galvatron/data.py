@@ -88,3 +88,7 @@ def first_dataloader(trainer: Any) -> Any:
     return loaders
 
 
+def batch_index(args: tuple, kwargs: dict) -> int:
+    """The ``batch_idx`` of a Lightning step's arguments (0 where the step takes none)."""
+    index = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
+    return index if isinstance(index, int) else 0

@@ -61,7 +61,7 @@ from lightning_galvatron._compat import override
 from lightning_galvatron.arguments import check_strategy_arguments
 from lightning_galvatron.autoplan import SearchSettings, check_memory_budget, optimizer_kind, plan_automatically
 from lightning_galvatron.checkpoint import hf_models, load_checkpoint, whole_strided_tensors
-from lightning_galvatron.data import example_batch, first_dataloader, loader_batch_size, rebatch, shard_batch_size
+from lightning_galvatron.data import batch_index, example_batch, first_dataloader, loader_batch_size, rebatch, shard_batch_size
 from lightning_galvatron.display import setup_report
 from lightning_galvatron.errors import leave_to_reporting_rank
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
@@ -417,7 +417,7 @@ class GalvatronStrategy(ModelParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
-            self._monitor.evaluation_step("validation", _batch_index(args, kwargs))
+            self._monitor.evaluation_step("validation", batch_index(args, kwargs))
         if self._runner is None:
             with self._step_context():
                 return super().validation_step(*args, **kwargs)
@@ -426,7 +426,7 @@ class GalvatronStrategy(ModelParallelStrategy):
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
-            self._monitor.evaluation_step("test", _batch_index(args, kwargs))
+            self._monitor.evaluation_step("test", batch_index(args, kwargs))
         if self._runner is None:
             with self._step_context():
                 return super().test_step(*args, **kwargs)
@@ -435,7 +435,7 @@ class GalvatronStrategy(ModelParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
-            self._monitor.evaluation_step("predict", _batch_index(args, kwargs))
+            self._monitor.evaluation_step("predict", batch_index(args, kwargs))
         if self._runner is None:
             with self._step_context():
                 return super().predict_step(*args, **kwargs)
@@ -583,11 +583,6 @@ def _reported_by_rank_zero() -> Generator:
         if rank_zero_only.rank != 0:
             leave_to_reporting_rank(error)
         raise
-
-
-def _batch_index(args: tuple, kwargs: dict) -> int:
-    index = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
-    return index if isinstance(index, int) else 0
 
 
 def _configured_optimizer(module: Any) -> Optimizer | None:
