@@ -78,8 +78,12 @@ class BenchModel:
 
     def module_kwargs(self) -> dict[str, Any]:
         return dict(
-            vocab_size=self.vocab_size, seq_length=self.seq_length, n_layer=self.n_layer, n_head=self.n_head,
-            n_embd=self.n_embd, learning_rate=self.learning_rate,
+            vocab_size=self.vocab_size,
+            seq_length=self.seq_length,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_embd=self.n_embd,
+            learning_rate=self.learning_rate,
         )
 
     def describe(self) -> str:
@@ -117,7 +121,9 @@ def make_module(model: BenchModel, cls: type[GPTModule] = GPTModule) -> GPTModul
 def make_loader(model: BenchModel, world_size: int, samples: int | None = None) -> DataLoader:
     """DDP's per-device batch: the global batch over the ranks (the strategies re-batch as they need)."""
     samples = samples or model.global_batch * 64
-    return DataLoader(ArithmeticText(samples, model.seq_length, seed=0), batch_size=model.global_batch // world_size, shuffle=True)
+    return DataLoader(
+        ArithmeticText(samples, model.seq_length, seed=0), batch_size=model.global_batch // world_size, shuffle=True
+    )
 
 
 # ---------------------------------------------------------------------------------------------- probes
@@ -210,7 +216,11 @@ class StepProbe(L.Callback):
             self.peak_bytes = int(torch.cuda.max_memory_allocated(pl_module.device))
             return
         self._profiler.__exit__(None, None, None)
-        events = [e for e in self._profiler.profiler.kineto_results.events() if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")]
+        events = [
+            e
+            for e in self._profiler.profiler.kineto_results.events()
+            if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+        ]
         events.sort(key=lambda e: e.start_ns())
         self._profiler = None
         start = next(i for i, e in enumerate(events) if e.nbytes() == _MARKER_BYTES)
@@ -330,7 +340,9 @@ def fit_from_runs(profile: Any, runs: Sequence[dict], precision: str, optimizer:
     from lightning_galvatron.search.calibration import Observation, fit_calibration
 
     observations = [Observation.from_dict(o) for run in runs for o in run["info"].get("observations", [])]
-    return fit_calibration(profile, observations, precision=precision, optimizer=optimizer, source="benchmark probe plans")
+    return fit_calibration(
+        profile, observations, precision=precision, optimizer=optimizer, source="benchmark probe plans"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- pool

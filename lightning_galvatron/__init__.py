@@ -12,7 +12,14 @@ from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 
 _install()
 
-__all__ = ["GalvatronStrategy", "LayerStrategy", "ParallelPlan", "PlanError", "dry_run", "register_tensor_parallel_plan"]
+__all__ = [
+    "GalvatronStrategy",
+    "LayerStrategy",
+    "ParallelPlan",
+    "PlanError",
+    "dry_run",
+    "register_tensor_parallel_plan",
+]
 __version__ = "0.1.0"
 
 

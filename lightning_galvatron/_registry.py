@@ -25,7 +25,10 @@ _DESCRIPTION = "Hybrid parallelism with a per-layer plan searched by Galvatron"
 
 def install() -> None:
     """Register now for each Lightning package already imported, else right after it is imported."""
-    for package, register in (("lightning.pytorch", register_lightning), ("pytorch_lightning", register_pytorch_lightning)):
+    for package, register in (
+        ("lightning.pytorch", register_lightning),
+        ("pytorch_lightning", register_pytorch_lightning),
+    ):
         if package in sys.modules:
             register()
         elif importlib.util.find_spec(package.split(".")[0]) is not None:
@@ -39,7 +42,9 @@ class _CallAfterImport(importlib.abc.MetaPathFinder):
         self.name = name
         self.callback = callback
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)
@@ -75,7 +80,9 @@ def register_pytorch_lightning() -> None:
     from pytorch_lightning.strategies import StrategyRegistry
 
     if "galvatron" not in StrategyRegistry:
-        StrategyRegistry.register("galvatron", _not_in_pytorch_lightning, description=_DESCRIPTION + " (lightning only)")
+        StrategyRegistry.register(
+            "galvatron", _not_in_pytorch_lightning, description=_DESCRIPTION + " (lightning only)"
+        )
 
 
 def _not_in_pytorch_lightning(**_: Any) -> None:

@@ -97,7 +97,10 @@ def device_memory(device: torch.device, processes_per_node: int) -> tuple[int, s
         return total, f"{torch.cuda.get_device_name(device)} has {format_bytes(total)}"
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     share = physical // max(processes_per_node, 1)
-    return share, f"this machine's {format_bytes(physical)} shared by {processes_per_node} processes is {format_bytes(share)} each"
+    return (
+        share,
+        f"this machine's {format_bytes(physical)} shared by {processes_per_node} processes is {format_bytes(share)} each",
+    )
 
 
 def default_memory_budget(device: torch.device, processes_per_node: int) -> int:
@@ -205,7 +208,11 @@ def plan_automatically(
         memory_budget_bytes=budget,
         # The search's own estimate, recomputed where the search did not run (the same deterministic cost model).
         estimate=evaluate(
-            measured, plan, optimizer=optimizer, precision=precision, memory_budget_bytes=budget,
+            measured,
+            plan,
+            optimizer=optimizer,
+            precision=precision,
+            memory_budget_bytes=budget,
             calibration=settings.calibration,
         ),
         seconds={"profile": profiled - started, "search": time.perf_counter() - profiled},

@@ -52,19 +52,35 @@ def probe_plans(profile: Profile, world_size: int, global_batch_size: int) -> di
         return tuple(out[i * len(out) // num_blocks] for i in range(num_blocks))
 
     small = next((d for d in divisors(W) if d > 1), 1)
-    mixed = runnable([
-        {}, {"dp_type": "zero2"}, {"dp_type": "zero3"}, {"dp_type": "zero3", "recompute": True},
-        {"tp": small, "dp_type": "zero2"}, {"tp": W}, {"tp": small, "sp": "megatron"}, {"tp": W, "sp": "ulysses"},
-    ])
+    mixed = runnable(
+        [
+            {},
+            {"dp_type": "zero2"},
+            {"dp_type": "zero3"},
+            {"dp_type": "zero3", "recompute": True},
+            {"tp": small, "dp_type": "zero2"},
+            {"tp": W},
+            {"tp": small, "sp": "megatron"},
+            {"tp": W, "sp": "ulysses"},
+        ]
+    )
     candidates = {"probe": {"layers": mixed}, "probe-4-micro-batches": {"layers": mixed, "micro_batches": 4}}
     if W % 2 == 0 and num_blocks >= 2 and model.block_lists == 1:
         # The stages differ in how many of their parameters are plain tensors and how many DTensors, which the
         # optimizer updates at different costs.
         g = next((d for d in divisors(W // 2) if d > 1), 1)
-        staged = runnable([
-            {}, {"tp": g, "sp": "ulysses"}, {"dp_type": "zero2"}, {"dp_type": "zero3", "recompute": True},
-            {"tp": g, "dp_type": "zero2"}, {"tp": g}, {"tp": g, "sp": "megatron"}, {"dp_type": "zero3"},
-        ])
+        staged = runnable(
+            [
+                {},
+                {"tp": g, "sp": "ulysses"},
+                {"dp_type": "zero2"},
+                {"dp_type": "zero3", "recompute": True},
+                {"tp": g, "dp_type": "zero2"},
+                {"tp": g},
+                {"tp": g, "sp": "megatron"},
+                {"dp_type": "zero3"},
+            ]
+        )
         candidates["probe-pp2"] = {"layers": staged, "pp": 2, "schedule": "1f1b", "micro_batches": 4}
     out = {}
     for name, fields in candidates.items():
@@ -164,10 +180,19 @@ def calibrate(
     for plan in (plans or probe_plans(profile, world, global_batch_size)).values():
         probe = CalibrationProbe(warmup_steps, timed_steps)
         trainer = L.Trainer(
-            accelerator=accelerator, devices=devices, num_nodes=world // devices, precision=precision,
+            accelerator=accelerator,
+            devices=devices,
+            num_nodes=world // devices,
+            precision=precision,
             strategy=GalvatronStrategy(plan=plan, layers=layers, save_plan=False, global_batch_size=global_batch_size),
-            max_steps=probe.total_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[probe],
+            max_steps=probe.total_steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            callbacks=[probe],
         )
         trainer.fit(make_module(), train_data)
         optimizer = optimizer_kind(trainer.optimizers[0] if trainer.optimizers else None)

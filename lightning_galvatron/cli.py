@@ -118,7 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             traceback.print_exc()
         if isinstance(err, InfeasibleBudgetError):
-            extra = {"fits": False, "smallest_budget_bytes": err.smallest_budget_bytes, "global_batch_size": err.global_batch_size}
+            extra = {
+                "fits": False,
+                "smallest_budget_bytes": err.smallest_budget_bytes,
+                "global_batch_size": err.global_batch_size,
+            }
             return _fail(EXIT_NO, "no_plan", str(err), args.command, as_json, **extra)
         if isinstance(err, NoValidPlanError):
             return _fail(EXIT_NO, "no_plan", str(err), args.command, as_json, fits=False)
@@ -150,11 +154,17 @@ def _register_profile(subparsers: Any) -> None:
         "processes with --devices 4.",
     )
     _add_training_inputs(p)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="local batch sizes to time (default: 1 4)")
-    p.add_argument("--budget", type=float, default=3.0, help="rough seconds for the collective measurements (default: 3)")
+    p.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 4], help="local batch sizes to time (default: 1 4)"
+    )
+    p.add_argument(
+        "--budget", type=float, default=3.0, help="rough seconds for the collective measurements (default: 3)"
+    )
     cache = p.add_mutually_exclusive_group()
     cache.add_argument(
-        "--profile-cache", "--cache-dir", dest="cache_dir",
+        "--profile-cache",
+        "--cache-dir",
+        dest="cache_dir",
         help="profile cache directory (default: $LIGHTNING_GALVATRON_CACHE or ~/.cache/lightning_galvatron/profiles)",
     )
     cache.add_argument("--no-cache", action="store_true", help="always measure, never read or write the cache")
@@ -176,7 +186,9 @@ def _add_training_inputs(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--layers", nargs="+", help="dotted path(s) of the block container(s) (default: detected)")
     p.add_argument("--precision", help="32-true, bf16-mixed or bf16-true (default: the config's, else 32-true)")
-    p.add_argument("--devices", type=int, help="without torchrun: processes to launch on this machine (Lightning's launcher)")
+    p.add_argument(
+        "--devices", type=int, help="without torchrun: processes to launch on this machine (Lightning's launcher)"
+    )
     p.add_argument("--accelerator", default="auto", help="with --devices: cpu, cuda or auto (default: auto)")
 
 
@@ -198,7 +210,9 @@ def _register_calibrate(subparsers: Any) -> None:
     )
     p.add_argument("profile", help="the profile of this model on this machine (`lightning-galvatron profile`)")
     _add_training_inputs(p)
-    p.add_argument("--global-batch-size", type=int, help="samples per step (default: the datamodule's batch_size x devices)")
+    p.add_argument(
+        "--global-batch-size", type=int, help="samples per step (default: the datamodule's batch_size x devices)"
+    )
     p.add_argument("--warmup-steps", type=int, default=2, help="steps of each probe before timing (default: 2)")
     p.add_argument("--timed-steps", type=int, default=4, help="timed steps of each probe (default: 4)")
     p.add_argument("-o", "--output", required=True, help="where rank 0 writes the calibration JSON")
@@ -223,9 +237,16 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise ValueError("say how many samples a step trains on: --global-batch-size (no batch_size in the datamodule)")
     started = time.perf_counter()
     calibration = calibrate(
-        args.profile, lambda: inputs.build()[0], datamodule, global_batch_size=batch, layers=args.layers,
-        warmup_steps=args.warmup_steps, timed_steps=args.timed_steps, precision=inputs.precision,
-        accelerator=args.accelerator, devices=args.devices,
+        args.profile,
+        lambda: inputs.build()[0],
+        datamodule,
+        global_batch_size=batch,
+        layers=args.layers,
+        warmup_steps=args.warmup_steps,
+        timed_steps=args.timed_steps,
+        precision=inputs.precision,
+        accelerator=args.accelerator,
+        devices=args.devices,
     )
     if dist.get_rank() == 0:
         calibration.save(args.output)
@@ -242,10 +263,17 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- search
 @subcommand
 def _register_search(subparsers: Any) -> None:
-    p = subparsers.add_parser("search", help="search the best hybrid plan for a cluster (offline)", description=(
-        "Search the plan with the highest predicted throughput that fits the memory budget. "
-        "Exit status 0 with a plan, 1 when no plan fits (the message says the smallest budget that does)."))
-    p.add_argument("profile", help="profile JSON (ours, see import-galvatron), or the name of a reference profile (a100)")
+    p = subparsers.add_parser(
+        "search",
+        help="search the best hybrid plan for a cluster (offline)",
+        description=(
+            "Search the plan with the highest predicted throughput that fits the memory budget. "
+            "Exit status 0 with a plan, 1 when no plan fits (the message says the smallest budget that does)."
+        ),
+    )
+    p.add_argument(
+        "profile", help="profile JSON (ours, see import-galvatron), or the name of a reference profile (a100)"
+    )
     p.add_argument("--world-size", type=int, required=True, help="number of devices")
     add_memory_budget_option(p, "memory budget per device, e.g. 36GB or 40GiB (default: the profile's device memory)")
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the world size)")
@@ -292,13 +320,18 @@ def _cmd_search(args: argparse.Namespace) -> int:
 @subcommand
 def _register_evaluate(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "evaluate", help="predict step time and memory of a plan (ours or the reference system's format)",
+        "evaluate",
+        help="predict step time and memory of a plan (ours or the reference system's format)",
         description="Predict a plan's step time and peak memory per device. Exit status 0, or 1 when a budget is "
         "given (or the profile says the device memory) and the plan does not fit it.",
     )
     p.add_argument("profile", help="profile JSON (ours), or the name of a reference profile (a100)")
     p.add_argument("--plan", required=True, help="plan JSON, ours or Hetu-Galvatron's")
-    p.add_argument("--world-size", type=int, help="devices (needed for a reference-format plan unless its file name says, e.g. 1nodes_8gpus_per_node)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        help="devices (needed for a reference-format plan unless its file name says, e.g. 1nodes_8gpus_per_node)",
+    )
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the plan's)")
     add_memory_budget_option(p, "budget to check the plan against (default: the profile's device memory)")
     add_cost_options(p)
@@ -319,8 +352,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if world_size is None and is_galvatron_format(data):
         found = re.search(r"(\d+)nodes_(\d+)gpus_per_node", Path(args.plan).name)
         if not found:
-            raise PlanError(f"plan file {args.plan!r} is in the reference format, which does not say its world size: "
-                            "pass --world-size")
+            raise PlanError(
+                f"plan file {args.plan!r} is in the reference format, which does not say its world size: "
+                "pass --world-size"
+            )
         world_size = int(found.group(1)) * int(found.group(2))
     try:
         plan = ParallelPlan.from_dict(data, world_size=world_size)
@@ -340,8 +375,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**estimate.to_dict(), "precision": precision, "profile": args.profile}, indent=2))
         return status
-    print(f"Plan {args.plan} for {profile.model.name} on {plan.world_size} devices, global batch "
-          f"{estimate.global_batch_size}, {precision} ({precision_source})")
+    print(
+        f"Plan {args.plan} for {profile.model.name} on {plan.world_size} devices, global batch "
+        f"{estimate.global_batch_size}, {precision} ({precision_source})"
+    )
     print(describe_estimate(estimate))
     for warning in estimate.warnings:
         print(f"warning: {warning}")
@@ -367,7 +404,12 @@ def _register_import_galvatron(subparsers: Any) -> None:
     p.add_argument("--tied-embeddings", action="store_true", help="the head shares the embedding's weights")
     p.add_argument("--model-name", help="name of the model (default: from the file names)")
     p.add_argument("--hardware-name", help="name of the devices measured, e.g. 'NVIDIA A100 x8 per node'")
-    p.add_argument("--memory-overhead", type=byte_size, default=0, help="fixed memory per device the model does not account for, e.g. 2GB")
+    p.add_argument(
+        "--memory-overhead",
+        type=byte_size,
+        default=0,
+        help="fixed memory per device the model does not account for, e.g. 2GB",
+    )
     p.add_argument("--device-memory", type=memory_size, help="memory of one device, e.g. 80GB")
     p.add_argument("-o", "--output", required=True, help="where to write the profile JSON")
     add_json_option(p)
@@ -394,13 +436,24 @@ def _cmd_import_galvatron(args: argparse.Namespace) -> int:
     profile.save(args.output)
     model = profile.model
     if args.json:
-        print(json.dumps({
-            "output": args.output, "model": model.name, "blocks": model.num_blocks, "layer_types": len(model.layer_types),
-            "collectives": len(profile.hardware.collectives), "devices_per_node": profile.hardware.devices_per_node,
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "output": args.output,
+                    "model": model.name,
+                    "blocks": model.num_blocks,
+                    "layer_types": len(model.layer_types),
+                    "collectives": len(profile.hardware.collectives),
+                    "devices_per_node": profile.hardware.devices_per_node,
+                },
+                indent=2,
+            )
+        )
         return EXIT_OK
-    print(f"Wrote {args.output}: {model.name}, {model.num_blocks} blocks of {len(model.layer_types)} type(s), "
-          f"{len(profile.hardware.collectives)} collective fits, {profile.hardware.devices_per_node} devices per node")
+    print(
+        f"Wrote {args.output}: {model.name}, {model.num_blocks} blocks of {len(model.layer_types)} type(s), "
+        f"{len(profile.hardware.collectives)} collective fits, {profile.hardware.devices_per_node} devices per node"
+    )
     return EXIT_OK
 
 
@@ -441,12 +494,23 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
             raise ValueError("--lightning writes a Lightning checkpoint file: use it with -o, not with --hf")
         exported = export_hf(args.checkpoint, args.hf, config=args.hf_config)
         if args.json:
-            print(json.dumps({"output": str(exported.directory), "class": exported.class_name, "prefix": exported.prefix,
-                              "tensors": exported.tensors}, indent=2))
+            print(
+                json.dumps(
+                    {
+                        "output": str(exported.directory),
+                        "class": exported.class_name,
+                        "prefix": exported.prefix,
+                        "tensors": exported.tensors,
+                    },
+                    indent=2,
+                )
+            )
         else:
-            print(f"wrote {exported.directory}: {exported.class_name} ({exported.tensors} tensors under "
-                  f"{exported.prefix or 'the top level'!r} of the LightningModule); load it with "
-                  f"transformers.{exported.class_name}.from_pretrained({str(exported.directory)!r})")
+            print(
+                f"wrote {exported.directory}: {exported.class_name} ({exported.tensors} tensors under "
+                f"{exported.prefix or 'the top level'!r} of the LightningModule); load it with "
+                f"transformers.{exported.class_name}.from_pretrained({str(exported.directory)!r})"
+            )
         return EXIT_OK
     if args.hf_config:
         raise ValueError("--hf-config describes the model of --hf: pass --hf OUT_DIR")
@@ -469,7 +533,8 @@ def _register_estimate(subparsers: Any) -> None:
         "from the measured one. Exit status 0 when a plan fits, 1 when none does.",
     )
     add_model_options(
-        p, hf_help="a Hugging Face config.json (nothing is downloaded)",
+        p,
+        hf_help="a Hugging Face config.json (nothing is downloaded)",
         model_help="a LightningModule or nn.Module class, MODULE:CLASS, built on the meta device",
     )
     p.add_argument("--world-size", type=int, required=True, help="number of devices")
@@ -480,10 +545,19 @@ def _register_estimate(subparsers: Any) -> None:
         f"the package ({reference_profiles.describe()}) (default: the newest profile of --accelerator devices in the "
         "local profile cache)",
     )
-    p.add_argument("--reference", help="profile JSON (or reference name) whose measured blocks calibrate compute and activations (default: --hardware)")
-    p.add_argument("--accelerator", default="cuda", choices=("cuda", "gpu", "cpu"), help="the kind of devices asked about (default: cuda)")
     p.add_argument(
-        "--allow-other-device", action="store_true",
+        "--reference",
+        help="profile JSON (or reference name) whose measured blocks calibrate compute and activations (default: --hardware)",
+    )
+    p.add_argument(
+        "--accelerator",
+        default="cuda",
+        choices=("cuda", "gpu", "cpu"),
+        help="the kind of devices asked about (default: cuda)",
+    )
+    p.add_argument(
+        "--allow-other-device",
+        action="store_true",
         help="use a profile measured on another kind of device than --accelerator (its times and bandwidths are then "
         "those of that device)",
     )
@@ -498,9 +572,24 @@ def _register_estimate(subparsers: Any) -> None:
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from lightning_galvatron.estimator import run_estimate
 
-    names = ("hf_config", "model", "model_args", "layers", "world_size", "memory_budget", "seq_length", "hardware",
-             "reference", "accelerator", "allow_other_device", "global_batch_size", "precision", "optimizer", "output",
-             "profile_output")
+    names = (
+        "hf_config",
+        "model",
+        "model_args",
+        "layers",
+        "world_size",
+        "memory_budget",
+        "seq_length",
+        "hardware",
+        "reference",
+        "accelerator",
+        "allow_other_device",
+        "global_batch_size",
+        "precision",
+        "optimizer",
+        "output",
+        "profile_output",
+    )
     given = {name: getattr(args, name) for name in names}
     return run_estimate(**given, options=search_options(args), as_json=args.json)
 

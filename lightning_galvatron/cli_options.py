@@ -68,7 +68,8 @@ def add_precision_option(parser: argparse.ArgumentParser) -> None:
     from lightning_galvatron.search.cost import PRECISIONS
 
     parser.add_argument(
-        "--precision", choices=sorted(PRECISIONS),
+        "--precision",
+        choices=sorted(PRECISIONS),
         help="training precision (default: the precision the profile was measured in)",
     )
 
@@ -92,7 +93,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, hf_help: str, model_he
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--hf-config", help=hf_help)
     model.add_argument("--model", help=model_help)
-    parser.add_argument("--model-args", type=json_object, default={}, help="with --model: its init arguments as a JSON object")
+    parser.add_argument(
+        "--model-args", type=json_object, default={}, help="with --model: its init arguments as a JSON object"
+    )
     parser.add_argument("--layers", nargs="+", help="dotted path(s) of the block container(s) (default: detected)")
     parser.add_argument("--seq-length", type=int, help="tokens per sample (default: the config's maximum positions)")
 

@@ -96,7 +96,13 @@ def _stages_table(prediction: Prediction) -> str:
     columns = ("peak memory", "block states", "activations", "embedding/head", "working", "overhead")
     rows = [("stage", *columns, "time/micro-batch")]
     for s in prediction.estimate.stages:
-        sizes = (s.peak_memory_bytes, s.block_state_bytes, s.block_activation_bytes, s.vocab_bytes, s.working_bytes,
-                 s.overhead_bytes)
+        sizes = (
+            s.peak_memory_bytes,
+            s.block_state_bytes,
+            s.block_activation_bytes,
+            s.vocab_bytes,
+            s.working_bytes,
+            s.overhead_bytes,
+        )
         rows.append((str(s.stage), *map(format_bytes, sizes), f"{s.time_per_micro_batch_s * 1e3:.3g} ms"))
     return text_table(rows)

@@ -137,14 +137,23 @@ def estimate_cluster(
     profile, scalings = analytic_profile(architecture, reference_profile, seq, hardware_profile.hardware)
     warnings += extrapolation_warnings(scalings, names.get("reference", "the reference profile"))
     common = dict(
-        architecture=architecture, profile=profile, scalings=tuple(scalings), world_size=world_size,
-        memory_budget_bytes=budget, seq_length=seq, sources=names, precision=precision, warnings=tuple(warnings),
+        architecture=architecture,
+        profile=profile,
+        scalings=tuple(scalings),
+        world_size=world_size,
+        memory_budget_bytes=budget,
+        seq_length=seq,
+        sources=names,
+        precision=precision,
+        warnings=tuple(warnings),
     )
     try:
         result = search(profile, world_size, budget, precision=precision, **search_options)
     except InfeasibleBudgetError as error:
         return ClusterEstimate(
-            **common, smallest_budget_bytes=error.smallest_budget_bytes, error=str(error),
+            **common,
+            smallest_budget_bytes=error.smallest_budget_bytes,
+            error=str(error),
             seconds=time.perf_counter() - started,
         )
     return ClusterEstimate(**common, result=result, seconds=time.perf_counter() - started)
@@ -157,11 +166,15 @@ def check_device_types(device_type: str | None, profiles: Mapping[str, Profile],
     for name, profile in profiles.items():
         measured = profile.device_type
         if measured is None:
-            warnings.append(f"{name} does not record the kind of device it was measured on; its times are taken as "
-                            f"those of {device_type or 'the devices asked about'}")
+            warnings.append(
+                f"{name} does not record the kind of device it was measured on; its times are taken as "
+                f"those of {device_type or 'the devices asked about'}"
+            )
         elif device_type is not None and measured != device_type:
-            message = (f"{name} was measured on {measured} devices but the question is about {device_type} devices: its "
-                       f"times and bandwidths would be those of {measured}")
+            message = (
+                f"{name} was measured on {measured} devices but the question is about {device_type} devices: its "
+                f"times and bandwidths would be those of {measured}"
+            )
             if not allow_other_device:
                 raise ValueError(
                     f"{message}. Pass --hardware with a profile of {device_type} devices (shipped: "
@@ -266,8 +279,11 @@ def describe(estimate: ClusterEstimate) -> str:
         f"{format_bytes(estimate.memory_budget_bytes)} each"
     )
     src = estimate.sources
-    lines = [head, f"Profiles: hardware {src.get('hardware', '?')}, measured blocks {src.get('reference', src.get('hardware', '?'))}; "
-                   f"precision {estimate.precision}"]
+    lines = [
+        head,
+        f"Profiles: hardware {src.get('hardware', '?')}, measured blocks {src.get('reference', src.get('hardware', '?'))}; "
+        f"precision {estimate.precision}",
+    ]
     lines += [f"warning: {w}" for w in estimate.warnings]
     if estimate.result is not None:
         r = estimate.result
@@ -279,7 +295,8 @@ def describe(estimate: ClusterEstimate) -> str:
     else:
         smallest = estimate.smallest_budget_bytes
         lines.append(
-            "Fits: no. " + (estimate.error or "")
+            "Fits: no. "
+            + (estimate.error or "")
             + (f"\nThe smallest memory per device that fits: {format_bytes(smallest)}." if smallest else "")
         )
     lines.append("\nHow these numbers were made:")

@@ -106,7 +106,7 @@ class LayerStrategy:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "layer strategy") -> LayerStrategy:
         if not isinstance(data, Mapping):
-            raise PlanError(f"{where} must be an object like {{\"tp\": 2, \"dp_type\": \"zero3\"}}, got {data!r}")
+            raise PlanError(f'{where} must be an object like {{"tp": 2, "dp_type": "zero3"}}, got {data!r}')
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise PlanError(
@@ -269,7 +269,9 @@ class ParallelPlan:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def uniform(cls, world_size: int, num_layers: int, strategy: LayerStrategy | None = None, **kwargs: Any) -> ParallelPlan:
+    def uniform(
+        cls, world_size: int, num_layers: int, strategy: LayerStrategy | None = None, **kwargs: Any
+    ) -> ParallelPlan:
         """The same strategy for every block (and, unless given, for the vocabulary layers)."""
         strategy = strategy or LayerStrategy()
         kwargs.setdefault("vocab", strategy)
@@ -453,7 +455,9 @@ def is_galvatron_format(data: Mapping[str, Any]) -> bool:
     return "tp_sizes_enc" in data and "pp_deg" in data
 
 
-def load_plan(source: ParallelPlan | Mapping[str, Any] | str | os.PathLike, world_size: int | None = None) -> ParallelPlan:
+def load_plan(
+    source: ParallelPlan | Mapping[str, Any] | str | os.PathLike, world_size: int | None = None
+) -> ParallelPlan:
     """Accept a plan object, a dict (ours or the reference format) or a JSON file path."""
     if isinstance(source, ParallelPlan):
         plan = source

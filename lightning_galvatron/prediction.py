@@ -113,8 +113,16 @@ def price_given_plan(
         return _without(given, "the DataLoader has no batch_size, so the global batch is not known")
     info: dict[str, Any] = {}
     found = profile(
-        module, structure, example_batch(loader), world_size=world_size, devices_per_node=devices_per_node,
-        precision=precision, cache=settings.profile_cache, device=device, info=info, measure=False,
+        module,
+        structure,
+        example_batch(loader),
+        world_size=world_size,
+        devices_per_node=devices_per_node,
+        precision=precision,
+        cache=settings.profile_cache,
+        device=device,
+        info=info,
+        measure=False,
     )
     if found is None:
         return _without(
@@ -124,13 +132,21 @@ def price_given_plan(
         )
     try:
         estimate = evaluate(
-            found, plan, optimizer=optimizer, precision=precision, memory_budget_bytes=budget,
+            found,
+            plan,
+            optimizer=optimizer,
+            precision=precision,
+            memory_budget_bytes=budget,
             calibration=settings.calibration,
         )
     except (PlanError, ProfileError, ValueError) as error:
         return _without(given, f"the cached profile cannot price this plan: {error}")
     return Prediction(
-        plan=plan, source=source, memory_budget_bytes=budget, estimate=estimate, profile=found,
+        plan=plan,
+        source=source,
+        memory_budget_bytes=budget,
+        estimate=estimate,
+        profile=found,
         profile_note=f"{found.source}; cached in {info.get('cache_file')}",
     )
 

@@ -74,8 +74,10 @@ def pipeline_problem(pp: int, block_lists: int | Sequence[str]) -> str | None:
     count = block_lists if isinstance(block_lists, int) else len(block_lists)
     if pp == 1 or count <= 1:
         return None
-    lists = f"{count} block lists (encoder and decoder)" if isinstance(block_lists, int) else (
-        f"several block lists ({', '.join(block_lists)})"
+    lists = (
+        f"{count} block lists (encoder and decoder)"
+        if isinstance(block_lists, int)
+        else (f"several block lists ({', '.join(block_lists)})")
     )
     return (
         f"pp={pp} is not executable: pipeline parallelism over {lists} is not supported: the decoder's stages would "
@@ -126,8 +128,11 @@ def layer_problem(strategy: LayerStrategy, layer: LayerTypeProfile) -> str | Non
     if layer.tensor_parallel_divisors:
         sizes = [("(a size its tensor-parallel plan splits)", size) for size in layer.tensor_parallel_divisors]
     else:
-        sizes = [("attention heads", layer.num_heads), ("hidden size", layer.hidden_size),
-                 ("FFN width", layer.ffn_hidden_size)]
+        sizes = [
+            ("attention heads", layer.num_heads),
+            ("hidden size", layer.hidden_size),
+            ("FFN width", layer.ffn_hidden_size),
+        ]
     problem = degree_problem(g, sizes) or sequence_problem(g, sp, layer.seq_length)
     if problem is not None:
         return f"TP degree {g} is not executable for {layer.name}: {problem}"

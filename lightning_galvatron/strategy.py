@@ -61,7 +61,14 @@ from lightning_galvatron._compat import override
 from lightning_galvatron.arguments import check_strategy_arguments
 from lightning_galvatron.autoplan import SearchSettings, check_memory_budget, optimizer_kind, plan_automatically
 from lightning_galvatron.checkpoint import hf_models, load_checkpoint, whole_strided_tensors
-from lightning_galvatron.data import batch_index, example_batch, first_dataloader, loader_batch_size, rebatch, shard_batch_size
+from lightning_galvatron.data import (
+    batch_index,
+    example_batch,
+    first_dataloader,
+    loader_batch_size,
+    rebatch,
+    shard_batch_size,
+)
 from lightning_galvatron.display import setup_report
 from lightning_galvatron.errors import leave_to_reporting_rank
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
@@ -177,8 +184,15 @@ class GalvatronStrategy(ModelParallelStrategy):
         )
         with _reported_by_rank_zero():  # under torchrun every process makes the strategy
             check_strategy_arguments(plan, layers, global_batch_size)
-            knobs = dict(max_tp=max_tp, max_pp=max_pp, disable=disable, schedules=schedules, calibration=calibration,
-                         search_batch_size=search_batch_size, max_global_batch_size=max_global_batch_size)
+            knobs = dict(
+                max_tp=max_tp,
+                max_pp=max_pp,
+                disable=disable,
+                schedules=schedules,
+                calibration=calibration,
+                search_batch_size=search_batch_size,
+                max_global_batch_size=max_global_batch_size,
+            )
             self._search = SearchSettings.of(memory_budget, profile_cache, search_options, **knobs)
             self._watchdog = WatchdogSettings.of(watchdog)
             self._compile = compile_options(compile)
@@ -276,7 +290,9 @@ class GalvatronStrategy(ModelParallelStrategy):
                 "makes one file of them) or a plan with pp=1"
             )
         if self._save_plan:  # collective (Lightning broadcasts the log directory)
-            self.plan_files = save_plan_files(output_dir(trainer), self.plan, self.prediction.profile, self.global_rank == 0)
+            self.plan_files = save_plan_files(
+                output_dir(trainer), self.plan, self.prediction.profile, self.global_rank == 0
+            )
 
         self.model = self.precision_plugin.convert_module(self.model)
         if self._broadcast_initial_weights and self.world_size > 1:
@@ -327,14 +343,19 @@ class GalvatronStrategy(ModelParallelStrategy):
         loader = first_dataloader(trainer)
         per_device = loader_batch_size(loader)
         context = {
-            "world_size": self.world_size, "devices_per_node": self.num_processes, "device": self.root_device,
-            "precision": precision_flag(self.precision_plugin), "settings": self._search,
+            "world_size": self.world_size,
+            "devices_per_node": self.num_processes,
+            "device": self.root_device,
+            "precision": precision_flag(self.precision_plugin),
+            "settings": self._search,
             "optimizer": optimizer_kind(_configured_optimizer(module)),
         }
         if self._plan_source != "auto":
             plan = self._load_plan(self.world_size)
             check_runtime_support(plan, structure, self._tp_plans)  # before the plan is priced, printed or applied
-            return plan, price_given_plan(plan, plan_source_name(self._plan_source), module, structure, loader, per_device, **context)
+            return plan, price_given_plan(
+                plan, plan_source_name(self._plan_source), module, structure, loader, per_device, **context
+            )
         if any(p.is_meta for p in module.parameters()):
             raise PlanError(
                 'plan="auto" profiles the model by running it, but its parameters are on the meta device '
@@ -464,7 +485,11 @@ class GalvatronStrategy(ModelParallelStrategy):
 
         scale = 1.0 / (self._applied.input_shards * self.plan.micro_batches * trainer.accumulate_grad_batches)
         gradients = self._applied.gradients
-        with recording_logs(module) as logs, self._step_context(), gradients.deferred():  # loss_parallel covers backward too
+        with (
+            recording_logs(module) as logs,
+            self._step_context(),
+            gradients.deferred(),
+        ):  # loss_parallel covers backward too
             outputs = self._runner.run(batch, step, loss_scale=scale, train=train)
         if train and not gradients.is_deferred:  # once, after the last micro-batch (unless Lightning accumulates)
             gradients.reduce()
@@ -487,7 +512,9 @@ class GalvatronStrategy(ModelParallelStrategy):
         for optimizer in self.optimizers:
             call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
             call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
-            call._call_lightning_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
+            call._call_lightning_module_hook(
+                trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer
+            )
 
     @contextmanager
     @override
@@ -507,7 +534,9 @@ class GalvatronStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(*args, **kwargs)  # runs the training step (the closure) in automatic optimization
+        output = super().optimizer_step(
+            *args, **kwargs
+        )  # runs the training step (the closure) in automatic optimization
         if self._monitor is not None:
             self._monitor.step_finished(self.lightning_module.trainer.global_step)
         return output

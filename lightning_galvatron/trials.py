@@ -106,16 +106,29 @@ def _trials(strategy: Any, trainer: Any, auto: Any, loader: Any) -> Any:
         return traced["layers"]
 
     runner = TrialRunner(
-        module, trainer, strategy._layers, batch, strategy._meshes, strategy.precision_plugin, mixed_precision_policy(flag),
-        boundary_dtype(flag), strategy.root_device, [name for name in _STEP_METHODS if is_overridden(name, module)],
-        strategy._vocab_parallel_loss, outside_layers,
+        module,
+        trainer,
+        strategy._layers,
+        batch,
+        strategy._meshes,
+        strategy.precision_plugin,
+        mixed_precision_policy(flag),
+        boundary_dtype(flag),
+        strategy.root_device,
+        [name for name in _STEP_METHODS if is_overridden(name, module)],
+        strategy._vocab_parallel_loss,
+        outside_layers,
     )
     structure = strategy.structure
     tp_plans = block_tensor_parallel_plans(structure)
     rank_zero_info(f"Galvatron: measured selection: trying candidate plans for up to {strategy._trials.budget_s:g} s")
     selection = select_by_measurement(
-        auto, runner, strategy._trials, cache=SelectionCache.of(strategy._search.profile_cache),
-        check=lambda plan: check_runtime_support(plan, structure, tp_plans), report=rank_zero_info,
+        auto,
+        runner,
+        strategy._trials,
+        cache=SelectionCache.of(strategy._search.profile_cache),
+        check=lambda plan: check_runtime_support(plan, structure, tp_plans),
+        report=rank_zero_info,
         progress=strategy._progress,
     )
     rank_zero_info(selection.report())
@@ -165,6 +178,7 @@ def _batch_size(batch: Any) -> int:
 def _shard(batch: Any, num_shards: int, shard: int) -> Any:
     flat, spec = tree_flatten(batch)
     size = _batch_size(batch) // num_shards
+
     def part(x: Any) -> Any:
         batched = (isinstance(x, torch.Tensor) and x.dim() > 0) or isinstance(x, list)
         return x[shard * size : (shard + 1) * size] if batched else x
@@ -189,7 +203,9 @@ class TrialRunner:
     vocab_parallel_loss: bool
     outside_layers: Callable[[], OutsideLayers]  # collective; called only for pipelined candidates
 
-    def run(self, plan: ParallelPlan, settings: TrialSettings, observe: bool = True) -> tuple[Measurement, list[Observation]]:
+    def run(
+        self, plan: ParallelPlan, settings: TrialSettings, observe: bool = True
+    ) -> tuple[Measurement, list[Observation]]:
         """Train ``plan`` for a few steps on a copy (collective: every rank, the same plans in the same order).
 
         Returns the measurement (the same on every rank) and, on rank 0, every rank's observation for the
@@ -228,8 +244,15 @@ class TrialRunner:
         blocks = structure.blocks  # by global index; a pipeline stage keeps only its own in the containers
         model = self.precision_plugin.convert_module(model)
         applied = apply_plan(
-            model, structure, plan, self.meshes, self.mp_policy, entry_methods=self.entry_methods,
-            parallel_loss=self._parallel_loss(plan), boundary_dtype=self.boundary_dtype, outside_layers=outside,
+            model,
+            structure,
+            plan,
+            self.meshes,
+            self.mp_policy,
+            entry_methods=self.entry_methods,
+            parallel_loss=self._parallel_loss(plan),
+            boundary_dtype=self.boundary_dtype,
+            outside_layers=outside,
             tp_plans=block_tensor_parallel_plans(structure),
         )
         _materialize_distributed_module(model, self.device)
@@ -306,7 +329,9 @@ class TrialRunner:
         try:
             model = copy.deepcopy(self.module)
         except Exception as error:
-            raise TrialUnavailable(f"the LightningModule cannot be copied for trials ({type(error).__name__}: {error})") from error
+            raise TrialUnavailable(
+                f"the LightningModule cannot be copied for trials ({type(error).__name__}: {error})"
+            ) from error
         model._trainer = self.trainer
         model.log = _ignore_log  # type: ignore[method-assign]
         return model

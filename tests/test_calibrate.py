@@ -30,10 +30,24 @@ def test_calibrate_command_fits_the_probe_plans(pools, tmp_path):
     profile.save(tmp_path / "profile.json")
     output = tmp_path / "calibration.json"
     argv = [
-        "calibrate", str(tmp_path / "profile.json"),
-        "--model", "examples.gpt:GPTModule", "--model-args", json.dumps(MODEL),
-        "--datamodule", "examples.gpt:ArithmeticDataModule", "--datamodule-args", json.dumps(DATA),
-        "--accelerator", "cpu", "--warmup-steps", "1", "--timed-steps", "2", "-o", str(output),
+        "calibrate",
+        str(tmp_path / "profile.json"),
+        "--model",
+        "examples.gpt:GPTModule",
+        "--model-args",
+        json.dumps(MODEL),
+        "--datamodule",
+        "examples.gpt:ArithmeticDataModule",
+        "--datamodule-args",
+        json.dumps(DATA),
+        "--accelerator",
+        "cpu",
+        "--warmup-steps",
+        "1",
+        "--timed-steps",
+        "2",
+        "-o",
+        str(output),
     ]
     assert pools(2).run(main, argv, timeout=600) == [0, 0]
     calibration = Calibration.load(output)

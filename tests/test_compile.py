@@ -24,7 +24,9 @@ pytestmark = pytest.mark.timeout(900)
 MIXED = ParallelPlan(
     world_size=2,
     layers=(
-        S(dp_type="zero3"), S(tp=2, sp="megatron", recompute=True), S(tp=2, sp="ulysses", dp_type="zero2"),
+        S(dp_type="zero3"),
+        S(tp=2, sp="megatron", recompute=True),
+        S(tp=2, sp="ulysses", dp_type="zero2"),
         S(recompute=True),
     ),
 )

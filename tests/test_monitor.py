@@ -41,9 +41,16 @@ def _train(save_dir: str, plan: Any, cache: Any, accumulate: int = 1) -> dict[st
     """Three optimizer steps with a CSVLogger (and a file-taking logger) logging every step; rank 0 reports."""
     loggers = [CSVLogger(save_dir, name="csv"), FileTakingLogger(save_dir, name="files")]
     trainer = L.Trainer(
-        accelerator="cpu", devices=dist.get_world_size(), strategy=GalvatronStrategy(plan=plan, profile_cache=cache),
-        logger=loggers, max_steps=3, log_every_n_steps=1, accumulate_grad_batches=accumulate,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        strategy=GalvatronStrategy(plan=plan, profile_cache=cache),
+        logger=loggers,
+        max_steps=3,
+        log_every_n_steps=1,
+        accumulate_grad_batches=accumulate,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(tiny_gpt(), DataLoader(dataset(64), batch_size=4))
     log_dir = trainer.log_dir  # collective
@@ -87,7 +94,9 @@ def test_plan_prediction_and_measurements_reach_the_csv_logger(pools, tmp_path):
     galvatron = hparams["galvatron"]
     assert galvatron["plan_source"] == "a ParallelPlan"
     budget = galvatron["memory_budget_bytes"]
-    expected = evaluate(profile, GIVEN, global_batch_size=8, precision="32-true", optimizer="adamw", memory_budget_bytes=budget)
+    expected = evaluate(
+        profile, GIVEN, global_batch_size=8, precision="32-true", optimizer="adamw", memory_budget_bytes=budget
+    )
     assert galvatron["predicted"]["step_time_s"] == pytest.approx(expected.step_time_s)
     assert galvatron["predicted"]["peak_memory_bytes"] == pytest.approx(expected.peak_memory_bytes)
     assert len(rows) == 3

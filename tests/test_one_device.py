@@ -43,11 +43,25 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_readme_command_on_one_device_trains(tmp_path):
     command = [
-        sys.executable, "examples/gpt.py", "fit", "--config", "configs/gpt_tiny_cpu_auto.yaml",
-        "--trainer.devices", "1",
-        "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
-        "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
-        "--trainer.logger.init_args.save_dir", str(tmp_path),
+        sys.executable,
+        "examples/gpt.py",
+        "fit",
+        "--config",
+        "configs/gpt_tiny_cpu_auto.yaml",
+        "--trainer.devices",
+        "1",
+        "--trainer.max_steps",
+        "4",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.limit_val_batches",
+        "1",
+        "--trainer.log_every_n_steps",
+        "1",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path),
     ]
     env = {**os.environ, "LIGHTNING_GALVATRON_CACHE": str(tmp_path / "cache")}
     out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=500, env=env)
@@ -75,8 +89,13 @@ def _auto_plan_with_tight_memory(cache_dir: str) -> dict:
         module, find_blocks(module), dataset(8)[0:8], precision="32-true", devices_per_node=1, cache=cache_dir
     )
     plain, saving = (
-        evaluate(measured, ParallelPlan.uniform(1, 4, S(recompute=r), micro_batches=m), global_batch_size=8,
-                 precision="32-true", optimizer="adamw").peak_memory_bytes
+        evaluate(
+            measured,
+            ParallelPlan.uniform(1, 4, S(recompute=r), micro_batches=m),
+            global_batch_size=8,
+            precision="32-true",
+            optimizer="adamw",
+        ).peak_memory_bytes
         for r, m in ((False, 1), (True, 2))
     )
     budget = int((plain + saving) / 2)

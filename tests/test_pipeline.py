@@ -143,7 +143,9 @@ def test_predict_under_a_pipeline(pools):
 DP4 = ParallelPlan.uniform(4, 4, S(dp_type="zero3"))
 
 
-@pytest.mark.parametrize(("save_plan", "resume_plan"), [(PP2_TP2, DP4), (DP4, PP2_TP2)], ids=["pp2xtp2_to_dp4", "dp4_to_pp2xtp2"])
+@pytest.mark.parametrize(
+    ("save_plan", "resume_plan"), [(PP2_TP2, DP4), (DP4, PP2_TP2)], ids=["pp2xtp2_to_dp4", "dp4_to_pp2xtp2"]
+)
 def test_resume_under_another_plan(pools, tmp_path, save_plan, resume_plan):
     epochs = dict(max_steps=-1, num_samples=16)  # 2 steps per epoch
     uninterrupted = run_single(max_epochs=2, **epochs)
@@ -154,7 +156,11 @@ def test_resume_under_another_plan(pools, tmp_path, save_plan, resume_plan):
         torch.tensor(first.losses + resumed.losses), torch.tensor(uninterrupted.losses), atol=1e-5, rtol=0
     )
     assert_parameters_moved_alike(
-        resumed.state, uninterrupted.state, uninterrupted.initial, FP32_TOL["param_rtol"], FP32_TOL["param_mean_rtol"],
+        resumed.state,
+        uninterrupted.state,
+        uninterrupted.initial,
+        FP32_TOL["param_rtol"],
+        FP32_TOL["param_mean_rtol"],
         skip=rounding_noise_gradients(uninterrupted.grads),
     )
 

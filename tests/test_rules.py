@@ -82,8 +82,12 @@ class _Decoder(nn.Module):
 MODELS = st.one_of(
     # blocks, heads, head width, FFN width beyond the hidden size, a token embedding
     st.tuples(
-        st.just("decoder"), st.integers(2, 4), st.sampled_from([1, 2, 3, 4, 6]), st.integers(1, 2),
-        st.sampled_from([0, 1, 3]), st.booleans(),
+        st.just("decoder"),
+        st.integers(2, 4),
+        st.sampled_from([1, 2, 3, 4, 6]),
+        st.integers(1, 2),
+        st.sampled_from([0, 1, 3]),
+        st.booleans(),
     ),
     st.tuples(st.just("gpt"), st.integers(2, 4), st.sampled_from([1, 2, 4])),
     st.just(("seq2seq",)),
@@ -148,8 +152,14 @@ def cases(draw: st.DrawFn) -> tuple[tuple, int, int, ParallelPlan]:
     vocab = strategy(True)
     granularity = math.lcm(*(n // s.tp * micro_batches for s in (*layers, vocab)))
     plan = ParallelPlan(
-        world_size=world, layers=layers, vocab=vocab, pp=pp, schedule=schedule, micro_batches=micro_batches,
-        virtual_stages=virtual, global_batch_size=granularity * draw(st.integers(1, 2)),
+        world_size=world,
+        layers=layers,
+        vocab=vocab,
+        pp=pp,
+        schedule=schedule,
+        micro_batches=micro_batches,
+        virtual_stages=virtual,
+        global_batch_size=granularity * draw(st.integers(1, 2)),
     )
     return key, seq, per_node, plan
 

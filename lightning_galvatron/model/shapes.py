@@ -96,7 +96,9 @@ def architecture_of_module(
         real = (block_counts or {}).get(len(members), len(members))
         if real != len(members):
             if len(set(kinds[1:])) > 1:
-                raise ValueError(f"{block_list.path} holds blocks of several shapes; build the model with all its blocks")
+                raise ValueError(
+                    f"{block_list.path} holds blocks of several shapes; build the model with all its blocks"
+                )
             # The first block may differ from the rest (T5's first block holds the relative position table).
             kinds = kinds[:1] + kinds[-1:] * (real - 1)
         blocks.extend(kinds)
@@ -134,7 +136,9 @@ def block_shape(block: nn.Module, hidden: int) -> BlockShape:
     widths = [int(s) for m in block.modules() if isinstance(m, nn.Linear) for s in (m.in_features, m.out_features)]
     widths += [int(s) for m in block.modules() if type(m).__name__ == "Conv1D" for s in m.weight.shape]
     ffn = max(widths, default=hidden)
-    gated = sum(isinstance(m, nn.Linear) and m.out_features == ffn and m.in_features != ffn for m in block.modules()) >= 2
+    gated = (
+        sum(isinstance(m, nn.Linear) and m.out_features == ffn and m.in_features != ffn for m in block.modules()) >= 2
+    )
     plan = tensor_parallel_plan(block)
     return BlockShape(
         name=model_class(block).__name__,
@@ -183,7 +187,9 @@ def _row_parallel_layers(plan: Any) -> int:
 
     from lightning_galvatron.runtime.tensor_parallel import ParallelMultiheadAttention, RowwiseConv1D
 
-    return sum(isinstance(s, (RowwiseParallel, RowwiseConv1D, ParallelMultiheadAttention)) for s in plan.styles(False).values())
+    return sum(
+        isinstance(s, (RowwiseParallel, RowwiseConv1D, ParallelMultiheadAttention)) for s in plan.styles(False).values()
+    )
 
 
 def _vocabulary(structure: ModelStructure) -> tuple[nn.Embedding | None, nn.Linear | None, bool]:

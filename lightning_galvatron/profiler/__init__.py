@@ -121,7 +121,14 @@ def profile(
     started = time.perf_counter()
     hardware = profile_hardware(world_size, devices_per_node, device_type=device.type, budget_s=hardware_budget_s)
     model = profile_model(
-        module, structure, example_batch, step=step, precision=precision, batch_sizes=batch_sizes, degrees=degrees, device=device
+        module,
+        structure,
+        example_batch,
+        step=step,
+        precision=precision,
+        batch_sizes=batch_sizes,
+        degrees=degrees,
+        device=device,
     )
     result = Profile(
         model,
@@ -161,4 +168,12 @@ def _module_device(module: nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-__all__ = ["ProfileCache", "cache_key", "default_cache_dir", "model_signature", "profile", "profile_hardware", "profile_model"]
+__all__ = [
+    "ProfileCache",
+    "cache_key",
+    "default_cache_dir",
+    "model_signature",
+    "profile",
+    "profile_hardware",
+    "profile_model",
+]

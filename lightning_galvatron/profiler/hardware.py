@@ -80,7 +80,9 @@ class GroupLayout:
         return self.layout(world_size).tp_groups()
 
 
-def measured_layouts(world_size: int, devices_per_node: int, group_sizes: Sequence[int] | None = None) -> list[GroupLayout]:
+def measured_layouts(
+    world_size: int, devices_per_node: int, group_sizes: Sequence[int] | None = None
+) -> list[GroupLayout]:
     """The layouts whose timings the search can ask for, one per distinct ``(group_size, ranks_per_node)``.
 
     A stage of ``n = W/pp`` devices splits into ``d = n/g`` groups of ``g``: model-parallel groups
@@ -368,7 +370,12 @@ def _fit(kind: str, layout: GroupLayout, sizes: Sequence[int], times: Sequence[f
     log.debug(
         "%s over %d ranks: the least-squares fit does not explain the largest message (%.3g s measured, %.3g s "
         "fitted, %.3g s of it transfer): using %.3g GB/s from the smallest and largest message",
-        kind, layout.group_size, times[-1], fit.time(sizes[-1]), transfer, bandwidth / 1e9,
+        kind,
+        layout.group_size,
+        times[-1],
+        fit.time(sizes[-1]),
+        transfer,
+        bandwidth / 1e9,
     )
     return CollectiveFit(kind, layout.group_size, layout.ranks_per_node, latency, bandwidth)
 

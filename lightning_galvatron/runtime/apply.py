@@ -23,8 +23,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fs
 
 from lightning_galvatron.layout import ActivationLayout, Layout
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
-from lightning_galvatron.runtime.compile import apply_compile, check_compile_support
 from lightning_galvatron.rules import pipeline_problem, schedule_problem, sequence_problem, vocab_problem
+from lightning_galvatron.runtime.compile import apply_compile, check_compile_support
 from lightning_galvatron.runtime.gradient_sync import GradientReducer
 from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.runtime.pipeline import PipelineRunner, StagePartition
@@ -77,8 +77,14 @@ def runtime_problems(
     and, when given, the sequence length sequence-parallel degrees must divide. Pure: nothing is changed or
     communicated.
     """
-    out = [p for p in (schedule_problem(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages),
-                       pipeline_problem(plan.pp, [bl.path for bl in structure.block_lists])) if p is not None]
+    out = [
+        p
+        for p in (
+            schedule_problem(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages),
+            pipeline_problem(plan.pp, [bl.path for bl in structure.block_lists]),
+        )
+        if p is not None
+    ]
     problem = vocab_problem(plan.vocab, plan.vocab.tp == 1 or _has_token_embedding(structure))
     if problem is not None:
         out.append(f"vocab {problem}")
@@ -209,7 +215,9 @@ def apply_plan(
         applied.hooks.append(outputs.record(block, index))
         layout = Layout.of(plan, strategy)
         if strategy.sp == "ulysses":
-            apply_ulysses(block, meshes.tp_mesh(layout).get_group(), tp_plan.position_inputs if tp_plan is not None else None)
+            apply_ulysses(
+                block, meshes.tp_mesh(layout).get_group(), tp_plan.position_inputs if tp_plan is not None else None
+            )
         elif strategy.tp > 1:
             assert tp_plan is not None  # checked above
             apply_tensor_parallel(block, tp_plan.styles(strategy.sp == "megatron"), meshes.tp_mesh(layout))
@@ -221,7 +229,9 @@ def apply_plan(
         apply_data_parallel(block, strategy, _gradient_mesh(meshes, plan, strategy), mp_policy, applied.gradients)
     for end in ends:
         if end in local_blocks:
-            applied.hooks.append(relocate_output(all_blocks[end], layouts[end], vocab_layout, micro_batch, position, stage_group))
+            applied.hooks.append(
+                relocate_output(all_blocks[end], layouts[end], vocab_layout, micro_batch, position, stage_group)
+            )
 
     if vocabulary is not None and plan.vocab.tp > 1:
         vocab_tp_mesh = meshes.tp_mesh(Layout.of(plan, plan.vocab))
@@ -284,7 +294,9 @@ def _block_list_bounds(structure: ModelStructure) -> tuple[set[int], set[int]]:
     return starts, ends
 
 
-def _tied_weights_group(plan: ParallelPlan, partition: StagePartition | None, position: int) -> dist.ProcessGroup | None:
+def _tied_weights_group(
+    plan: ParallelPlan, partition: StagePartition | None, position: int
+) -> dist.ProcessGroup | None:
     """First and last stage ranks at this position, when they share weights (created on every rank)."""
     if partition is None or not partition.has_tied_weights:
         return None

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_galvatron.runtime.structure import without_kv_caches
 from lightning_galvatron.plan import ParallelPlan, PlanError
+from lightning_galvatron.runtime.structure import without_kv_caches
 
 _COMPILE_ARGUMENTS = tuple(name for name in inspect.signature(torch.compile).parameters if name != "model")
 

@@ -121,7 +121,6 @@ class BlockTensorParallelPlan:
         return None
 
 
-
 # ---------------------------------------------------------------------------------------------- Megatron collectives
 class _CopyToGroup(torch.autograd.Function):
     """Identity forward; sums the input gradient over the tensor-parallel group in backward."""
@@ -179,7 +178,9 @@ def fused_rows(sections: Sequence[int], split: Sequence[bool], tp: int, tp_rank:
     for size, divided in zip(sections, split):
         if divided:
             if size % tp:
-                raise ValueError(f"tensor-parallel degree {tp} does not divide a fused projection section of {size} features")
+                raise ValueError(
+                    f"tensor-parallel degree {tp} does not divide a fused projection section of {size} features"
+                )
             part = size // tp
             rows += range(offset + tp_rank * part, offset + (tp_rank + 1) * part)
         else:
@@ -260,7 +261,11 @@ class RowwiseConv1D(ParallelStyle):
                 bias = _CopyToGroup.apply(module.bias.to_local(), group)
             else:
                 bias = module.bias.to_local()
-            out = reduce_scatter_sequence(partial, device_mesh) if self.sequence_parallel else _ReduceFromGroup.apply(partial, group)
+            out = (
+                reduce_scatter_sequence(partial, device_mesh)
+                if self.sequence_parallel
+                else _ReduceFromGroup.apply(partial, group)
+            )
             return out + bias if bias is not None else out
 
         module.forward = forward  # type: ignore[method-assign]
@@ -364,8 +369,15 @@ class ColwiseEmbedding(ParallelStyle):
         _distribute_parameter(module, "weight", device_mesh, Shard(1))
 
         def forward(indices: torch.Tensor) -> torch.Tensor:
-            return F.embedding(indices, module.weight.to_local(), module.padding_idx, module.max_norm,
-                               module.norm_type, module.scale_grad_by_freq, module.sparse)
+            return F.embedding(
+                indices,
+                module.weight.to_local(),
+                module.padding_idx,
+                module.max_norm,
+                module.norm_type,
+                module.scale_grad_by_freq,
+                module.sparse,
+            )
 
         module.forward = forward  # type: ignore[method-assign]
         return module
@@ -425,8 +437,11 @@ class ParallelMultiheadAttention(ParallelStyle):
             batch, tgt_len, src_len = query.shape[0], query.shape[1], key.shape[1]
 
             key_padding_mask = F._canonical_mask(
-                mask=key_padding_mask, mask_name="key_padding_mask", other_type=F._none_or_dtype(attn_mask),
-                other_name="attn_mask", target_type=query.dtype,
+                mask=key_padding_mask,
+                mask_name="key_padding_mask",
+                other_type=F._none_or_dtype(attn_mask),
+                other_name="attn_mask",
+                target_type=query.dtype,
             )
             if is_causal and attn_mask is None:
                 raise RuntimeError("Need attn_mask if specifying the is_causal hint (as nn.MultiheadAttention)")
@@ -434,7 +449,11 @@ class ParallelMultiheadAttention(ParallelStyle):
                 attn_mask = None  # the hint stands for the mask, as in F.multi_head_attention_forward
             else:
                 attn_mask = F._canonical_mask(
-                    mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="", target_type=query.dtype,
+                    mask=attn_mask,
+                    mask_name="attn_mask",
+                    other_type=None,
+                    other_name="",
+                    target_type=query.dtype,
                     check_other=False,
                 )
                 if key_padding_mask is not None:

@@ -174,7 +174,9 @@ def _cut(value: Any, dim: int, local: int, g: int, rank: int, name: Any) -> Any:
     return value.narrow(dim, rank * local, local)
 
 
-def apply_ulysses(block: nn.Module, group: dist.ProcessGroup, position_inputs: Mapping[str | int, int] | None = None) -> None:
+def apply_ulysses(
+    block: nn.Module, group: dist.ProcessGroup, position_inputs: Mapping[str | int, int] | None = None
+) -> None:
     """Run ``block`` with its sequence split over ``group`` (weights stay whole).
 
     ``position_inputs`` names the inputs with one entry per sequence position (names, or indices of
@@ -196,12 +198,24 @@ def apply_ulysses(block: nn.Module, group: dist.ProcessGroup, position_inputs: M
             )
         names = _argument_names(signature, len(args))
         args = tuple(
-            _cut(a, positions[key], local, g, rank, key) if a is not hidden and (key := _key(i, names, positions)) is not None else a
+            _cut(a, positions[key], local, g, rank, key)
+            if a is not hidden and (key := _key(i, names, positions)) is not None
+            else a
             for i, a in enumerate(args)
         )
-        kwargs = {k: _cut(v, positions[k], local, g, rank, k) if k in positions and v is not hidden else v for k, v in kwargs.items()}
+        kwargs = {
+            k: _cut(v, positions[k], local, g, rank, k) if k in positions and v is not hidden else v
+            for k, v in kwargs.items()
+        }
+
         def is_memory(t: Any) -> bool:  # an encoder's output: whole on every rank of the group
-            return isinstance(t, torch.Tensor) and t is not hidden and t.dim() == 3 and t.is_floating_point() and t.shape[-1] == width
+            return (
+                isinstance(t, torch.Tensor)
+                and t is not hidden
+                and t.dim() == 3
+                and t.is_floating_point()
+                and t.shape[-1] == width
+            )
 
         # Each rank's cross-attention uses its heads of the memory's keys and values, so its gradient for the
         # memory is its heads' part: summed over the group, every rank holds the whole (as for any replicated input).
@@ -224,7 +238,11 @@ def apply_ulysses(block: nn.Module, group: dist.ProcessGroup, position_inputs: M
 def _argument_names(signature: inspect.Signature | None, count: int) -> list[str | None]:
     if signature is None:
         return [None] * count
-    params = [p.name for p in list(signature.parameters.values())[1:] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    params = [
+        p.name
+        for p in list(signature.parameters.values())[1:]
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     return (params + [None] * count)[:count]
 
 

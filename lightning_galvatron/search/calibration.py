@@ -195,7 +195,13 @@ def fit_calibration(
     per_tensor = per_element = 0.0
     per_dtensor = None
     if measured:
-        ao = np.array([[o.optimizer_tensors - o.optimizer_dtensors, o.optimizer_dtensors, o.optimizer_elements] for o in measured], dtype=float)
+        ao = np.array(
+            [
+                [o.optimizer_tensors - o.optimizer_dtensors, o.optimizer_dtensors, o.optimizer_elements]
+                for o in measured
+            ],
+            dtype=float,
+        )
         yo = np.array([o.optimizer_s for o in measured])
         wo = 1.0 / yo
         per_tensor, per_dtensor, per_element = (float(x) for x in nonnegative_least_squares(ao * wo[:, None], yo * wo))
@@ -204,9 +210,13 @@ def fit_calibration(
         if not ao[:, 1].any():
             per_dtensor = None
     block_tensors = {
-        obs.rank: sum(t.parameter_tensors for t in obs.blocks) for obs in observations if obs.plan.pp == 1 and obs.blocks
+        obs.rank: sum(t.parameter_tensors for t in obs.blocks)
+        for obs in observations
+        if obs.plan.pp == 1 and obs.blocks
     }
-    vocab_tensors = [o.optimizer_tensors - block_tensors[o.rank] for o in observations if o.plan.pp == 1 and o.rank in block_tensors]
+    vocab_tensors = [
+        o.optimizer_tensors - block_tensors[o.rank] for o in observations if o.plan.pp == 1 and o.rank in block_tensors
+    ]
     calibration = Calibration(
         block=block,
         vocab_compute=vocab_compute,
@@ -250,7 +260,9 @@ def _measured_stage_times(cm: CostModel, plan: ParallelPlan, group: Sequence[Obs
     n = plan.devices_per_stage
     per_stage: dict[int, list[float]] = {}
     for obs in group:
-        per_stage.setdefault(obs.rank // n, []).append(sum(t.call_s * t.calls_per_step for t in obs.blocks) / plan.micro_batches)
+        per_stage.setdefault(obs.rank // n, []).append(
+            sum(t.call_s * t.calls_per_step for t in obs.blocks) / plan.micro_batches
+        )
     if len(per_stage) != plan.pp:
         return None
     ctx = StageContext(plan.world_size, plan.pp, plan.global_batch_size, plan.micro_batches)
@@ -263,7 +275,9 @@ def _measured_stage_times(cm: CostModel, plan: ParallelPlan, group: Sequence[Obs
             time += float(vocab_costs(cm, vsa, ctx, "embedding").time[0])
         if stage == plan.pp - 1:
             time += float(vocab_costs(cm, vsa, ctx, "head").time[0])
-        time += p2p_transfers(plan.pp, stage, plan.virtual_stages) * cm.p2p_time(ctx, model.hidden_size, model.seq_length)
+        time += p2p_transfers(plan.pp, stage, plan.virtual_stages) * cm.p2p_time(
+            ctx, model.hidden_size, model.seq_length
+        )
         out.append(time)
     return out
 

@@ -88,7 +88,12 @@ def diverse_candidates(
     """
     best = result.plan
     # Every candidate trains the best plan's global batch, so that step times compare.
-    arguments = {**search_arguments, "baselines": False, "search_batch_size": False, "global_batch_size": best.global_batch_size}
+    arguments = {
+        **search_arguments,
+        "baselines": False,
+        "search_batch_size": False,
+        "global_batch_size": best.global_batch_size,
+    }
     world_size = arguments.pop("world_size")
     budget = arguments.pop("memory_budget_bytes")
     disable = frozenset(arguments.get("disable") or ())
@@ -151,8 +156,19 @@ def unmeasured(plans: Iterable[ParallelPlan]) -> frozenset[str]:
         used.add("strided")
     if any(p.pp > 1 for p in plans):
         used.add("pipeline")
-    names = {"ddp", "zero2", "zero3", "recompute", "tensor_parallel", "tp_without_sp", "megatron_sp", "ulysses",
-             "vocab_parallel", "strided", "pipeline"}
+    names = {
+        "ddp",
+        "zero2",
+        "zero3",
+        "recompute",
+        "tensor_parallel",
+        "tp_without_sp",
+        "megatron_sp",
+        "ulysses",
+        "vocab_parallel",
+        "strided",
+        "pipeline",
+    }
     return frozenset(names - used)
 
 
@@ -192,7 +208,9 @@ def _pricer(profile: Profile, arguments: Mapping[str, Any], budget: Any):
     return price
 
 
-def _other_uniform_plans(result: SearchResult, world_size: int, disable: frozenset[str]) -> dict[str, list[ParallelPlan]]:
+def _other_uniform_plans(
+    result: SearchResult, world_size: int, disable: frozenset[str]
+) -> dict[str, list[ParallelPlan]]:
     """Uniform plans the search's baselines leave out: ZeRO-2 (from the DDP baseline), and on one device -- where
     the only choices are recomputation and micro-batches -- every combination of the two."""
     out: dict[str, list[ParallelPlan]] = {}
@@ -216,8 +234,12 @@ def _other_uniform_plans(result: SearchResult, world_size: int, disable: frozens
                 label = f"uniform {'recompute' if recompute else 'no recompute'}, {'micro-batches' if many else 'one micro-batch'}"
                 out[label] = [
                     ParallelPlan.uniform(
-                        1, best.num_layers, LayerStrategy(recompute=recompute), vocab=LayerStrategy(),
-                        micro_batches=m, global_batch_size=batch,
+                        1,
+                        best.num_layers,
+                        LayerStrategy(recompute=recompute),
+                        vocab=LayerStrategy(),
+                        micro_batches=m,
+                        global_batch_size=batch,
                     )
                     for m in micro
                     if (m > 1) == many

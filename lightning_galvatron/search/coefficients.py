@@ -75,7 +75,13 @@ BLOCK_TERMS = (
     "recompute_call",
 )
 #: What an uncalibrated model amounts to: compute and communication as modelled, nothing per call.
-IDENTITY_BLOCK = {"compute": 1.0, "compute_tensor_parallel": 1.0, "compute_ulysses": 1.0, "recompute": 1.0, "communication": 1.0}
+IDENTITY_BLOCK = {
+    "compute": 1.0,
+    "compute_tensor_parallel": 1.0,
+    "compute_ulysses": 1.0,
+    "recompute": 1.0,
+    "communication": 1.0,
+}
 
 
 # ---------------------------------------------------------------------------------------------- the calibration
@@ -120,7 +126,14 @@ class Calibration:
         unknown = set(self.block) - set(BLOCK_TERMS)
         if unknown:
             raise ValueError(f"unknown block terms {sorted(unknown)}; known: {BLOCK_TERMS}")
-        for name, value in [*self.block.items(), *((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.type == "float" or (f.type == "float | None" and getattr(self, f.name) is not None))]:
+        for name, value in [
+            *self.block.items(),
+            *(
+                (f.name, getattr(self, f.name))
+                for f in dataclasses.fields(self)
+                if f.type == "float" or (f.type == "float | None" and getattr(self, f.name) is not None)
+            ),
+        ]:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"calibration term {name} must be a finite number >= 0, got {value!r}")
         object.__setattr__(self, "block", dict(self.block))
@@ -184,7 +197,9 @@ class Calibration:
         if data.get("format") != CALIBRATION_FORMAT:
             raise ValueError(f"not a lightning_galvatron calibration: format={data.get('format')!r}")
         if data.get("version", 0) > CALIBRATION_VERSION:
-            raise ValueError(f"calibration version {data['version']} is newer than this lightning_galvatron understands")
+            raise ValueError(
+                f"calibration version {data['version']} is newer than this lightning_galvatron understands"
+            )
         kwargs = {k: v for k, v in data.items() if k not in ("format", "version")}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(kwargs) - known
@@ -213,9 +228,7 @@ def load_calibration(source: Calibration | Mapping[str, Any] | str | os.PathLike
 
 
 # ---------------------------------------------------------------------------------------------- features
-def block_features(
-    forward: np.ndarray, backward_to_forward: float, analytic_time: np.ndarray, sa: Any
-) -> np.ndarray:
+def block_features(forward: np.ndarray, backward_to_forward: float, analytic_time: np.ndarray, sa: Any) -> np.ndarray:
     """Feature columns (:data:`BLOCK_TERMS`) of each candidate: ``(S, len(BLOCK_TERMS))``.
 
     ``forward`` is the profiled forward compute ``f(b/g)``, ``analytic_time`` the uncalibrated time per
@@ -258,7 +271,11 @@ def vocab_time(calibration: Calibration, compute: np.ndarray, analytic_time: np.
         + (sa.dp_code == 2) * b.get("zero3", 0.0)
         + np.asarray(sa.splits_weights, dtype=float) * b.get("tensor_parallel", 0.0)
     )
-    return calibration.vocab_compute * compute + calibration.vocab_communication * communication + 0.5 * (calibration.vocab_call_s + mechanisms)
+    return (
+        calibration.vocab_compute * compute
+        + calibration.vocab_communication * communication
+        + 0.5 * (calibration.vocab_call_s + mechanisms)
+    )
 
 
 __all__ = [

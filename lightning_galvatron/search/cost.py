@@ -176,7 +176,9 @@ class CostModel:
         latency, bandwidth = self._fits[key]
         return latency + bus_volume(kind, group_size) * np.asarray(nbytes, dtype=float) / bandwidth
 
-    def collective_times(self, kind: str, nbytes, group_sizes: np.ndarray, strides: np.ndarray, world_size: int) -> np.ndarray:
+    def collective_times(
+        self, kind: str, nbytes, group_sizes: np.ndarray, strides: np.ndarray, world_size: int
+    ) -> np.ndarray:
         """:meth:`collective_time` per candidate (arrays of group sizes, strides and bytes)."""
         group_sizes = np.asarray(group_sizes)
         nbytes = np.broadcast_to(np.asarray(nbytes, dtype=float), group_sizes.shape)
@@ -249,7 +251,9 @@ def tensor_parallel_comm_time(
     megatron_calls = forward_calls + calls_backward
     W = ctx.world_size
     ar = cm.collective_times("all_reduce", message, g, stride, W)
-    ag_rs = cm.collective_times("all_gather", message, g, stride, W) + cm.collective_times("reduce_scatter", message, g, stride, W)
+    ag_rs = cm.collective_times("all_gather", message, g, stride, W) + cm.collective_times(
+        "reduce_scatter", message, g, stride, W
+    )
     a2a = cm.collective_times("all_to_all", message / g, g, stride, W)
     return np.where(
         sa.ulysses,
@@ -459,7 +463,11 @@ def vocab_costs(cm: CostModel, sa: StrategyArrays, ctx: StageContext, part: str)
     vocab = model.vocab
     tensors = cm.calibration.vocab_tensors if cm.calibration is not None else 0
     if part == "embedding":
-        parameters, fit, table = vocab.embedding_parameters, vocab.embedding_forward_time, vocab.embedding_activation_bytes_per_sample
+        parameters, fit, table = (
+            vocab.embedding_parameters,
+            vocab.embedding_forward_time,
+            vocab.embedding_activation_bytes_per_sample,
+        )
         tensors = (tensors + 1) // 2
     elif part == "head":
         tensors //= 2
@@ -515,7 +523,11 @@ def plan_working_memory_bytes(
     need = 0.0
     for t, s in blocks:
         recompute = cm.activation_scale * samples * t.activation_bytes_per_sample.at(1) if s.recompute else 0.0
-        gathered = t.parameters / (s.tp if s.splits_weights else 1) * cm.precision.compute_bytes if s.dp_type == "zero3" else 0.0
+        gathered = (
+            t.parameters / (s.tp if s.splits_weights else 1) * cm.precision.compute_bytes
+            if s.dp_type == "zero3"
+            else 0.0
+        )
         need = max(need, recompute + gathered)
     return need
 

@@ -20,6 +20,7 @@ Recipe of the solver, per global batch size:
 4. Rebuild the winner's per-block strategies by backtracking, and price it (and the uniform
    baselines) with :func:`~.estimate.evaluate`, the same cost model.
 """
+
 from __future__ import annotations
 
 import math
@@ -241,8 +242,6 @@ def batch_size_candidates(limit: int) -> list[int]:
     return out or [1]
 
 
-
-
 def solve_configuration(
     profile: Profile | str,
     world_size: int,
@@ -274,14 +273,23 @@ def solve_configuration(
     except NoAssignment:
         return None
     plan = ParallelPlan(
-        world_size=world_size, layers=tuple(layers), vocab=vocab, pp=pp, partition=tuple(partition) if pp > 1 else None,
-        schedule=config.schedule, micro_batches=config.micro_batches, virtual_stages=v, global_batch_size=global_batch_size,
+        world_size=world_size,
+        layers=tuple(layers),
+        vocab=vocab,
+        pp=pp,
+        partition=tuple(partition) if pp > 1 else None,
+        schedule=config.schedule,
+        micro_batches=config.micro_batches,
+        virtual_stages=v,
+        global_batch_size=global_batch_size,
     )
     return evaluate(profile, plan, cost_model=cm, memory_budget_bytes=budget)
 
 
 # ---------------------------------------------------------------------------------------------- baselines
-def _baselines(cm: CostModel, world_size: int, budget: int, global_batch: int, options: SearchOptions) -> tuple[Baseline, ...]:
+def _baselines(
+    cm: CostModel, world_size: int, budget: int, global_batch: int, options: SearchOptions
+) -> tuple[Baseline, ...]:
     """Pure DDP, pure ZeRO-3, pure TP (no pipeline, best micro-batch count) and the best uniform 3D plan."""
     model = cm.profile.model
     L = model.num_blocks
@@ -304,14 +312,22 @@ def _baselines(cm: CostModel, world_size: int, budget: int, global_batch: int, o
     def uniform(strategy: LayerStrategy, vocab: LayerStrategy, **kw) -> Iterable[ParallelPlan]:
         for m in divisors(global_batch):
             try:
-                yield ParallelPlan.uniform(W, L, strategy, vocab=vocab, micro_batches=m, global_batch_size=global_batch, **kw)
+                yield ParallelPlan.uniform(
+                    W, L, strategy, vocab=vocab, micro_batches=m, global_batch_size=global_batch, **kw
+                )
             except ValueError:
                 continue
 
     out = [
         Baseline("ddp", "pure data parallelism (DDP), no pipeline", best_of(uniform(LayerStrategy(), LayerStrategy()))),
         Baseline(
-            "zero3", "pure ZeRO-3 (FSDP), no pipeline", best_of(uniform(LayerStrategy(dp_type="zero3"), LayerStrategy(dp_type="zero3")) if W > 1 else uniform(LayerStrategy(), LayerStrategy()))
+            "zero3",
+            "pure ZeRO-3 (FSDP), no pipeline",
+            best_of(
+                uniform(LayerStrategy(dp_type="zero3"), LayerStrategy(dp_type="zero3"))
+                if W > 1
+                else uniform(LayerStrategy(), LayerStrategy())
+            ),
         ),
     ]
     tp_plans = []
@@ -321,12 +337,28 @@ def _baselines(cm: CostModel, world_size: int, budget: int, global_batch: int, o
             vg = g if vocab_problem(LayerStrategy(tp=g), model.vocab.supports_tensor_parallel) is None else 1
             # Megatron-SP only where every block type runs it.
             kinds = ("megatron", "none") if g > 1 else ("none",)
-            kinds = [sp for sp in kinds if all(layer_problem(LayerStrategy(tp=g, sp=sp), t) is None for t in model.layer_types)]
+            kinds = [
+                sp
+                for sp in kinds
+                if all(layer_problem(LayerStrategy(tp=g, sp=sp), t) is None for t in model.layer_types)
+            ]
             for sp in kinds:
                 tp_plans += list(uniform(LayerStrategy(tp=g, sp=sp), LayerStrategy(tp=vg)))
             break
-    out.append(Baseline("tp", "pure tensor parallelism (largest Megatron degree), no pipeline", best_of(tp_plans) if tp_plans else None))
-    out.append(Baseline("uniform_3d", "best plan with one strategy for every block (any pp, tp, dp type, recompute)", _best_uniform(cm, W, budget, global_batch, options)))
+    out.append(
+        Baseline(
+            "tp",
+            "pure tensor parallelism (largest Megatron degree), no pipeline",
+            best_of(tp_plans) if tp_plans else None,
+        )
+    )
+    out.append(
+        Baseline(
+            "uniform_3d",
+            "best plan with one strategy for every block (any pp, tp, dp type, recompute)",
+            _best_uniform(cm, W, budget, global_batch, options),
+        )
+    )
     return tuple(out)
 
 
@@ -358,9 +390,16 @@ def _best_uniform(cm: CostModel, W: int, budget: int, B: int, options: SearchOpt
             s, vi = np.unravel_index(int(np.argmin(values)), values.shape)
             if np.isfinite(values[s, vi]) and (best is None or values[s, vi] < best[0]):
                 plan = ParallelPlan.uniform(
-                    W, L, shape.strategies[0].strategies[s], vocab=shape.vocab.strategies[vi], pp=pp,
-                    partition=tuple(sizes) if pp > 1 else None, schedule=config.schedule, micro_batches=m,
-                    virtual_stages=v, global_batch_size=B,
+                    W,
+                    L,
+                    shape.strategies[0].strategies[s],
+                    vocab=shape.vocab.strategies[vi],
+                    pp=pp,
+                    partition=tuple(sizes) if pp > 1 else None,
+                    schedule=config.schedule,
+                    micro_batches=m,
+                    virtual_stages=v,
+                    global_batch_size=B,
                 )
                 best = (float(values[s, vi]), plan)
     if best is None:

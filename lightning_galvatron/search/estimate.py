@@ -75,7 +75,13 @@ class StageEstimate:
 
     @property
     def peak_memory_bytes(self) -> float:
-        return self.block_state_bytes + self.block_activation_bytes + self.vocab_bytes + self.working_bytes + self.overhead_bytes
+        return (
+            self.block_state_bytes
+            + self.block_activation_bytes
+            + self.vocab_bytes
+            + self.working_bytes
+            + self.overhead_bytes
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -156,7 +162,9 @@ def evaluate(
     cm = cost_model or CostModel(profile, precision, optimizer, calibration)
     model = profile.model
     if plan.num_layers != model.num_blocks:
-        raise PlanError(f"the plan has {plan.num_layers} layer strategies but the profiled model has {model.num_blocks} blocks")
+        raise PlanError(
+            f"the plan has {plan.num_layers} layer strategies but the profiled model has {model.num_blocks} blocks"
+        )
     B = global_batch_size or plan.global_batch_size
     if B is None:
         raise PlanError("the plan does not fix its global batch size: pass global_batch_size")
@@ -183,11 +191,29 @@ def evaluate(
                 lt = model.layer_types[t]
                 move = 0.0
                 if previous is not None:
-                    move = relocation_time(cm, layout_of(previous, ctx.devices_per_stage), layout_of(s, ctx.devices_per_stage), ctx, lt.hidden_size, lt.seq_length)
+                    move = relocation_time(
+                        cm,
+                        layout_of(previous, ctx.devices_per_stage),
+                        layout_of(s, ctx.devices_per_stage),
+                        ctx,
+                        lt.hidden_size,
+                        lt.seq_length,
+                    )
                 block_time = float(c.time[0]) + move
                 extra = float(c.last_extra[0])
                 time += block_time + extra / m
-                blocks.append(BlockEstimate(i, rank, lt.name, s, block_time, extra, float(c.state_bytes[0]), k * float(c.activation_bytes[0])))
+                blocks.append(
+                    BlockEstimate(
+                        i,
+                        rank,
+                        lt.name,
+                        s,
+                        block_time,
+                        extra,
+                        float(c.state_bytes[0]),
+                        k * float(c.activation_bytes[0]),
+                    )
+                )
                 states += float(c.state_bytes[0])
                 acts += k * float(c.activation_bytes[0])
                 previous = s
@@ -198,10 +224,16 @@ def evaluate(
                 c = vocab_costs(cm, vocab_arrays, ctx, part)
                 time += float(c.step_share(m)[0])
                 vocab_bytes += float(c.memory(k)[0])
-        time += p2p_transfers(pp, rank, v) * cm.p2p_time(ctx, model.hidden_size, model.seq_length) + cm.pipeline_overhead(pp)
+        time += p2p_transfers(pp, rank, v) * cm.p2p_time(
+            ctx, model.hidden_size, model.seq_length
+        ) + cm.pipeline_overhead(pp)
         layers = plan.stage_layers(rank)
-        working = plan_working_memory_bytes(cm, [(model.layer_types[model.blocks[i]], plan.layers[i]) for i in layers], ctx)
-        stages.append(StageEstimate(rank, tuple(layers), k, time, states, acts, vocab_bytes, working, hw.memory_overhead_bytes))
+        working = plan_working_memory_bytes(
+            cm, [(model.layer_types[model.blocks[i]], plan.layers[i]) for i in layers], ctx
+        )
+        stages.append(
+            StageEstimate(rank, tuple(layers), k, time, states, acts, vocab_bytes, working, hw.memory_overhead_bytes)
+        )
     step = float(pipeline_step_time(np.array([s.time_per_micro_batch_s for s in stages]), m, v)) + cm.step_overhead()
     blocks.sort(key=lambda b: b.index)
     return Estimate(

@@ -65,8 +65,11 @@ class SearchOptions:
     max_tp: int | None = _knob(help="largest tensor/sequence-parallel degree", type=int)
     max_pp: int | None = _knob(help="largest pipeline degree", type=int)
     disable: frozenset[str] = _knob(
-        help=f"leave out: {', '.join(sorted(DISABLE_CHOICES))}", factory=frozenset, many=True,
-        choices=sorted(DISABLE_CHOICES), metavar="WHAT",
+        help=f"leave out: {', '.join(sorted(DISABLE_CHOICES))}",
+        factory=frozenset,
+        many=True,
+        choices=sorted(DISABLE_CHOICES),
+        metavar="WHAT",
     )
     schedules: tuple[str, ...] = _knob(
         SCHEDULES, help="pipeline schedules allowed (default: all)", many=True, choices=SCHEDULES

@@ -26,7 +26,9 @@ def describe_alternatives(result: Any) -> str:
                 rows.append((b.name, "-", "-", "-", "not executable here"))
                 continue
             speed = f"{e.throughput_samples_per_s:.2f}" if b.fits else "does not fit"
-            rows.append((b.name, speed, f"{e.step_time_s:.3f} s", format_bytes(e.peak_memory_bytes), plan_summary(e.plan)))
+            rows.append(
+                (b.name, speed, f"{e.step_time_s:.3f} s", format_bytes(e.peak_memory_bytes), plan_summary(e.plan))
+            )
         lines.append(text_table(rows))
     lines.extend(f"note: {note}" for note in result.notes)
     lines.append(
@@ -76,23 +78,61 @@ def describe_estimate(estimate: Any) -> str:
     i = 0
     while i < len(blocks):
         j = i
-        while j + 1 < len(blocks) and blocks[j + 1].strategy == blocks[i].strategy and blocks[j + 1].stage == blocks[i].stage and blocks[j + 1].index == blocks[j].index + 1:
+        while (
+            j + 1 < len(blocks)
+            and blocks[j + 1].strategy == blocks[i].strategy
+            and blocks[j + 1].stage == blocks[i].stage
+            and blocks[j + 1].index == blocks[j].index + 1
+        ):
             j += 1
         group = blocks[i : j + 1]
         label = str(group[0].index) if i == j else f"{group[0].index}-{group[-1].index}"
         per = " each" if i != j else ""
-        rows.append((label, str(group[0].stage), group[0].strategy.short(), format_bytes(group[0].memory_bytes) + per, f"{group[0].time_per_micro_batch_s * 1e3:.2f} ms" + per))
+        rows.append(
+            (
+                label,
+                str(group[0].stage),
+                group[0].strategy.short(),
+                format_bytes(group[0].memory_bytes) + per,
+                f"{group[0].time_per_micro_batch_s * 1e3:.2f} ms" + per,
+            )
+        )
         i = j + 1
     lines.append(text_table(rows))
     lines.append("")
-    rows = [("stage", "peak memory", "block states", "activations", "embedding/head", "working", "overhead", "time/micro-batch")]
+    rows = [
+        (
+            "stage",
+            "peak memory",
+            "block states",
+            "activations",
+            "embedding/head",
+            "working",
+            "overhead",
+            "time/micro-batch",
+        )
+    ]
     for s in estimate.stages:
-        rows.append((
-            str(s.stage), format_bytes(s.peak_memory_bytes), format_bytes(s.block_state_bytes), format_bytes(s.block_activation_bytes),
-            format_bytes(s.vocab_bytes), format_bytes(s.working_bytes), format_bytes(s.overhead_bytes), f"{s.time_per_micro_batch_s * 1e3:.1f} ms",
-        ))
+        rows.append(
+            (
+                str(s.stage),
+                format_bytes(s.peak_memory_bytes),
+                format_bytes(s.block_state_bytes),
+                format_bytes(s.block_activation_bytes),
+                format_bytes(s.vocab_bytes),
+                format_bytes(s.working_bytes),
+                format_bytes(s.overhead_bytes),
+                f"{s.time_per_micro_batch_s * 1e3:.1f} ms",
+            )
+        )
     lines.append(text_table(rows))
-    fits = "" if estimate.fits is None else ("  (fits the budget)" if estimate.fits else f"  (DOES NOT FIT {format_bytes(estimate.memory_budget_bytes)})")
+    fits = (
+        ""
+        if estimate.fits is None
+        else (
+            "  (fits the budget)" if estimate.fits else f"  (DOES NOT FIT {format_bytes(estimate.memory_budget_bytes)})"
+        )
+    )
     lines.append("")
     lines.append(
         f"Predicted: step {estimate.step_time_s:.3f} s, {estimate.throughput_samples_per_s:.2f} samples/s, "

@@ -139,7 +139,10 @@ class FixedBatchSolver:
         vocab = vocab_candidates(model.vocab, model.seq_length, n, per_micro, self.options)
         if not vocab:
             return None
-        layouts = sorted({layout_of(s, n) for sa in strategies for s in sa.strategies}, key=lambda x: (x.group, x.replicated, not x.consecutive))
+        layouts = sorted(
+            {layout_of(s, n) for sa in strategies for s in sa.strategies},
+            key=lambda x: (x.group, x.replicated, not x.consecutive),
+        )
         index = {x: i for i, x in enumerate(layouts)}
         layout_index = [np.array([index[layout_of(s, n)] for s in sa.strategies]) for sa in strategies]
         relocation = [relocation_matrix(cm, layouts, ctx, lt.hidden_size, lt.seq_length) for lt in model.layer_types]
@@ -153,24 +156,45 @@ class FixedBatchSolver:
         vocab_memory[0] += emb.memory(in_flight[0])
         vocab_time[-1] += head.step_share(m)
         vocab_memory[-1] += head.memory(in_flight[-1])
-        p2p = np.array([p2p_transfers(pp, r, v) for r in range(pp)]) * cm.p2p_time(ctx, model.hidden_size, model.seq_length)
+        p2p = np.array([p2p_transfers(pp, r, v) for r in range(pp)]) * cm.p2p_time(
+            ctx, model.hidden_size, model.seq_length
+        )
         p2p = p2p + cm.pipeline_overhead(pp)
         # Working-memory reserve of a stage [a, a+j): the largest over the block types it holds.
         per_type = np.array([working_memory_bytes(cm, [lt], ctx) for lt in model.layer_types])
         max_blocks_override = max_blocks
         if v == 1:
-            max_blocks = self.L if pp == 1 else min(self.L - pp + 1, math.ceil(self.options.max_stage_imbalance * self.L / pp))
+            max_blocks = (
+                self.L if pp == 1 else min(self.L - pp + 1, math.ceil(self.options.max_stage_imbalance * self.L / pp))
+            )
         else:
             max_blocks = max(len(rank_blocks(even_partition(self.L, pp * v), pp, r)[0]) for r in range(pp))
         max_blocks = max(max_blocks, max_blocks_override or 0)
         last = np.arange(self.L + 1)[:, None] + np.arange(max_blocks + 1)[None, :] - 1  # last block of [a, a+j)
         valid = (last >= np.arange(self.L + 1)[:, None]) & (last < self.L)
-        working = np.maximum.accumulate(np.where(valid, per_type[self.types[np.clip(last, 0, self.L - 1)]], 0.0), axis=1)
+        working = np.maximum.accumulate(
+            np.where(valid, per_type[self.types[np.clip(last, 0, self.L - 1)]], 0.0), axis=1
+        )
         # Lower bound on the step: every block at its fastest, perfectly balanced stages (max >= mean).
         fastest = np.array([c.step_share(m).min() for c in costs])
         total = fastest[self.types].sum() + vocab_time.sum(axis=0).min() + p2p.sum()
         lower_bound = float(pipeline_step_time(np.full(pp, total / pp), m, v))
-        return Shape(config, in_flight, strategies, costs, layouts, layout_index, relocation, vsa, vocab_time, vocab_memory, p2p, working, lower_bound, max_blocks)
+        return Shape(
+            config,
+            in_flight,
+            strategies,
+            costs,
+            layouts,
+            layout_index,
+            relocation,
+            vsa,
+            vocab_time,
+            vocab_memory,
+            p2p,
+            working,
+            lower_bound,
+            max_blocks,
+        )
 
     def steps(self, shape: Shape, k: float) -> list[Step]:
         """One DP step per layer type at ``k`` micro-batches in flight, dominated candidates removed."""
@@ -179,7 +203,9 @@ class FixedBatchSolver:
             time = c.step_share(shape.config.micro_batches)
             memory = c.memory(k)
             keep = _undominated(time, memory, shape.layout_index[t], [shape.relocation[t], *shape.relocation])
-            out.append(Step(time[keep], memory[keep], shape.layout_index[t][keep], shape.relocation[t], np.nonzero(keep)[0]))
+            out.append(
+                Step(time[keep], memory[keep], shape.layout_index[t][keep], shape.relocation[t], np.nonzero(keep)[0])
+            )
         return out
 
     def min_stage_memory(self, shape: Shape) -> float:
@@ -198,7 +224,9 @@ class FixedBatchSolver:
                 sizes = even_partition(self.L, pp * v)
                 starts = np.concatenate([[0], np.cumsum(sizes)])
                 need = max(
-                    consts[r] + reserve + sum(weights[r, starts[c] : starts[c + 1]].sum() for c in rank_chunks(r, pp, v))
+                    consts[r]
+                    + reserve
+                    + sum(weights[r, starts[c] : starts[c + 1]].sum() for c in rank_chunks(r, pp, v))
                     for r in range(pp)
                 )
             else:
@@ -229,7 +257,9 @@ class FixedBatchSolver:
                     eps = self.options.memory_tolerance
                     # With cells of eps * capacity / J the DP needs at most eps * capacity more than the exact minimum.
                     fits_from = (need - eps * self.overhead) / (1 - eps)
-                    self.smallest_budget = fits_from if self.smallest_budget is None else min(self.smallest_budget, fits_from)
+                    self.smallest_budget = (
+                        fits_from if self.smallest_budget is None else min(self.smallest_budget, fits_from)
+                    )
                 if need <= self.budget:
                     shapes.append(shape)
         return shapes
@@ -292,7 +322,7 @@ class FixedBatchSolver:
                 cap = self.capacity - shape.working[a, j][:, None] - vm[s][None, :]  # (N, V)
                 cells = np.minimum(cap_cells(cap, cell), M - 1)
                 value = np.full((N, V), np.inf)
-                for start in (np.unique(a) if not self.single_type else [0]):
+                for start in np.unique(a) if not self.single_type else [0]:
                     rows = np.arange(N) if self.single_type else np.nonzero(a == start)[0]
                     tab = table(int(k_of_stage[s]), int(start))
                     c = cells[rows]
@@ -405,7 +435,9 @@ class FixedBatchSolver:
             if not choices:
                 raise NoAssignment(f"stage {r}")
             types = [self.types[i] for i in blocks]
-            chosen = [shape.strategies[t].strategies[int(step.candidates[c])] for t, step, c in zip(types, seq, choices)]
+            chosen = [
+                shape.strategies[t].strategies[int(step.candidates[c])] for t, step, c in zip(types, seq, choices)
+            ]
             for i, strategy in zip(blocks, _canonical_order(chosen, types, resets, self.W // pp)):
                 layers[i] = strategy
         return layers  # type: ignore[return-value]
@@ -428,7 +460,9 @@ def rank_blocks(sizes: Sequence[int], pp: int, rank: int) -> tuple[list[int], li
     return blocks, resets
 
 
-def _canonical_order(strategies: list[LayerStrategy], types: Sequence[int], resets: Sequence[bool], devices_per_stage: int) -> list[LayerStrategy]:
+def _canonical_order(
+    strategies: list[LayerStrategy], types: Sequence[int], resets: Sequence[bool], devices_per_stage: int
+) -> list[LayerStrategy]:
     """Group equal strategies inside each run of same-type, same-layout blocks of a chunk.
 
     Swapping such blocks changes neither time (relocations depend only on layouts) nor memory, so
@@ -451,7 +485,9 @@ def _canonical_order(strategies: list[LayerStrategy], types: Sequence[int], rese
     return out
 
 
-def _undominated(time: np.ndarray, memory: np.ndarray, layout: np.ndarray, relocation: Sequence[np.ndarray] = ()) -> np.ndarray:
+def _undominated(
+    time: np.ndarray, memory: np.ndarray, layout: np.ndarray, relocation: Sequence[np.ndarray] = ()
+) -> np.ndarray:
     """Candidates that no other candidate beats in both time and memory, relocations included.
 
     ``y`` dominates ``x`` if it needs no more memory and ``t_y + slack <= t_x``, where ``slack``
@@ -477,4 +513,3 @@ def _undominated(time: np.ndarray, memory: np.ndarray, layout: np.ndarray, reloc
     np.fill_diagonal(no_worse, False)
     dominated = (no_worse & (better | earlier)).any(axis=0)
     return ~dominated
-

@@ -127,7 +127,9 @@ def layer_candidates(
             for dp_type in _dp_types(d, options):
                 for recompute in _recompute(options):
                     for consecutive in _layouts(g, n, stage_spans_nodes, options):
-                        out.append(LayerStrategy(tp=g, sp=sp, dp_type=dp_type, recompute=recompute, tp_consecutive=consecutive))
+                        out.append(
+                            LayerStrategy(tp=g, sp=sp, dp_type=dp_type, recompute=recompute, tp_consecutive=consecutive)
+                        )
     return out
 
 
