@@ -213,7 +213,7 @@ def plan_automatically(
             optimizer=optimizer,
             precision=precision,
             memory_budget_bytes=budget,
-            calibration=settings.calibration,
+            calibration=settings.options.calibration,
         ),
         seconds={"profile": profiled - started, "search": time.perf_counter() - profiled},
         profile_cached=bool(cache_info.get("cached")),

@@ -137,7 +137,7 @@ def price_given_plan(
             optimizer=optimizer,
             precision=precision,
             memory_budget_bytes=budget,
-            calibration=settings.calibration,
+            calibration=settings.options.calibration,
         )
     except (PlanError, ProfileError, ValueError) as error:
         return _without(given, f"the cached profile cannot price this plan: {error}")

@@ -392,7 +392,7 @@ def _calibrate_and_search(auto, observations, records, started, settings):
             optimizer=arguments["optimizer"],
             source="measured selection trials",
         )
-        result = search(auto.profile, **{**arguments, "calibration": calibration}, baselines=False)
+        result = search(auto.profile, **{**arguments, "calibration": calibration, "baselines": False})
     except ValueError as err:
         return None, None, f"the calibrated search failed: {err}"
     tried = {t.plan for t in records}
