@@ -249,10 +249,12 @@ def report(rows, model, args, seconds, profile_dict, calibration, probes, runs) 
         print(f"{r['name']:40s} {meas * 1e3:6.0f}ms {cells}   {mib(mm):>9s} {mib(mp):>9s} {mp / mm - 1:+5.0%}")
     for kind, label in LABELS.items():
         print(
-            f"step time, {label:44s} MAPE {summary[f'{kind}_step_time_mape']:6.1%}, Spearman {summary[f'{kind}_step_time_spearman']:.2f}"
+            f"step time, {label:44s} MAPE {summary[f'{kind}_step_time_mape']:6.1%}, Spearman "
+            f"{summary[f'{kind}_step_time_spearman']:.2f}"
         )
     print(
-        f"peak memory per rank (per stage){'':24s} MAPE {summary['memory_mape']:6.1%}   ({len(rows)} plans, {seconds:.0f} s)"
+        f"peak memory per rank (per stage){'':24s} MAPE {summary['memory_mape']:6.1%}   ({len(rows)} plans, "
+        f"{seconds:.0f} s)"
     )
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -308,7 +310,8 @@ def plot(rows: list[dict], summary: dict, path: Path, model: BenchModel) -> None
             marker=marker,
             s=22,
             label=(
-                f"{label[:-1]}: MAPE {summary[f'{kind}_step_time_mape']:.0%}, Spearman {summary[f'{kind}_step_time_spearman']:.2f}"
+                f"{label[:-1]}: MAPE {summary[f'{kind}_step_time_mape']:.0%}, Spearman "
+                f"{summary[f'{kind}_step_time_spearman']:.2f}"
             ),
         )
     for r, x in zip(rows, measured):

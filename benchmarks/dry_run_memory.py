@@ -149,7 +149,8 @@ def main() -> None:
     for r in real:
         print(
             f"{r['plan']:36s} stage {r['stage']}  real {r['real_bytes'] / 2**20:6.2f} MiB  dry run "
-            f"{r['dry_run_bytes'] / 2**20:6.2f} MiB ({r['dry_run_over_real']:.3f})  model {r['predicted_bytes'] / 2**20:6.2f} MiB"
+            f"{r['dry_run_bytes'] / 2**20:6.2f} MiB ({r['dry_run_over_real']:.3f})  model "
+            f"{r['predicted_bytes'] / 2**20:6.2f} MiB"
         )
     print(
         f"dry run vs real: median |deviation| {out['dry_run_vs_real']['median_abs_deviation']:.1%}, "
@@ -159,10 +160,12 @@ def main() -> None:
         m, p = r["measured"], r["predicted"]
         print(
             f"Llama-2-7B 64 GPUs rank {r['rank']:2d}: dry run {m['total'] / 2**30:5.2f} GiB (states "
-            f"{(m['parameters'] + m['gradients'] + m['optimizer_states']) / 2**30:.2f}, activations {m['activations'] / 2**30:.2f}, "
+            f"{(m['parameters'] + m['gradients'] + m['optimizer_states']) / 2**30:.2f}, activations "
+            f"{m['activations'] / 2**30:.2f}, "
             f"temporaries {m['temporaries'] / 2**30:.2f}); model {p['total'] / 2**30:5.2f} GiB (states "
             f"{p['model_states'] / 2**30:.2f}, activations {p['activations'] / 2**30:.2f}, embedding/head "
-            f"{p['embedding_head'] / 2**30:.2f}, working {p['working'] / 2**30:.2f}); ratio {r['measured_over_predicted']:.2f}; "
+            f"{p['embedding_head'] / 2**30:.2f}, working {p['working'] / 2**30:.2f}); ratio "
+            f"{r['measured_over_predicted']:.2f}; "
             f"with this model's activations {r['predicted_same_model_bytes'] / 2**30:5.2f} GiB, ratio "
             f"{r['measured_over_predicted_same_model']:.2f}"
         )

@@ -341,19 +341,22 @@ def report_world(result: dict, world: int, model: BenchModel) -> None:
             f"plan(s): {'; '.join(dict.fromkeys(auto['plans']))}"
         )
         print(
-            f"  {'configuration':34s} {'step':>8s} {'setup':>7s} {'peak/rank':>10s} {'fits':>5s} {'auto/it':>8s} {'amortised':>9s}"
+            f"  {'configuration':34s} {'step':>8s} {'setup':>7s} {'peak/rank':>10s} {'fits':>5s} {'auto/it':>8s} "
+            f"{'amortised':>9s}"
         )
         for other, v in sorted(row["versus"].items(), key=lambda kv: kv[1]["step_s"]):
             peak = mib(v["peak_bytes"]) if v["peak_bytes"] else "-"
             print(
-                f"  {other:34s} {v['step_s'] * 1e3:6.0f}ms {v['setup_s']:6.1f}s {peak:>10s} {'yes' if v['fits'] else 'NO':>5s} "
+                f"  {other:34s} {v['step_s'] * 1e3:6.0f}ms {v['setup_s']:6.1f}s {peak:>10s} "
+                f"{'yes' if v['fits'] else 'NO':>5s} "
                 f"{v['throughput_ratio']:7.2f}x {v['amortised_ratio']:8.2f}x"
             )
         for label in ("best_baseline", "best_uniform"):
             if label in row:
                 v = row["versus"][row[label]]
                 print(
-                    f"  default path vs the {label.replace('_', ' ')} that fits ({row[label]}): {v['throughput_ratio']:.2f}x "
+                    f"  default path vs the {label.replace('_', ' ')} that fits ({row[label]}): "
+                    f"{v['throughput_ratio']:.2f}x "
                     f"steady, {v['amortised_ratio']:.2f}x with setup amortised over {AMORTISED_STEPS} steps"
                 )
 

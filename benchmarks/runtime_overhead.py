@@ -107,7 +107,8 @@ def main() -> None:
             print(f"  {k:32s} step {row['step_time_s'][k] * 1e3:7.1f} ms (median)   peak {mib(peaks[k])} per rank")
         print(
             f"  {name}: step time ratio {ours} / {theirs}: {row['step_time_ratio']:.3f} (per round: "
-            f"{', '.join(f'{x:.2f}' for x in row['step_time_ratio_per_round'])});  memory ratio {row['memory_ratio']:.3f}\n"
+            f"{', '.join(f'{x:.2f}' for x in row['step_time_ratio_per_round'])});  memory ratio "
+            f"{row['memory_ratio']:.3f}\n"
         )
     print(f"({seconds:.0f} s)")
     out = Path(args.output)

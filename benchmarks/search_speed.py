@@ -67,9 +67,13 @@ def main() -> None:
                 + ", ".join(sorted({f"{sum(s == t for s in plan.layers)}x {t.short()}" for t in plan.layers})),
             }
         )
-    header = f"{'blocks':>6} {'devices':>7} {'batch':>5} {'search (min/median)':>20} {'+baselines':>10} {'target':>7}  shapes  throughput  peak memory  plan"
+    header = (
+        f"{'blocks':>6} {'devices':>7} {'batch':>5} {'search (min/median)':>20} {'+baselines':>10} "
+        f"{'target':>7}  shapes  throughput  peak memory  plan"
+    )
     print(
-        f"Search speed, {platform.processor() or platform.machine()}, profile {PROFILE.name}, budget {BUDGET} per device"
+        f"Search speed, {platform.processor() or platform.machine()}, profile {PROFILE.name}, "
+        f"budget {BUDGET} per device"
     )
     print(header)
     for r in rows:
@@ -78,7 +82,8 @@ def main() -> None:
             f"{r['blocks']:>6} {r['devices']:>7} {r['global_batch_size']:>5} "
             f"{r['search_s_min']:>9.3f}/{r['search_s_median']:.3f} s {r['with_baselines_s_median']:>8.2f} s "
             f"{r['target_s']:>5.0f} s {ok:>4} {r['shapes_solved']:>3}/{r['shapes_considered']:<4} "
-            f"{r['throughput_samples_per_s']:>8.2f}/s  {format_bytes(r['peak_memory_bytes_per_device']):>10}  {r['plan']}"
+            f"{r['throughput_samples_per_s']:>8.2f}/s  {format_bytes(r['peak_memory_bytes_per_device']):>10}  "
+            f"{r['plan']}"
         )
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -53,9 +53,12 @@ def main() -> None:
             }
         )
         print(
-            f"{budget:>6}: ours {ours.throughput_samples_per_s:.2f} samples/s ({format_bytes(ours.peak_memory_bytes_per_device)}), "
-            f"reference plan {theirs.throughput_samples_per_s:.2f} samples/s ({format_bytes(theirs.peak_memory_bytes)}, "
-            f"{'fits' if theirs.fits else 'does not fit'}), x{rows[-1]['speedup']:.3f}, search {ours.search_time_s:.2f} s"
+            f"{budget:>6}: ours {ours.throughput_samples_per_s:.2f} samples/s "
+            f"({format_bytes(ours.peak_memory_bytes_per_device)}), "
+            f"reference plan {theirs.throughput_samples_per_s:.2f} samples/s "
+            f"({format_bytes(theirs.peak_memory_bytes)}, "
+            f"{'fits' if theirs.fits else 'does not fit'}), x{rows[-1]['speedup']:.3f}, search "
+            f"{ours.search_time_s:.2f} s"
         )
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -99,7 +99,8 @@ def device_memory(device: torch.device, processes_per_node: int) -> tuple[int, s
     share = physical // max(processes_per_node, 1)
     return (
         share,
-        f"this machine's {format_bytes(physical)} shared by {processes_per_node} processes is {format_bytes(share)} each",
+        f"this machine's {format_bytes(physical)} shared by {processes_per_node} processes is "
+        f"{format_bytes(share)} each",
     )
 
 

@@ -52,8 +52,8 @@ def check_sharded_checkpoint(path: str | os.PathLike) -> Any:
         shards = sorted(p.name for p in path.glob("*.distcp"))
         if not shards and not (path / METADATA_FILE).is_file():
             raise CheckpointError(
-                f"{str(path)!r} is not a sharded (DCP) checkpoint directory: it has no {DCP_INDEX_FILE}, no shard files "
-                f"and no {METADATA_FILE}"
+                f"{str(path)!r} is not a sharded (DCP) checkpoint directory: it has no {DCP_INDEX_FILE}, no shard "
+                f"files and no {METADATA_FILE}"
             )
         found = f"it holds {len(shards)} shard file(s) but" if shards else "it"
         raise CheckpointError(
@@ -188,8 +188,9 @@ def _load_optimizer(
     loaded = {**holder[key], "state": _split_like(holder[key]["state"], state["state"])}
     if len(loaded["param_groups"]) != len(own_groups):
         raise CheckpointError(
-            f"checkpoint {str(path)!r}: optimizer {key[len('optimizer_') :]} has {len(own_groups)} parameter groups but "
-            f"the checkpoint's has {len(loaded['param_groups'])}; configure_optimizers must build the same groups"
+            f"checkpoint {str(path)!r}: optimizer {key[len('optimizer_') :]} has {len(own_groups)} parameter "
+            f"groups but the checkpoint's has {len(loaded['param_groups'])}; configure_optimizers must build the "
+            "same groups"
         )
     for group, params in zip(loaded["param_groups"], own_groups):
         group["params"] = params  # one rank's names were stored; hyper-parameters are the same on every rank
@@ -376,8 +377,8 @@ def export_hf(
                 else f"{len(records)} ({', '.join(r['prefix'] for r in records)})"
             )
             raise CheckpointError(
-                f"checkpoint {str(checkpoint_dir)!r} records {found}: pass the model's config (--hf-config CONFIG.json) "
-                "to say which model to export"
+                f"checkpoint {str(checkpoint_dir)!r} records {found}: pass the model's config (--hf-config "
+                "CONFIG.json) to say which model to export"
             )
         (record,) = records
         module_name, _, qualname = record["class"].partition(":")

@@ -308,7 +308,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
         return EXIT_OK
     title = (
         f"Best plan for {profile.model.name} ({profile.model.num_blocks} blocks) on {args.world_size} devices, "
-        f"budget {format_bytes(budget)} per device, global batch {result.global_batch_size}, {precision} ({precision_source})"
+        f"budget {format_bytes(budget)} per device, global batch {result.global_batch_size}, {precision} "
+        f"({precision_source})"
     )
     print(describe_search(result, title))
     if args.output:
@@ -475,7 +476,9 @@ def _register_consolidate(subparsers: Any) -> None:
     parser.add_argument(
         "--lightning",
         action="store_true",
-        help="with -o: write a Lightning checkpoint (state_dict + epoch/step/hyper-parameters) for load_from_checkpoint",
+        help=(
+            "with -o: write a Lightning checkpoint (state_dict + epoch/step/hyper-parameters) for load_from_checkpoint"
+        ),
     )
     parser.add_argument(
         "--hf-config",
@@ -547,7 +550,10 @@ def _register_estimate(subparsers: Any) -> None:
     )
     p.add_argument(
         "--reference",
-        help="profile JSON (or reference name) whose measured blocks calibrate compute and activations (default: --hardware)",
+        help=(
+            "profile JSON (or reference name) whose measured blocks calibrate compute and activations (default: "
+            "--hardware)"
+        ),
     )
     p.add_argument(
         "--accelerator",

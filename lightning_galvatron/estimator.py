@@ -281,15 +281,17 @@ def describe(estimate: ClusterEstimate) -> str:
     src = estimate.sources
     lines = [
         head,
-        f"Profiles: hardware {src.get('hardware', '?')}, measured blocks {src.get('reference', src.get('hardware', '?'))}; "
+        f"Profiles: hardware {src.get('hardware', '?')}, measured blocks "
+        f"{src.get('reference', src.get('hardware', '?'))}; "
         f"precision {estimate.precision}",
     ]
     lines += [f"warning: {w}" for w in estimate.warnings]
     if estimate.result is not None:
         r = estimate.result
         lines.append(
-            f"Fits: yes. Peak {format_bytes(r.peak_memory_bytes_per_device)} of {format_bytes(estimate.memory_budget_bytes)} "
-            f"per device, {r.throughput_samples_per_s:.2f} samples/s at global batch {r.global_batch_size}, with this plan:\n"
+            f"Fits: yes. Peak {format_bytes(r.peak_memory_bytes_per_device)} of "
+            f"{format_bytes(estimate.memory_budget_bytes)} per device, {r.throughput_samples_per_s:.2f} samples/s "
+            f"at global batch {r.global_batch_size}, with this plan:\n"
         )
         lines.append(describe_search(r, title="").lstrip("\n"))
     else:
@@ -303,8 +305,9 @@ def describe(estimate: ClusterEstimate) -> str:
     lines.append(f"  model: parameters and shapes counted exactly ({src.get('model', arch.name)})")
     for s in estimate.scalings:
         lines.append(
-            f"  {s.layer_type}: forward time = {s.reference}'s measured time x {s.time_ratio:.3g} (ratio of forward FLOPs); "
-            f"activation bytes = its measured bytes x {s.activation_ratio:.3g} (ratio of the tensors kept for backward)"
+            f"  {s.layer_type}: forward time = {s.reference}'s measured time x {s.time_ratio:.3g} (ratio of "
+            f"forward FLOPs); activation bytes = its measured bytes x {s.activation_ratio:.3g} (ratio of the "
+            "tensors kept for backward)"
         )
     lines.append(f"  calibration: measured blocks of {src.get('reference', 'the reference profile')}")
     hw: HardwareProfile = estimate.profile.hardware

@@ -110,7 +110,8 @@ class LayerStrategy:
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise PlanError(
-                f"{where}: unknown layer strategy keys {sorted(unknown)}; known: tp, sp, dp_type, recompute, tp_consecutive"
+                f"{where}: unknown layer strategy keys {sorted(unknown)}; known: tp, sp, dp_type, recompute, "
+                "tp_consecutive"
             )
         try:
             return cls(**data)
@@ -169,7 +170,8 @@ class ParallelPlan:
             raise PlanError(f"vocab must be a LayerStrategy, got {type(self.vocab).__name__}")
         if self.world_size % self.pp:
             raise PlanError(
-                f"pp={self.pp} does not divide world_size={self.world_size}: choose pp among {divisors(self.world_size)}"
+                f"pp={self.pp} does not divide world_size={self.world_size}: choose pp among "
+                f"{divisors(self.world_size)}"
             )
         n = self.devices_per_stage
         for where, strategy in [*((f"layers[{i}]", s) for i, s in enumerate(self.layers)), ("vocab", self.vocab)]:

@@ -122,8 +122,8 @@ class GalvatronStrategy(ModelParallelStrategy):
         calibration, search_options: price plans with the cost model calibrated on this machine (a Calibration or
             its JSON file, see ``lightning-galvatron calibrate``); every knob of the search, a dict of the fields of
             :class:`~lightning_galvatron.search.options.SearchOptions` (or one; the arguments above win over it).
-        trials: measured selection with ``plan="auto"`` (README): ``True`` (default, 20 s), ``False`` (the search's plan),
-            a budget in seconds or a dict of :class:`~lightning_galvatron.selection.TrialSettings` fields.
+        trials: measured selection with ``plan="auto"`` (README): ``True`` (default, 20 s), ``False`` (the search's
+            plan), a budget in seconds or a dict of :class:`~lightning_galvatron.selection.TrialSettings` fields.
         save_plan: write the plan (and, when searched, the profile) next to the logger's files.
         layers: dotted path(s) of the container(s) holding the Transformer blocks, relative to the
             LightningModule (e.g. ``"model.blocks"``); detected when omitted.

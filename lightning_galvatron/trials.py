@@ -421,10 +421,10 @@ class StepClock(Callback):
         if self.runner_up is not None and self.runner_up[2] < measured:
             name, plan, seconds = self.runner_up
             line += (
-                f"\nGalvatron: the runner-up of the trials, {name} ({plan_summary(plan)}), measured {seconds * 1e3:.1f} ms "
-                "per step in its trial, less than this plan takes now (trials leave out the training loop's own work -- "
-                "logging, callbacks -- and a busy machine disturbs them; to measure again, delete the cached selection "
-                "or give trials= more timed steps)"
+                f"\nGalvatron: the runner-up of the trials, {name} ({plan_summary(plan)}), measured "
+                f"{seconds * 1e3:.1f} ms per step in its trial, less than this plan takes now (trials leave out "
+                "the training loop's own work -- logging, callbacks -- and a busy machine disturbs them; to "
+                "measure again, delete the cached selection or give trials= more timed steps)"
             )
         return line
 

@@ -25,7 +25,8 @@ def test_profile_under_torchrun_then_search(tmp_path, capsys):
     command = [
         "torchrun", "--standalone", "--nproc-per-node", "2", "--no-python", "lightning-galvatron", "profile",
         "--model", "examples.gpt:GPTModule", "--model-args", TINY,
-        "--datamodule", "examples.gpt:ArithmeticDataModule", "--datamodule-args", json.dumps({"seq_length": 8, "batch_size": 2}),
+        "--datamodule", "examples.gpt:ArithmeticDataModule",
+        "--datamodule-args", json.dumps({"seq_length": 8, "batch_size": 2}),
         "--budget", "1", "--no-cache", "-o", str(out),
     ]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
@@ -89,7 +90,8 @@ def test_config_sections_and_command_line_overrides(monkeypatch, tmp_path):
 
     with_paths = tmp_path / "class_paths.yaml"
     with_paths.write_text(
-        "trainer:\n  precision: bf16-mixed\nmodel:\n  class_path: examples.gpt.GPTModule\n  init_args:\n    n_layer: 3\n"
+        "trainer:\n  precision: bf16-mixed\nmodel:\n  class_path: examples.gpt.GPTModule\n  init_args:\n    "
+        "n_layer: 3\n"
         "data:\n  class_path: examples.gpt.ArithmeticDataModule\n"
     )
     inputs = _resolve_inputs(build_parser().parse_args(["profile", "--config", str(with_paths), "-o", "x.json"]))

@@ -11,7 +11,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import gpu_check
+from benchmarks import gpu_check  # noqa: E402
 
 
 def test_cases_plans_and_verdicts() -> None:

@@ -24,9 +24,12 @@ from tests.helpers.training import (
 from tests.test_parity_data_parallel import FP32_TOL
 
 pytestmark = pytest.mark.timeout(900)
+DEFAULT_STRATEGY = S()
 
 
-def pipelined(world: int, pp: int, schedule: str, micro_batches: int, strategy: S = S(), **kwargs) -> ParallelPlan:
+def pipelined(
+    world: int, pp: int, schedule: str, micro_batches: int, strategy: S = DEFAULT_STRATEGY, **kwargs
+) -> ParallelPlan:
     return ParallelPlan.uniform(world, 4, strategy, pp=pp, schedule=schedule, micro_batches=micro_batches, **kwargs)
 
 

@@ -56,7 +56,8 @@ def test_search_modules_import_neither_torch_nor_lightning():
     code = (
         "import sys, lightning_galvatron; before = set(sys.modules);"
         "import lightning_galvatron.search, lightning_galvatron.profiles;"
-        "bad = [m for m in set(sys.modules) - before if m.split('.')[0] in ('torch', 'lightning', 'pytorch_lightning')];"
+        "bad = [m for m in set(sys.modules) - before if m.split('.')[0] in ('torch', 'lightning', "
+        "'pytorch_lightning')];"
         "print(bad); sys.exit(bool(bad))"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

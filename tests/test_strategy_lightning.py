@@ -182,7 +182,10 @@ def test_lightning_cli_yaml_class_path_needs_no_import(tmp_path):
         class Blocks(BoringModel):
             def __init__(self):
                 super().__init__()
-                self.layer = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(3)), torch.nn.Linear(32, 2))
+                self.layer = torch.nn.Sequential(
+                    *(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(3)),
+                    torch.nn.Linear(32, 2),
+                )
                 self.layer = torch.nn.Sequential(torch.nn.Sequential(*list(self.layer)[:3]), list(self.layer)[3])
 
         assert "lightning_galvatron" not in sys.modules

@@ -38,7 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES, help="what to step (default: all)")
     p.add_argument(
         "--hardware",
-        help="hardware profile JSON (or a reference profile's name, a100) for the cost model's prediction (and for --plan auto)",
+        help=(
+            "hardware profile JSON (or a reference profile's name, a100) for the cost model's prediction (and for "
+            "--plan auto)"
+        ),
     )
     p.add_argument("--reference", help="profile whose measured blocks are scaled to the model (default: --hardware)")
     p.add_argument("--profile", help="instead of --hardware: a full profile of this model")

@@ -359,7 +359,7 @@ def _groups(recording: Any, meshes: Any, plan: Any, rank: int) -> list[dict[str,
     purposes: dict[str, list[str]] = {}
     stage = Layout.stage(plan)
     layouts = {stage: "stage"}
-    for i, s in [(None, plan.vocab), *enumerate(plan.layers)]:
+    for s in [plan.vocab, *plan.layers]:
         layouts.setdefault(
             Layout.of(plan, s), f"tp={s.tp} {'consecutive' if Layout.of(plan, s).consecutive else 'strided'}"
         )

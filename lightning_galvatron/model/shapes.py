@@ -1,4 +1,5 @@
-"""The shape of a model built on the meta device, for the analytic estimator (:mod:`lightning_galvatron.producers.analytic`).
+"""The shape of a model built on the meta device, for the analytic estimator
+(:mod:`lightning_galvatron.producers.analytic`).
 
 :func:`architecture_of_module` reads what the estimator needs from a module without running it (on
 the meta device nothing is allocated): the blocks (:func:`~lightning_galvatron.model.discovery.find_blocks`,

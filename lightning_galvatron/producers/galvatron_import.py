@@ -144,7 +144,8 @@ def import_galvatron(
     counts = shape["num_layers"] if isinstance(shape["num_layers"], list) else [shape["num_layers"]]
     if len(counts) != len(type_ids):
         raise ProfileError(
-            f"the profiles describe {len(type_ids)} layer type(s); pass --num-layers as {len(type_ids)} comma-separated counts"
+            f"the profiles describe {len(type_ids)} layer type(s); pass --num-layers as {len(type_ids)} "
+            "comma-separated counts"
         )
     layer_types = tuple(
         _layer_type(

@@ -80,7 +80,8 @@ class _Inputs:
 
 
 def _resolve_inputs(args: argparse.Namespace) -> _Inputs:
-    """The model, datamodule and precision from ``--config`` (read by LightningCLI) and the command line (which wins)."""
+    """The model, datamodule and precision from ``--config`` (read by LightningCLI) and the command line (which
+    wins)."""
     if args.config:
         return _from_lightning_config(args)
     model_cls, data_cls = (
@@ -230,7 +231,8 @@ def _summary(result: Any, output: str, precision: str, world: int, seconds: floa
 
     model, hw = result.model, result.hardware
     lines = [
-        f"Profiled {model.name}: {model.num_blocks} blocks of {len(model.layer_types)} type(s), {precision}, on {hw.name} in {seconds:.1f} s",
+        f"Profiled {model.name}: {model.num_blocks} blocks of {len(model.layer_types)} type(s), {precision}, on "
+        f"{hw.name} in {seconds:.1f} s",
         "",
     ]
     rows = [
@@ -263,7 +265,8 @@ def _summary(result: Any, output: str, precision: str, world: int, seconds: floa
         f"embedding/head: vocabulary {v.vocab_size}, {v.embedding_parameters:,} + {v.head_parameters:,} parameters"
         + (" (tied)" if v.tied else "")
         + f", forward {v.embedding_forward_time(1) * 1e3:.3f} + {v.head_forward_time(1) * 1e3:.3f} ms at b=1, "
-        f"activations {format_bytes(v.embedding_activation_bytes_per_sample.at(1))} + {format_bytes(v.head_activation_bytes_per_sample.at(1))} per sample"
+        f"activations {format_bytes(v.embedding_activation_bytes_per_sample.at(1))} + "
+        f"{format_bytes(v.head_activation_bytes_per_sample.at(1))} per sample"
     )
     lines.append("")
     rows = [("collective", "group", "ranks/node", "latency", "bandwidth")]
@@ -280,7 +283,8 @@ def _summary(result: Any, output: str, precision: str, world: int, seconds: floa
     lines += [text_table(rows), ""]
     memory = format_bytes(hw.device_memory_bytes) if hw.device_memory_bytes else "not budgeted (CPU)"
     lines.append(
-        f"overlap coefficient {hw.overlap_coefficient:.2f}; device memory {memory}; fixed overhead {format_bytes(hw.memory_overhead_bytes)}"
+        f"overlap coefficient {hw.overlap_coefficient:.2f}; device memory {memory}; fixed overhead "
+        f"{format_bytes(hw.memory_overhead_bytes)}"
     )
     budget = "" if hw.device_memory_bytes else " --memory-budget 4GB"
     lines.append(f"\nWrote {output}. Next: lightning-galvatron search {output} --world-size {world}{budget}")

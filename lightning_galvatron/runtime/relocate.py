@@ -2,8 +2,8 @@
 
 Between blocks, an activation ``X`` of shape ``[batch, seq, ...]`` (one micro-batch of a stage) is a
 set of plain local tensors: in an :class:`~lightning_galvatron.layout.ActivationLayout` with ``dp``
-data shards and a group of ``tp`` ranks, rank ``r`` holds the batch rows of its dp shard and -- when the block shards the
-sequence (Megatron-SP, Ulysses) -- only its group rank's part of the sequence; otherwise the
+data shards and a group of ``tp`` ranks, rank ``r`` holds the batch rows of its dp shard and -- when the block shards
+the sequence (Megatron-SP, Ulysses) -- only its group rank's part of the sequence; otherwise the
 ``tp`` ranks of a group hold identical copies.
 
 When consecutive blocks lay ``X`` out differently, every rank needs the rectangle of

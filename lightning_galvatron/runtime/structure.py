@@ -83,7 +83,7 @@ def model_class(module: nn.Module) -> type:
     return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
 
 
-# ---------------------------------------------------------------------------------------------- layers outside the blocks
+# -------------------------------------------------------------------------------------------- layers outside the blocks
 @dataclass(frozen=True)
 class OutsideLayers:
     """Modules holding parameters outside the blocks (names relative to the root), by where the step runs them.

@@ -87,7 +87,8 @@ def _local_heads(x: torch.Tensor, g: int, rank: int) -> torch.Tensor:
 
 
 def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Key/value heads repeated to ``heads`` query heads (query head ``i`` uses key/value head ``i // (heads / kv)``)."""
+    """Key/value heads repeated to ``heads`` query heads (query head ``i`` uses key/value head
+    ``i // (heads / kv)``)."""
     return x if x.shape[-3] == heads else x.repeat_interleave(heads // x.shape[-3], dim=-3)
 
 
@@ -133,8 +134,9 @@ class _UlyssesAttention(TorchFunctionMode):
     def _whole_mask(self, mask: torch.Tensor, heads: int, queries: int, keys: int) -> torch.Tensor:
         if mask.shape[-1] != keys or mask.shape[-2] not in (1, queries):
             raise RuntimeError(
-                f"Ulysses needs the attention mask over the whole sequence ({queries} queries x {keys} keys), got one of "
-                f"shape {tuple(mask.shape)}: the block built or cut it from its local positions. Pass the mask to the "
+                f"Ulysses needs the attention mask over the whole sequence ({queries} queries x {keys} keys), got "
+                f"one of shape {tuple(mask.shape)}: the block built or cut it from its local positions. Pass the "
+                "mask to the "
                 "block whole (as Hugging Face models do), or use sp='none' or 'megatron' for this block"
             )
         if mask.dim() >= 3 and mask.shape[-3] not in (1, heads):
@@ -168,8 +170,9 @@ def _cut(value: Any, dim: int, local: int, g: int, rank: int, name: Any) -> Any:
         return value  # broadcast over positions, or already this rank's part
     if size != local * g:
         raise RuntimeError(
-            f"block input {name!r} has {size} entries along dimension {dim}, neither the sequence length {local * g} nor "
-            f"this rank's {local} positions; say which inputs are per position in the block's tensor-parallel plan"
+            f"block input {name!r} has {size} entries along dimension {dim}, neither the sequence length "
+            f"{local * g} nor this rank's {local} positions; say which inputs are per position in the block's "
+            "tensor-parallel plan"
         )
     return value.narrow(dim, rank * local, local)
 
@@ -227,8 +230,8 @@ def apply_ulysses(
             out = forward(*args, **kwargs)
         if mode.calls == 0:
             raise RuntimeError(
-                f"{model_class(block).__name__} ran without calling F.scaled_dot_product_attention, so Ulysses sequence "
-                "parallelism cannot split its attention; choose sp='megatron' or 'none' for this block"
+                f"{model_class(block).__name__} ran without calling F.scaled_dot_product_attention, so Ulysses "
+                "sequence parallelism cannot split its attention; choose sp='megatron' or 'none' for this block"
             )
         return out
 

@@ -231,7 +231,10 @@ def _other_uniform_plans(
             if recompute and "recompute" in disable:
                 continue
             for many in (False, True):
-                label = f"uniform {'recompute' if recompute else 'no recompute'}, {'micro-batches' if many else 'one micro-batch'}"
+                label = (
+                    f"uniform {'recompute' if recompute else 'no recompute'}, "
+                    f"{'micro-batches' if many else 'one micro-batch'}"
+                )
                 out[label] = [
                     ParallelPlan.uniform(
                         1,

@@ -4,8 +4,8 @@ Every term is a named function; each takes numpy arrays over candidate strategie
 :class:`~lightning_galvatron.search.space.StrategyArrays`) so the search prices all candidates in one
 go, and the evaluator prices a given plan with the very same code.
 
-Notation (see :mod:`.solver` for the full legend): a stage has ``n = W/pp`` devices; a block with model-parallel group ``g``
-has ``d = n/g`` data-parallel replicas; with global batch ``B`` and ``m`` micro-batches its local
+Notation (see :mod:`.solver` for the full legend): a stage has ``n = W/pp`` devices; a block with model-parallel
+group ``g`` has ``d = n/g`` data-parallel replicas; with global batch ``B`` and ``m`` micro-batches its local
 micro-batch is ``b = B/(m*d)`` samples (shared by the ``g`` ranks of its group). Times are seconds,
 memory bytes per device.
 
@@ -91,7 +91,8 @@ def resolve_precision(precision: str | Precision) -> Precision:
 
 
 def optimizer_state_bytes(optimizer: str | float, precision: Precision) -> float:
-    """Optimizer-state bytes per parameter: AdamW 2 states, SGD with momentum 1, plain SGD 0; or a number given as is."""
+    """Optimizer-state bytes per parameter: AdamW 2 states, SGD with momentum 1, plain SGD 0; or a number given as
+    is."""
     if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
         if optimizer < 0:
             raise ValueError(f"optimizer state bytes per parameter cannot be negative, got {optimizer}")
@@ -99,7 +100,8 @@ def optimizer_state_bytes(optimizer: str | float, precision: Precision) -> float
     key = str(optimizer).lower().replace("-", "_")
     if key not in OPTIMIZER_STATES:
         raise ValueError(
-            f"unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZER_STATES)} or give its state bytes per parameter"
+            f"unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZER_STATES)} or give its state bytes per "
+            "parameter"
         )
     return float(OPTIMIZER_STATES[key] * precision.param_bytes)
 
@@ -307,9 +309,9 @@ def model_state_bytes(cm: CostModel, sa: StrategyArrays, ctx: StageContext, para
     ``S = P * (param + grad + optimizer bytes)``: DDP holds ``S`` plus, when it computes in another dtype than
     it stores, the compute-dtype copy of its weights (autocast's cache, kept for backward); its gradient
     buckets are transient, at most two of ``runtime.gradient_sync.DEFAULT_BUCKET_BYTES`` in flight; ZeRO-2 ``S/d``
-    plus the unsharded compute-dtype weights it keeps from forward through backward; ZeRO-3 ``S/d`` (its gathered weights are transient, see
-    :func:`working_memory_bytes`). ZeRO blocks add unsharded gradients in the reduce dtype when
-    they accumulate across micro-batches (:func:`accumulates_unsharded_gradients`).
+    plus the unsharded compute-dtype weights it keeps from forward through backward; ZeRO-3 ``S/d`` (its gathered
+    weights are transient, see :func:`working_memory_bytes`). ZeRO blocks add unsharded gradients in the reduce dtype
+    when they accumulate across micro-batches (:func:`accumulates_unsharded_gradients`).
     """
     pr = cm.precision
     n = ctx.devices_per_stage
@@ -511,7 +513,8 @@ def working_memory_bytes(cm: CostModel, layers: Sequence[LayerTypeProfile], ctx:
 def plan_working_memory_bytes(
     cm: CostModel, blocks: Sequence[tuple[LayerTypeProfile, LayerStrategy]], ctx: StageContext
 ) -> float:
-    """Transient memory of a given plan's stage: what :func:`working_memory_bytes` reserves, for the blocks that need it.
+    """Transient memory of a given plan's stage: what :func:`working_memory_bytes` reserves, for the blocks that need
+    it.
 
     Only a recomputed block re-materialises a micro-batch of its activations during backward, and only a
     ZeRO-3 block gathers its weights again for backward; other blocks' activations and weights are already

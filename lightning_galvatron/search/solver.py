@@ -351,7 +351,7 @@ class FixedBatchSolver:
             if not np.isfinite(values[p_idx, v_idx]):
                 continue
             if pp > 1:
-                part, _ = refine_partition(candidates[p_idx], lambda P: objective(P, int(v_idx))[:, 0], J)
+                part, _ = refine_partition(candidates[p_idx], lambda P, v=int(v_idx): objective(P, v)[:, 0], J)
             else:
                 part = candidates[p_idx]
             # The refined partition may prefer another embedding/head strategy.

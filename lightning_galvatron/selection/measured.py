@@ -353,7 +353,8 @@ def _confirm_close_call(records, runner, settings, budget, started, report, prog
                 peak_bytes=max(peaks) if peaks else None,
             )
         report(
-            f"Galvatron: trial of {first.name} again: {'failed' if again.step_s is None else f'{again.step_s * 1e3:.1f} ms per step'}"
+            f"Galvatron: trial of {first.name} again: "
+            f"{'failed' if again.step_s is None else f'{again.step_s * 1e3:.1f} ms per step'}"
         )
 
 
@@ -439,7 +440,8 @@ def _decide(auto, records, calibration, budget, note, seconds) -> Selection:
         least = min(measured, key=lambda t: t.peak_bytes if t.peak_bytes is not None else float("inf"))
         plan = least.plan
         note = (note + "; " if note else "") + (
-            f"no tried plan's measured peak fits the budget of {format_bytes(budget)}: training the one that needed the least"
+            f"no tried plan's measured peak fits the budget of {format_bytes(budget)}: training the one that "
+            "needed the least"
         )
     else:
         plan = auto.plan
