@@ -73,7 +73,8 @@ def test_plan_prediction_and_measurements_reach_the_csv_logger(pools, tmp_path):
     searched = pool.run(_train, str(tmp_path / "auto"), "auto", cache)[0]
     hparams, rows = _read(searched["log_dir"])
     galvatron = hparams["galvatron"]
-    assert galvatron["plan_source"] == "searched" and hparams["n_layer"] == 4  # next to the module's own
+    # searched (measured selection may have chosen another of the search's candidates)
+    assert galvatron["plan_source"].startswith("searched") and hparams["n_layer"] == 4  # next to the module's own
     plan = ParallelPlan.from_dict(galvatron["plan"])
     assert plan == ParallelPlan.load(Path(searched["log_dir"]) / "galvatron_plan.json")
     assert plan.global_batch_size == 8
