@@ -28,7 +28,7 @@ class TrialSettings:
     budget_s: float = 20.0
     warmup_steps: int = 1
     timed_steps: int = 3
-    max_candidates: int = 6
+    max_candidates: int = 8
     measure_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -75,6 +75,7 @@ class Measurement:
     peak_bytes: int | None  # the largest peak over the ranks; None: not measured
     seconds: float  # the whole trial: copying, applying the plan, all its steps
     error: str | None = None
+    stopped_early: bool = False  # a timed step was so slow that the plan could not win; memory not measured
 
 
 class TrialUnavailable(RuntimeError):
