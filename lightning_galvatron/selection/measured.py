@@ -28,7 +28,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -293,8 +293,8 @@ def _select(auto, runner, settings, check, report, progress, started) -> Selecti
         report(_progress_line(f"{index}/{len(candidates)}" if index <= len(candidates) else str(index), records[-1], budget))
 
     for index, (name, plan, step, peak) in enumerate(candidates, 1):
-        # The next trial only if it should end within the budget, leaving room for the calibrated search's plan.
-        go = [index == 1 or _expect_within(records, started, settings.budget_s, trials_left=1)]
+        # The next trial while the budget lasts.
+        go = [index == 1 or _within_budget(started, settings.budget_s)]
         dist.broadcast_object_list(go, src=0)
         if not go[0]:
             break
@@ -331,7 +331,7 @@ def _confirm_close_call(records, runner, settings, budget, started, report, prog
     fitting = sorted((t for t in records if t.fits(budget)), key=lambda t: t.step_s)[:2]
     if len(fitting) < 2 or fitting[1].step_s > CLOSE_CALL * fitting[0].step_s:
         return
-    go = [dist.get_rank() == 0 and _expect_within(records, started, settings.budget_s, trials_left=2)]
+    go = [dist.get_rank() == 0 and _within_budget(started, settings.budget_s)]
     dist.broadcast_object_list(go, src=0)
     if not go[0]:
         return
@@ -352,11 +352,10 @@ def _record(name: str, plan: ParallelPlan, step: float, peak: float, m: Measurem
     return TrialRecord(name, plan, step, peak, m.step_s, m.peak_bytes, m.seconds, m.error, stopped_early=m.stopped_early)
 
 
-def _expect_within(records: Sequence[TrialRecord], started: float, budget_s: float, trials_left: int) -> bool:
-    """Whether ``trials_left`` more trials, each as long as the median one so far, end within the budget."""
-    durations = sorted(t.seconds for t in records)
-    typical = durations[len(durations) // 2] if durations else 0.0
-    return time.perf_counter() - started + trials_left * typical <= budget_s
+def _within_budget(started: float, budget_s: float) -> bool:
+    """Whether another trial may start: trials start while the budget lasts (the last one may end after it; a slow
+    plan's trial stops early, see SLOWER_THAN_FASTEST)."""
+    return time.perf_counter() - started < budget_s
 
 
 def _calibrate_and_search(auto, observations, records, started, settings):
@@ -386,7 +385,7 @@ def _calibrate_and_search(auto, observations, records, started, settings):
     tried = {t.plan for t in records}
     if result.plan in tried:
         return calibration, None, "the calibrated search picks a plan already tried"
-    if not _expect_within(records, started, settings.budget_s, trials_left=1):
+    if not _within_budget(started, settings.budget_s):
         return calibration, None, f"the calibrated search picks {plan_summary(result.plan)}, not tried: no time left"
     plan = result.plan
     from lightning_galvatron.search.estimate import evaluate

@@ -18,8 +18,8 @@ class TrialSettings:
     """How much measured selection may spend (``GalvatronStrategy(trials=...)``).
 
     Attributes:
-        budget_s: wall-clock seconds for all trials together; the search's best plan is always tried, the next
-            candidate only while the trials so far say it will end within the budget.
+        budget_s: wall-clock seconds for all trials together: the search's best plan is always tried, the next
+            candidates are started while the budget lasts (the last may end after it).
         warmup_steps, timed_steps: untimed and timed training steps per trial.
         max_candidates: plans tried at most (the search's best, the best of other kinds, the uniform plans).
         measure_memory: measure each trial's peak memory per rank (a plan over the budget is not chosen).
