@@ -11,7 +11,7 @@ Two predictions per plan:
 * ``uncalibrated``: the cost model as the search uses it from the profile alone;
 * ``calibrated``: the same model calibrated (``lightning_galvatron.search.calibration``) from what the
   runtime profiler measured on three *probe* plans -- one block of every kind, at two micro-batch sizes,
-  and a pipeline (``harness.probe_plans``); no evaluated plan is a probe;
+  and a pipeline (``lightning_galvatron.calibrate.probe_plans``); no evaluated plan is a probe;
 * ``held out``: calibrated from the runtime profiler's measurements of every *other* plan and the probes
   (leave one out: a plan's own measurements never price it) -- what a strategy that has run other plans
   on this machine predicts for a new one.
@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import harness
-from harness import RESULTS, BenchModel, fit_from_runs, interleaved, mape, measure_run, mib, probe_plans, spearman, worker_pool
+from harness import RESULTS, BenchModel, fit_from_runs, interleaved, mape, measure_run, mib, spearman, worker_pool
 
 from lightning_galvatron import GalvatronStrategy
+from lightning_galvatron.calibrate import probe_plans
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiles import Profile
@@ -81,8 +82,12 @@ def fixed_plans(model: BenchModel) -> dict[str, ParallelPlan]:
 def budgets(model: BenchModel, profile: Profile) -> dict[str, int]:
     """An ample budget (1 GiB) and a tight one, halfway between pure ZeRO-3's and pure DDP's predicted peaks."""
     peaks = {
-        dp: evaluate(profile, ParallelPlan.uniform(WORLD, model.n_layer, S(dp_type=dp), global_batch_size=model.global_batch),
-                     precision=PRECISION, optimizer=OPTIMIZER).peak_memory_bytes
+        dp: evaluate(
+            profile,
+            ParallelPlan.uniform(WORLD, model.n_layer, S(dp_type=dp), global_batch_size=model.global_batch),
+            precision=PRECISION,
+            optimizer=OPTIMIZER,
+        ).peak_memory_bytes
         for dp in ("ddp", "zero3")
     }
     return {"ample": 2**30, "tight": int((peaks["ddp"] + peaks["zero3"]) / 2)}
@@ -112,13 +117,19 @@ def profile_on_ranks(model: BenchModel) -> tuple[dict, float]:
     module = harness.make_module(model)
     batch = next(iter(harness.make_loader(model, dist.get_world_size())))
     started = time.perf_counter()
-    measured = profile(module, find_blocks(module), batch, precision=PRECISION, devices_per_node=dist.get_world_size(), cache=False)
+    measured = profile(
+        module, find_blocks(module), batch, precision=PRECISION, devices_per_node=dist.get_world_size(), cache=False
+    )
     return measured.to_dict(), time.perf_counter() - started
 
 
 def run_plan(plan: dict, model: BenchModel, warmup: int, timed: int, memory: bool, runtime_profile: bool) -> dict:
     return measure_run(
-        lambda: GalvatronStrategy(plan=plan, save_plan=False), model, warmup=warmup, timed=timed, memory=memory,
+        lambda: GalvatronStrategy(plan=plan, save_plan=False),
+        model,
+        warmup=warmup,
+        timed=timed,
+        memory=memory,
         runtime_profile=runtime_profile,
     )
 
@@ -133,18 +144,27 @@ def main() -> None:
     args = parser.parse_args()
     model = BenchModel()
     started = time.perf_counter()
-    probes = probe_plans(model, WORLD)
+    probes: dict[str, ParallelPlan] = {}
     runs: dict[str, list[dict]] = {}
 
     def run(name: str, plan: ParallelPlan, memory: bool) -> None:
-        result = pool.run(run_plan, plan.to_dict(), model, args.warmup_steps, args.timed_steps, memory and name not in probes, True,
-                          timeout=600)[0]
+        result = pool.run(
+            run_plan,
+            plan.to_dict(),
+            model,
+            args.warmup_steps,
+            args.timed_steps,
+            memory and name not in probes,
+            True,
+            timeout=600,
+        )[0]
         runs.setdefault(name, []).append(result)
         print(f"  {name:40s} {result['step_time_s'] * 1e3:8.1f} ms", flush=True)
 
     with worker_pool(WORLD) as pool:
         profile_dict, profile_s = pool.run(profile_on_ranks, model)[0]
         profile = Profile.from_dict(profile_dict)
+        probes.update(probe_plans(profile, WORLD, model.global_batch))
         print(f"profiled in {profile_s:.1f} s; calibration probes:")
         for name, plan in probes.items():
             run(name, plan, memory=False)
@@ -163,7 +183,9 @@ def main() -> None:
     print(f"\ncalibration from the probes: {calibration.describe()}")
     rows = []
     for name, plan in plans.items():
-        others = fit_from_runs(profile, [r for other, rs in runs.items() if other != name for r in rs], PRECISION, OPTIMIZER)
+        others = fit_from_runs(
+            profile, [r for other, rs in runs.items() if other != name for r in rs], PRECISION, OPTIMIZER
+        )
         rows.append(row(name, plan, runs[name], profile, calibration, others))
     report(rows, model, args, time.perf_counter() - started, profile_dict, calibration, probes, runs)
 
@@ -204,7 +226,8 @@ def summarise(rows: list[dict]) -> dict[str, float]:
         out[f"{kind}_step_time_mape"] = mape(predicted, measured)
         out[f"{kind}_step_time_spearman"] = spearman(predicted, measured)
     out["memory_mape"] = mape(
-        [p for r in rows for p in r["predicted_peak_bytes_per_stage"]], [m for r in rows for m in r["measured_peak_bytes_per_stage"]]
+        [p for r in rows for p in r["predicted_peak_bytes_per_stage"]],
+        [m for r in rows for m in r["measured_peak_bytes_per_stage"]],
     )
     out["plans"] = len(rows)
     return out
@@ -213,25 +236,53 @@ def summarise(rows: list[dict]) -> dict[str, float]:
 def report(rows, model, args, seconds, profile_dict, calibration, probes, runs) -> None:  # noqa: ANN001
     summary = summarise(rows)
     print(f"\nCost model accuracy on {WORLD} CPU processes, {model.describe()}, median of {args.rounds} rounds")
-    print(f"{'plan':40s} {'measured':>8s} {'model':>13s} {'probes':>13s} {'others':>13s}   {'memory':>9s} {'model':>15s}")
+    print(
+        f"{'plan':40s} {'measured':>8s} {'model':>13s} {'probes':>13s} {'others':>13s}   {'memory':>9s} {'model':>15s}"
+    )
     for r in rows:
         meas = r["measured_step_s"]
-        cells = " ".join(f"{r[k] * 1e3:6.0f}ms {r[k] / meas - 1:+5.0%}" for k in ("predicted_step_s", "calibrated_step_s", "held_out_step_s"))
+        cells = " ".join(
+            f"{r[k] * 1e3:6.0f}ms {r[k] / meas - 1:+5.0%}"
+            for k in ("predicted_step_s", "calibrated_step_s", "held_out_step_s")
+        )
         mm, mp = max(r["measured_peak_bytes_per_stage"]), max(r["predicted_peak_bytes_per_stage"])
         print(f"{r['name']:40s} {meas * 1e3:6.0f}ms {cells}   {mib(mm):>9s} {mib(mp):>9s} {mp / mm - 1:+5.0%}")
     for kind, label in LABELS.items():
-        print(f"step time, {label:44s} MAPE {summary[f'{kind}_step_time_mape']:6.1%}, Spearman {summary[f'{kind}_step_time_spearman']:.2f}")
-    print(f"peak memory per rank (per stage){'':24s} MAPE {summary['memory_mape']:6.1%}   ({len(rows)} plans, {seconds:.0f} s)")
+        print(
+            f"step time, {label:44s} MAPE {summary[f'{kind}_step_time_mape']:6.1%}, Spearman "
+            f"{summary[f'{kind}_step_time_spearman']:.2f}"
+        )
+    print(
+        f"peak memory per rank (per stage){'':24s} MAPE {summary['memory_mape']:6.1%}   ({len(rows)} plans, "
+        f"{seconds:.0f} s)"
+    )
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "machine": harness.machine(), "model": model.describe(), "world_size": WORLD, "rounds": args.rounds,
-        "summary": summary, "calibration_from_probes": calibration.to_dict(), "plans": rows,
-        "probes": {name: {"plan": plan.to_dict(), "step_s_per_round": [r["step_time_s"] for r in runs[name]],
-                          "observations": [_without_plan(r["info"].get("observations", [])) for r in runs[name]]}
-                   for name, plan in probes.items()},
-        "profile": profile_dict, "seconds": seconds,
-    }, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "machine": harness.machine(),
+                "model": model.describe(),
+                "world_size": WORLD,
+                "rounds": args.rounds,
+                "summary": summary,
+                "calibration_from_probes": calibration.to_dict(),
+                "plans": rows,
+                "probes": {
+                    name: {
+                        "plan": plan.to_dict(),
+                        "step_s_per_round": [r["step_time_s"] for r in runs[name]],
+                        "observations": [_without_plan(r["info"].get("observations", [])) for r in runs[name]],
+                    }
+                    for name, plan in probes.items()
+                },
+                "profile": profile_dict,
+                "seconds": seconds,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     plot(rows, summary, out.with_suffix(".png"), model)
     print(f"results written to {out} and {out.with_suffix('.png')}")
 
@@ -253,14 +304,27 @@ def plot(rows: list[dict], summary: dict, path: Path, model: BenchModel) -> None
     measured = [r["measured_step_s"] * 1e3 for r in rows]
     for (kind, label), marker in zip(LABELS.items(), "o^s"):
         predicted = [r[f"{kind}_step_s"] * 1e3 for r in rows]
-        left.scatter(measured, predicted, marker=marker, s=22, label=(
-            f"{label[:-1]}: MAPE {summary[f'{kind}_step_time_mape']:.0%}, Spearman {summary[f'{kind}_step_time_spearman']:.2f}"))
+        left.scatter(
+            measured,
+            predicted,
+            marker=marker,
+            s=22,
+            label=(
+                f"{label[:-1]}: MAPE {summary[f'{kind}_step_time_mape']:.0%}, Spearman "
+                f"{summary[f'{kind}_step_time_spearman']:.2f}"
+            ),
+        )
     for r, x in zip(rows, measured):
         left.annotate(r["name"], (x, r["held_out_step_s"] * 1e3), fontsize=5, xytext=(3, 3), textcoords="offset points")
     lo, hi = min(measured) * 0.4, max(measured) * 1.3
     left.plot([lo, hi], [lo, hi], "k--", lw=0.8)
-    left.set(xscale="log", yscale="log", xlabel="measured step time (ms)", ylabel="predicted step time (ms)",
-             title="Step time")
+    left.set(
+        xscale="log",
+        yscale="log",
+        xlabel="measured step time (ms)",
+        ylabel="predicted step time (ms)",
+        title="Step time",
+    )
     left.legend(fontsize=8)
     mm = [m / 2**20 for r in rows for m in r["measured_peak_bytes_per_stage"]]
     mp = [p / 2**20 for r in rows for p in r["predicted_peak_bytes_per_stage"]]

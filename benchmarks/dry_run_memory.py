@@ -41,21 +41,29 @@ RESULTS = REPO / "benchmarks" / "results"
 def against_real_runs() -> list[dict]:
     recorded = json.loads((RESULTS / "cost_model_accuracy.json").read_text())
     profile = Profile.from_dict(recorded["profile"])
-    model = ModelSource.from_class("examples.gpt.GPTModule", {
-        "vocab_size": 32, "seq_length": 64, "n_layer": 8, "n_head": 8, "n_embd": 128, "learning_rate": 1e-3})
+    model = ModelSource.from_class(
+        "examples.gpt.GPTModule",
+        {"vocab_size": 32, "seq_length": 64, "n_layer": 8, "n_head": 8, "n_embd": 128, "learning_rate": 1e-3},
+    )
     rows = []
     for entry in recorded["plans"]:
         plan = ParallelPlan.from_dict(entry["plan"])
         ranks = [plan.stage_ranks(stage)[0] for stage in range(plan.pp)]
-        report = dry_run(model, plan, ranks=ranks, seq_length=64, precision="32-true", profile=profile,
-                         phases=("train",), workers=2)
+        report = dry_run(
+            model, plan, ranks=ranks, seq_length=64, precision="32-true", profile=profile, phases=("train",), workers=2
+        )
         for stage, result in enumerate(report.ranks):
             real = entry["measured_peak_bytes_per_stage"][stage]
-            rows.append({
-                "plan": entry["name"], "stage": stage, "real_bytes": real, "dry_run_bytes": result.memory["total"],
-                "predicted_bytes": entry["predicted_peak_bytes_per_stage"][stage],
-                "dry_run_over_real": result.memory["total"] / real,
-            })
+            rows.append(
+                {
+                    "plan": entry["name"],
+                    "stage": stage,
+                    "real_bytes": real,
+                    "dry_run_bytes": result.memory["total"],
+                    "predicted_bytes": entry["predicted_peak_bytes_per_stage"][stage],
+                    "dry_run_over_real": result.memory["total"] / real,
+                }
+            )
     return rows
 
 
@@ -79,8 +87,14 @@ def llama_profile_on_fake_tensors(seq_length: int) -> Profile:
         module = ModelSource.from_hf_config({**config, "num_hidden_layers": 2}).build()
     with FakeTensorMode(allow_non_fake_inputs=True):
         module._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu"))
-        model = profile_model(module, find_blocks(module), token_batch(2, seq_length), precision="bf16-mixed",
-                              batch_sizes=(1, 2), degrees=(1, 2, 4, 8))
+        model = profile_model(
+            module,
+            find_blocks(module),
+            token_batch(2, seq_length),
+            precision="bf16-mixed",
+            batch_sizes=(1, 2),
+            degrees=(1, 2, 4, 8),
+        )
     model = dataclasses.replace(model, blocks=(0,) * config["num_hidden_layers"])
     return Profile(model, load_profile(A100).hardware, source="activations counted on fake tensors")
 
@@ -89,18 +103,31 @@ def llama_at_64() -> list[dict]:
     from lightning_galvatron.search.estimate import evaluate
 
     plan = ParallelPlan.load(REPO / "configs" / "llama2_7b_64gpu_plan.json")
-    report = dry_run(ModelSource.from_hf_config(LLAMA), plan, ranks=[0, 16, 32, 48], seq_length=2048, hardware=A100,
-                     phases=("train",), workers=2)
+    report = dry_run(
+        ModelSource.from_hf_config(LLAMA),
+        plan,
+        ranks=[0, 16, 32, 48],
+        seq_length=2048,
+        hardware=A100,
+        phases=("train",),
+        workers=2,
+    )
     same_model = evaluate(llama_profile_on_fake_tensors(2048), plan, precision="bf16-mixed", optimizer="adamw")
     rows = []
     for r in report.ranks:
         stage = same_model.stages[r.stage]
-        rows.append({
-            "rank": r.rank, "stage": r.stage, "measured": r.memory, "predicted": report.predicted_memory(r.rank),
-            "measured_over_predicted": report.memory_ratio(r.rank),
-            "predicted_same_model_bytes": stage.peak_memory_bytes, "predicted_same_model": stage.to_dict(),
-            "measured_over_predicted_same_model": r.memory["total"] / stage.peak_memory_bytes,
-        })
+        rows.append(
+            {
+                "rank": r.rank,
+                "stage": r.stage,
+                "measured": r.memory,
+                "predicted": report.predicted_memory(r.rank),
+                "measured_over_predicted": report.memory_ratio(r.rank),
+                "predicted_same_model_bytes": stage.peak_memory_bytes,
+                "predicted_same_model": stage.to_dict(),
+                "measured_over_predicted_same_model": r.memory["total"] / stage.peak_memory_bytes,
+            }
+        )
     return rows
 
 
@@ -111,25 +138,37 @@ def main() -> None:
     llama = llama_at_64()
     out = {
         "against_real_runs": real,
-        "dry_run_vs_real": {"median_abs_deviation": statistics.median(deviations), "max_abs_deviation": max(deviations)},
+        "dry_run_vs_real": {
+            "median_abs_deviation": statistics.median(deviations),
+            "max_abs_deviation": max(deviations),
+        },
         "llama2_7b_64": llama,
         "seconds": time.perf_counter() - started,
     }
     (RESULTS / "dry_run_memory.json").write_text(json.dumps(out, indent=2))
     for r in real:
-        print(f"{r['plan']:36s} stage {r['stage']}  real {r['real_bytes'] / 2**20:6.2f} MiB  dry run "
-              f"{r['dry_run_bytes'] / 2**20:6.2f} MiB ({r['dry_run_over_real']:.3f})  model {r['predicted_bytes'] / 2**20:6.2f} MiB")
-    print(f"dry run vs real: median |deviation| {out['dry_run_vs_real']['median_abs_deviation']:.1%}, "
-          f"max {out['dry_run_vs_real']['max_abs_deviation']:.1%}")
+        print(
+            f"{r['plan']:36s} stage {r['stage']}  real {r['real_bytes'] / 2**20:6.2f} MiB  dry run "
+            f"{r['dry_run_bytes'] / 2**20:6.2f} MiB ({r['dry_run_over_real']:.3f})  model "
+            f"{r['predicted_bytes'] / 2**20:6.2f} MiB"
+        )
+    print(
+        f"dry run vs real: median |deviation| {out['dry_run_vs_real']['median_abs_deviation']:.1%}, "
+        f"max {out['dry_run_vs_real']['max_abs_deviation']:.1%}"
+    )
     for r in llama:
         m, p = r["measured"], r["predicted"]
-        print(f"Llama-2-7B 64 GPUs rank {r['rank']:2d}: dry run {m['total'] / 2**30:5.2f} GiB (states "
-              f"{(m['parameters'] + m['gradients'] + m['optimizer_states']) / 2**30:.2f}, activations {m['activations'] / 2**30:.2f}, "
-              f"temporaries {m['temporaries'] / 2**30:.2f}); model {p['total'] / 2**30:5.2f} GiB (states "
-              f"{p['model_states'] / 2**30:.2f}, activations {p['activations'] / 2**30:.2f}, embedding/head "
-              f"{p['embedding_head'] / 2**30:.2f}, working {p['working'] / 2**30:.2f}); ratio {r['measured_over_predicted']:.2f}; "
-              f"with this model's activations {r['predicted_same_model_bytes'] / 2**30:5.2f} GiB, ratio "
-              f"{r['measured_over_predicted_same_model']:.2f}")
+        print(
+            f"Llama-2-7B 64 GPUs rank {r['rank']:2d}: dry run {m['total'] / 2**30:5.2f} GiB (states "
+            f"{(m['parameters'] + m['gradients'] + m['optimizer_states']) / 2**30:.2f}, activations "
+            f"{m['activations'] / 2**30:.2f}, "
+            f"temporaries {m['temporaries'] / 2**30:.2f}); model {p['total'] / 2**30:5.2f} GiB (states "
+            f"{p['model_states'] / 2**30:.2f}, activations {p['activations'] / 2**30:.2f}, embedding/head "
+            f"{p['embedding_head'] / 2**30:.2f}, working {p['working'] / 2**30:.2f}); ratio "
+            f"{r['measured_over_predicted']:.2f}; "
+            f"with this model's activations {r['predicted_same_model_bytes'] / 2**30:5.2f} GiB, ratio "
+            f"{r['measured_over_predicted_same_model']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,14 @@ class ModelConfig:
         return cls(n_layer=2, n_head=4, n_embd=32, vocab_size=64, seq_length=16, global_batch=8)
 
     def module_kwargs(self) -> dict[str, Any]:
-        return {"vocab_size": self.vocab_size, "seq_length": self.seq_length, "n_layer": self.n_layer,
-                "n_head": self.n_head, "n_embd": self.n_embd, "learning_rate": 1e-4}
+        return {
+            "vocab_size": self.vocab_size,
+            "seq_length": self.seq_length,
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "n_embd": self.n_embd,
+            "learning_rate": 1e-4,
+        }
 
 
 @dataclass(frozen=True)
@@ -87,8 +93,14 @@ def single_device_plan(case: MemoryCase, config: ModelConfig) -> Any:
     """The plan of one case: every block alike, on one device."""
     from lightning_galvatron.plan import LayerStrategy, ParallelPlan
 
-    return ParallelPlan.uniform(1, config.n_layer, LayerStrategy(recompute=case.recompute), vocab=LayerStrategy(),
-                                micro_batches=case.micro_batches, global_batch_size=config.global_batch)
+    return ParallelPlan.uniform(
+        1,
+        config.n_layer,
+        LayerStrategy(recompute=case.recompute),
+        vocab=LayerStrategy(),
+        micro_batches=case.micro_batches,
+        global_batch_size=config.global_batch,
+    )
 
 
 def one_device_hardware(name: str, memory_bytes: int | None) -> Any:
@@ -96,14 +108,21 @@ def one_device_hardware(name: str, memory_bytes: int | None) -> Any:
     never used: every group of a one-device plan has one member)."""
     from lightning_galvatron.profiles import CollectiveFit, HardwareProfile
 
-    return HardwareProfile(name, 1, 1.0, (CollectiveFit("all_reduce", 2, 2, 0.0, 1e12),), device_memory_bytes=memory_bytes)
+    return HardwareProfile(
+        name, 1, 1.0, (CollectiveFit("all_reduce", 2, 2, 0.0, 1e12),), device_memory_bytes=memory_bytes
+    )
 
 
 def compare_memory(name: str, predicted: float, measured: int | None, tolerance: float) -> dict[str, Any]:
     """One memory case: ratio of measured to predicted, and whether it is within ``tolerance``."""
     ratio = measured / predicted if measured and predicted else None
-    return {"case": name, "predicted_bytes": predicted, "measured_bytes": measured, "ratio": ratio,
-            "passed": ratio is not None and abs(ratio - 1.0) <= tolerance}
+    return {
+        "case": name,
+        "predicted_bytes": predicted,
+        "measured_bytes": measured,
+        "ratio": ratio,
+        "passed": ratio is not None and abs(ratio - 1.0) <= tolerance,
+    }
 
 
 def loss_fell(losses: Sequence[float], factor: float = 0.8) -> bool:
@@ -126,10 +145,19 @@ def read_losses(metrics_csv: Path, key: str = "train_loss") -> list[float]:
 def example_command(save_dir: Path, accelerator: str = "gpu") -> list[str]:
     """The README's main example, on one device of ``accelerator``."""
     return [
-        sys.executable, str(REPO / "examples" / "gpt.py"), "fit", "--config", str(REPO / "configs" / "gpt_tiny_cpu_auto.yaml"),
-        "--trainer.accelerator", accelerator, "--trainer.devices", "1",
-        "--trainer.strategy.init_args.process_group_backend", "nccl" if accelerator == "gpu" else "gloo",
-        "--trainer.logger.init_args.save_dir", str(save_dir),
+        sys.executable,
+        str(REPO / "examples" / "gpt.py"),
+        "fit",
+        "--config",
+        str(REPO / "configs" / "gpt_tiny_cpu_auto.yaml"),
+        "--trainer.accelerator",
+        accelerator,
+        "--trainer.devices",
+        "1",
+        "--trainer.strategy.init_args.process_group_backend",
+        "nccl" if accelerator == "gpu" else "gloo",
+        "--trainer.logger.init_args.save_dir",
+        str(save_dir),
     ]
 
 
@@ -140,7 +168,9 @@ def random_tokens(config: ModelConfig, steps: int) -> Any:
     from torch.utils.data import DataLoader, TensorDataset
 
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, config.vocab_size, (config.global_batch * steps, config.seq_length + 1), generator=generator)
+    tokens = torch.randint(
+        0, config.vocab_size, (config.global_batch * steps, config.seq_length + 1), generator=generator
+    )
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=config.global_batch)
 
 
@@ -159,9 +189,15 @@ def profile_section(config: ModelConfig, device: str) -> tuple[dict[str, Any], d
         module = GPTModule(**config.module_kwargs())
         inputs, targets = next(iter(random_tokens(config, 1)))
         started = time.perf_counter()
-        model = profile_model(module, find_blocks(module), (inputs, targets), precision=precision, batch_sizes=(1, 2), device=device)
+        model = profile_model(
+            module, find_blocks(module), (inputs, targets), precision=precision, batch_sizes=(1, 2), device=device
+        )
         layer = model.layer_types[0]
-        values = [layer.forward_time.per_sample_s, layer.forward_time.intercept_s, *dict(layer.activation_bytes_per_sample.values).values()]
+        values = [
+            layer.forward_time.per_sample_s,
+            layer.forward_time.intercept_s,
+            *dict(layer.activation_bytes_per_sample.values).values(),
+        ]
         report[precision] = {
             "seconds": time.perf_counter() - started,
             "parameters_per_block": layer.parameters,
@@ -174,8 +210,9 @@ def profile_section(config: ModelConfig, device: str) -> tuple[dict[str, Any], d
     return report, profiles
 
 
-def memory_section(config: ModelConfig, device: str, profiles: dict[str, Any], tolerance: float,
-                   cases: Sequence[MemoryCase]) -> list[dict[str, Any]]:
+def memory_section(
+    config: ModelConfig, device: str, profiles: dict[str, Any], tolerance: float, cases: Sequence[MemoryCase]
+) -> list[dict[str, Any]]:
     """Train every case for a few steps and compare its measured peak with the cost model's."""
     import gc
 
@@ -197,15 +234,26 @@ def memory_section(config: ModelConfig, device: str, profiles: dict[str, Any], t
     rows = []
     for case in cases:
         plan = single_device_plan(case, config)
-        predicted = evaluate(Profile(profiles[case.precision], hardware), plan, precision=case.precision, optimizer="adamw")
+        predicted = evaluate(
+            Profile(profiles[case.precision], hardware), plan, precision=case.precision, optimizer="adamw"
+        )
         probe = StepProbe(warmup=1, timed=1, memory=True)
         torch.manual_seed(0)
         module = GPTModule(**config.module_kwargs())
         trainer = L.Trainer(
-            accelerator=accelerator, devices=1, strategy=GalvatronStrategy(plan=plan, save_plan=False),
-            precision=case.precision, max_steps=probe.total_steps, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-            callbacks=[probe], default_root_dir=tempfile.gettempdir(),
+            accelerator=accelerator,
+            devices=1,
+            strategy=GalvatronStrategy(plan=plan, save_plan=False),
+            precision=case.precision,
+            max_steps=probe.total_steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            callbacks=[probe],
+            default_root_dir=tempfile.gettempdir(),
         )
         started = time.perf_counter()
         trainer.fit(module, random_tokens(config, probe.total_steps))
@@ -226,13 +274,22 @@ def example_section(accelerator: str = "gpu", timeout_s: float = 240) -> dict[st
     """Run the README example on one device and check that its loss falls."""
     with tempfile.TemporaryDirectory() as save_dir:
         started = time.perf_counter()
-        done = subprocess.run(example_command(Path(save_dir), accelerator), check=False, cwd=REPO, capture_output=True,
-                              text=True, timeout=timeout_s, env={**os.environ, "PYTHONPATH": str(REPO)})
+        done = subprocess.run(
+            example_command(Path(save_dir), accelerator),
+            check=False,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         metrics = sorted(Path(save_dir).rglob("metrics.csv"))
         losses = read_losses(metrics[-1]) if metrics else []
     return {
         "command": " ".join(example_command(Path("<logs>"), accelerator)[1:]),
-        "returncode": done.returncode, "seconds": time.perf_counter() - started, "train_loss": losses,
+        "returncode": done.returncode,
+        "seconds": time.perf_counter() - started,
+        "train_loss": losses,
         "passed": done.returncode == 0 and loss_fell(losses),
         "output_tail": (done.stdout + done.stderr)[-3000:],
     }
@@ -252,13 +309,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; run it on a machine with one (or --device cpu to test the script)", file=sys.stderr)
+        print(
+            "gpu_check: no CUDA device; run it on a machine with one (or --device cpu to test the script)",
+            file=sys.stderr,
+        )
         return 2
     started = time.perf_counter()
     config = ModelConfig.tiny() if args.tiny else ModelConfig()
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "torch": torch.__version__, "model": asdict(config), "memory_tolerance": args.memory_tolerance,
+        "torch": torch.__version__,
+        "model": asdict(config),
+        "memory_tolerance": args.memory_tolerance,
     }
     out["profile"], profiles = profile_section(config, args.device)
     cases = memory_cases()[: args.cases] if args.cases else memory_cases()
@@ -275,12 +337,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     Path(args.output).write_text(json.dumps(out, indent=2))
     for r in out["memory"]:
         ratio = f"{r['ratio']:.3f}" if r["ratio"] else "-"
-        print(f"{r['case']:32s} predicted {r['predicted_bytes'] / 2**20:9.1f} MiB  measured "
-              f"{(r['measured_bytes'] or 0) / 2**20:9.1f} MiB  ratio {ratio}  {'ok' if r['passed'] else 'FAILED'}")
+        print(
+            f"{r['case']:32s} predicted {r['predicted_bytes'] / 2**20:9.1f} MiB  measured "
+            f"{(r['measured_bytes'] or 0) / 2**20:9.1f} MiB  ratio {ratio}  {'ok' if r['passed'] else 'FAILED'}"
+        )
     if "example" in out:
         losses = out["example"]["train_loss"]
-        print(f"example: exit {out['example']['returncode']}, train_loss {losses[:1]} -> {losses[-1:]}, "
-              f"{'ok' if out['example']['passed'] else 'FAILED'}")
+        print(
+            f"example: exit {out['example']['returncode']}, train_loss {losses[:1]} -> {losses[-1:]}, "
+            f"{'ok' if out['example']['passed'] else 'FAILED'}"
+        )
     print(f"{'passed' if out['passed'] else 'FAILED'} in {out['seconds']:.0f} s; results in {args.output}")
     return 0 if out["passed"] else 1
 

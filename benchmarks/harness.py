@@ -1,8 +1,9 @@
 """Shared measuring harness of the benchmarks: the model, the data, the worker pool and the probes.
 
 Every measurement trains the example GPT (``examples/gpt.py``) with a real ``lightning.Trainer`` on
-the ranks of a pool of forked gloo workers (``tests/helpers/pool.py``: the workers keep their process
-group between runs, so a run costs the Trainer's setup, not a launch). What a run measures, per rank:
+the ranks of a pool of forked gloo workers (``benchmarks/pool.py``: the workers keep their process
+group between runs, so a run costs the Trainer's setup, not a launch). The calibration probes and their
+runtime profiling are the library's (:mod:`lightning_galvatron.calibrate`). What a run measures, per rank:
 
 Step time
     the wall-clock time between the starts of consecutive training steps (``on_train_batch_start``):
@@ -53,8 +54,9 @@ import lightning.pytorch as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+from benchmarks.pool import WorkerPool  # noqa: E402
 from examples.gpt import ArithmeticText, GPTModule  # noqa: E402
-from tests.helpers.pool import WorkerPool  # noqa: E402
+from lightning_galvatron.calibrate import CalibrationProbe  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -76,8 +78,12 @@ class BenchModel:
 
     def module_kwargs(self) -> dict[str, Any]:
         return dict(
-            vocab_size=self.vocab_size, seq_length=self.seq_length, n_layer=self.n_layer, n_head=self.n_head,
-            n_embd=self.n_embd, learning_rate=self.learning_rate,
+            vocab_size=self.vocab_size,
+            seq_length=self.seq_length,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_embd=self.n_embd,
+            learning_rate=self.learning_rate,
         )
 
     def describe(self) -> str:
@@ -115,7 +121,9 @@ def make_module(model: BenchModel, cls: type[GPTModule] = GPTModule) -> GPTModul
 def make_loader(model: BenchModel, world_size: int, samples: int | None = None) -> DataLoader:
     """DDP's per-device batch: the global batch over the ranks (the strategies re-batch as they need)."""
     samples = samples or model.global_batch * 64
-    return DataLoader(ArithmeticText(samples, model.seq_length, seed=0), batch_size=model.global_batch // world_size, shuffle=True)
+    return DataLoader(
+        ArithmeticText(samples, model.seq_length, seed=0), batch_size=model.global_batch // world_size, shuffle=True
+    )
 
 
 # ---------------------------------------------------------------------------------------------- probes
@@ -148,10 +156,8 @@ _MARKER_BYTES = 7_777_771  # an allocation of this odd size marks the start of t
 class StepProbe(L.Callback):
     """Times every training step; profiles the memory of two steps after the timed ones (see the module doc)."""
 
-    def __init__(self, warmup: int, timed: int, memory: bool = True, runtime_profile: bool = False) -> None:
+    def __init__(self, warmup: int, timed: int, memory: bool = True) -> None:
         self.warmup, self.timed, self.memory = warmup, timed, memory
-        self.runtime_profile = runtime_profile
-        self.runtime: Any = None  # a RuntimeProfiler on the blocks of a GalvatronStrategy
         self.starts: list[float] = []
         self.phases: list[dict[str, float]] = []  # per step: moments of its phases, relative to its start
         self.states_at_start = 0
@@ -175,31 +181,10 @@ class StepProbe(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
         self._phase("optimizer_start")
-        if self.runtime is not None:
-            self.runtime.optimizer_started()
-
-    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
-        strategy = trainer.strategy
-        if not self.runtime_profile or getattr(strategy, "structure", None) is None:
-            return
-        from lightning_galvatron.profiler.runtime import RuntimeProfiler
-
-        applied = strategy._applied
-        # With a pipeline the containers keep only this stage's blocks (in order): local_blocks are their indices.
-        local = applied.partition.local_blocks if applied.partition is not None else range(len(strategy.structure.blocks))
-        blocks = dict(zip(local, strategy.structure.blocks))
-        self.runtime = RuntimeProfiler(strategy.plan, blocks, trainer.optimizers, pl_module.device)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
         self.starts.append(time.perf_counter())
         self.phases.append({})
-        if self.runtime is not None:
-            step = len(self.starts) - 1
-            if step == self.warmup:
-                self.runtime.start()
-            elif step == self.warmup + self.timed:
-                self.runtime.stop()
-            self.runtime.step_started()
         step = len(self.starts) - 1
         first_memory = self.warmup + self.timed + 1
         if not self.memory:
@@ -231,7 +216,11 @@ class StepProbe(L.Callback):
             self.peak_bytes = int(torch.cuda.max_memory_allocated(pl_module.device))
             return
         self._profiler.__exit__(None, None, None)
-        events = [e for e in self._profiler.profiler.kineto_results.events() if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")]
+        events = [
+            e
+            for e in self._profiler.profiler.kineto_results.events()
+            if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+        ]
         events.sort(key=lambda e: e.start_ns())
         self._profiler = None
         start = next(i for i, e in enumerate(events) if e.nbytes() == _MARKER_BYTES)
@@ -283,7 +272,7 @@ class RunMeasurement:
         return out
 
 
-def _trainer(strategy: Any, world_size: int, probe: StepProbe, accelerator: str) -> L.Trainer:
+def _trainer(strategy: Any, world_size: int, probe: StepProbe, accelerator: str, *extra: L.Callback) -> L.Trainer:
     return L.Trainer(
         default_root_dir=tempfile.gettempdir(),
         accelerator=accelerator,
@@ -297,7 +286,7 @@ def _trainer(strategy: Any, world_size: int, probe: StepProbe, accelerator: str)
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[probe],
+        callbacks=[probe, *extra],
     )
 
 
@@ -319,9 +308,11 @@ def measure_run(
     world = dist.get_world_size()
     accelerator = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
     module = module_cls(model) if module_cls is not None else make_module(model)
-    probe = StepProbe(warmup, timed, memory, runtime_profile)
+    probe = StepProbe(warmup, timed, memory)
+    # The runtime profiler of the library's calibration workflow, on the same timed steps.
+    runtime = CalibrationProbe(warmup, timed) if runtime_profile else None
     strategy = make_strategy()
-    trainer = _trainer(strategy, world, probe, accelerator)
+    trainer = _trainer(strategy, world, probe, accelerator, *([runtime] if runtime is not None else []))
     gc.collect()
     started = time.perf_counter()
     trainer.fit(module, make_loader(model, world))
@@ -334,11 +325,8 @@ def measure_run(
     phases: list[Any] = [None] * world
     dist.all_gather_object(phases, probe.phase_times())
     extra["phases_per_rank"] = phases
-    if probe.runtime is not None:
-        observations: list[Any] = [None] * world
-        dist.all_gather_object(observations, probe.runtime.observation(dist.get_rank()))
-        probe.runtime.remove()
-        extra["observations"] = [o.to_dict() for o in observations]
+    if runtime is not None:
+        extra["observations"] = [o.to_dict() for o in runtime.observations]
     setup = (probe.starts[0] - started) if probe.starts else 0.0
     del trainer, module, strategy
     gc.collect()
@@ -346,36 +334,15 @@ def measure_run(
     return RunMeasurement(times.tolist(), peaks, source, setup, extra).to_dict()
 
 
-# ---------------------------------------------------------------------------------------------- calibration probes
-def probe_plans(model: BenchModel, world_size: int = 4) -> dict[str, Any]:
-    """Plans that exercise every mechanism once, for the runtime profiler to calibrate the cost model:
-    one block of each kind (DDP, ZeRO-2, ZeRO-3, recomputation, Megatron TP, Megatron-SP, Ulysses), at
-    two micro-batch sizes, and a pipeline. None of them is a plan the benchmarks evaluate."""
-    from lightning_galvatron.plan import LayerStrategy as S
-    from lightning_galvatron.plan import ParallelPlan
-
-    W, B, L = world_size, model.global_batch, model.n_layer
-    mixed = (S(), S(dp_type="zero2"), S(dp_type="zero3"), S(dp_type="zero3", recompute=True), S(tp=2, dp_type="zero2"),
-             S(tp=W), S(tp=2, sp="megatron"), S(tp=W, sp="ulysses"))
-    # The stages differ in how many of their parameters are plain tensors (DDP, Ulysses with DDP) and how many
-    # DTensors, which the optimizer updates at different costs.
-    staged = (S(), S(tp=2, sp="ulysses"), S(dp_type="zero2"), S(dp_type="zero3", recompute=True), S(tp=2, dp_type="zero2"),
-              S(tp=2), S(tp=2, sp="megatron"), S(dp_type="zero3"))
-    pick = lambda kinds: tuple(kinds[i * len(kinds) // L] for i in range(L))  # noqa: E731
-    probe = ParallelPlan(W, pick(mixed), global_batch_size=B)
-    return {
-        "probe": probe,
-        "probe-4-micro-batches": probe.replace(micro_batches=4),
-        "probe-pp2": ParallelPlan(W, pick(staged), pp=2, schedule="1f1b", micro_batches=4, global_batch_size=B),
-    }
-
-
+# ---------------------------------------------------------------------------------------------- calibration
 def fit_from_runs(profile: Any, runs: Sequence[dict], precision: str, optimizer: str) -> Any:
     """A calibration fitted to the runtime profiler's observations in ``runs`` (results of :func:`measure_run`)."""
     from lightning_galvatron.search.calibration import Observation, fit_calibration
 
     observations = [Observation.from_dict(o) for run in runs for o in run["info"].get("observations", [])]
-    return fit_calibration(profile, observations, precision=precision, optimizer=optimizer, source="benchmark probe plans")
+    return fit_calibration(
+        profile, observations, precision=precision, optimizer=optimizer, source="benchmark probe plans"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- pool

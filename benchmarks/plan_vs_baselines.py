@@ -39,12 +39,12 @@ from typing import Any
 
 import harness
 from harness import FSDP2GPT, RESULTS, BenchModel, interleaved, make_module, measure_run, mib, model_parallel_fsdp2
+from pool import DistributedFailure, WorkerPool
 
 from lightning_galvatron import GalvatronStrategy
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.search.report import plan_summary
-from tests.helpers.pool import DistributedFailure, WorkerPool
 
 AMORTISED_STEPS = 1000
 LIGHTNING = ("lightning-ddp", "lightning-model-parallel-fsdp2")
@@ -77,11 +77,13 @@ def run(spec: dict, model: BenchModel, warmup: int, timed: int, memory: bool) ->
     kind = spec["kind"]
     module_cls = None
     if kind == "galvatron":
+
         def make() -> Any:
             return GalvatronStrategy(save_plan=False, **spec["kwargs"])
     elif kind == "lightning-model-parallel-fsdp2":
         make, module_cls = model_parallel_fsdp2, (lambda m: make_module(m, FSDP2GPT))
     elif kind == "lightning-ddp":
+
         def make() -> Any:
             from lightning.pytorch.strategies import DDPStrategy
 
@@ -98,8 +100,16 @@ def run(spec: dict, model: BenchModel, warmup: int, timed: int, memory: bool) ->
                 "seconds": selection.seconds,
                 "chosen": selection.chosen.name if selection.chosen is not None else None,
                 "trials": [
-                    {"name": t.name, "plan": plan_summary(t.plan), "predicted_s": t.predicted_step_s, "calibrated_s": t.calibrated_step_s,
-                     "measured_s": t.step_s, "peak_bytes": t.peak_bytes, "seconds": t.seconds, "error": t.error}
+                    {
+                        "name": t.name,
+                        "plan": plan_summary(t.plan),
+                        "predicted_s": t.predicted_step_s,
+                        "calibrated_s": t.calibrated_step_s,
+                        "measured_s": t.step_s,
+                        "peak_bytes": t.peak_bytes,
+                        "seconds": t.seconds,
+                        "error": t.error,
+                    }
                     for t in selection.trials
                 ],
             }
@@ -150,18 +160,33 @@ def main() -> None:
         pools.shutdown()
     seconds = time.perf_counter() - started
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({
-        "machine": harness.machine(), "model": model.describe(), "rounds": args.rounds, "quick": args.quick,
-        "warmup_steps": args.warmup_steps, "timed_steps": args.timed_steps, "amortised_over_steps": AMORTISED_STEPS,
-        "worlds": results, "seconds": seconds,
-    }, indent=1) + "\n")
+    output.write_text(
+        json.dumps(
+            {
+                "machine": harness.machine(),
+                "model": model.describe(),
+                "rounds": args.rounds,
+                "quick": args.quick,
+                "warmup_steps": args.warmup_steps,
+                "timed_steps": args.timed_steps,
+                "amortised_over_steps": AMORTISED_STEPS,
+                "worlds": results,
+                "seconds": seconds,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     plot(results, output.with_suffix(".png"), model)
     print(f"\nresults written to {output} and {output.with_suffix('.png')}  ({seconds:.0f} s)")
 
 
 def measure_world(pools: Pools, world: int, model: BenchModel, args: Any, scratch: Path) -> dict:
     """Every configuration on ``world`` processes, ``args.rounds`` rounds; budgets from the first round's peaks."""
-    baselines = {name: {"kind": "galvatron", "kwargs": {"plan": plan.to_dict()}} for name, plan in uniform_plans(model, world).items()}
+    baselines = {
+        name: {"kind": "galvatron", "kwargs": {"plan": plan.to_dict()}}
+        for name, plan in uniform_plans(model, world).items()
+    }
     baselines.update({name: {"kind": name} for name in LIGHTNING})
     runs: dict[str, list[dict]] = {}
     counter = iter(range(10**6))
@@ -209,7 +234,11 @@ def measure_world(pools: Pools, world: int, model: BenchModel, args: Any, scratc
 
 def _peak(results: list[dict]) -> int | None:
     for r in results:
-        if "error" not in r and r.get("memory_source") != "none" and all(p is not None for p in r["peak_bytes_per_rank"]):
+        if (
+            "error" not in r
+            and r.get("memory_source") != "none"
+            and all(p is not None for p in r["peak_bytes_per_rank"])
+        ):
             return max(r["peak_bytes_per_rank"])
     return None
 
@@ -231,7 +260,10 @@ def budgets(peaks: dict[str, int]) -> dict[str, dict]:
             "why": "halfway between ZeRO-3 with recomputation's peak and the next smallest measured peak",
         }
     else:
-        out["zero3-recompute-only"] = {"budget_bytes": None, "why": "ZeRO-3 with recomputation is not the smallest measured peak"}
+        out["zero3-recompute-only"] = {
+            "budget_bytes": None,
+            "why": "ZeRO-3 with recomputation is not the smallest measured peak",
+        }
     return out
 
 
@@ -260,17 +292,20 @@ def ratios(runs: dict[str, list[dict]], settings: dict[str, dict]) -> dict[str, 
             steady = [b["step_time_s"] / a["step_time_s"] for a, b in pairs]
             amortised = [_amortised(b) / _amortised(a) for a, b in pairs]
             row["versus"][other] = {
-                "fits": peaks.get(other) is not None and peaks[other] <= budget, "peak_bytes": peaks.get(other),
+                "fits": peaks.get(other) is not None and peaks[other] <= budget,
+                "peak_bytes": peaks.get(other),
                 "step_s": statistics.median(b["step_time_s"] for _, b in pairs),
                 "setup_s": statistics.median(b["setup_s"] for _, b in pairs),
-                "throughput_ratio": statistics.median(steady), "amortised_ratio": statistics.median(amortised),
+                "throughput_ratio": statistics.median(steady),
+                "amortised_ratio": statistics.median(amortised),
                 "per_round": steady,
             }
         ok_autos = ok(autos)
         row["auto"] = {
             "step_s": statistics.median(a["step_time_s"] for a in ok_autos),
             "setup_s": statistics.median(a["setup_s"] for a in ok_autos),
-            "peak_bytes": peaks.get(auto), "fits": peaks.get(auto) is not None and peaks[auto] <= budget,
+            "peak_bytes": peaks.get(auto),
+            "fits": peaks.get(auto) is not None and peaks[auto] <= budget,
             "plans": [plan_summary(ParallelPlan.from_dict(a["info"]["plan"])) for a in ok_autos],
             "mixed": [len({*ParallelPlan.from_dict(a["info"]["plan"]).layers}) > 1 for a in ok_autos],
             "selection": ok_autos[0]["info"].get("selection"),
@@ -300,19 +335,30 @@ def report_world(result: dict, world: int, model: BenchModel) -> None:
             continue
         auto = row["auto"]
         print(f"\n{name} budget: {mib(row['budget_bytes'])} per device")
-        print(f"  default path: {auto['step_s'] * 1e3:.0f} ms/step, setup {auto['setup_s']:.1f} s, peak "
-              f"{mib(auto['peak_bytes']) if auto['peak_bytes'] else '-'} ({'fits' if auto['fits'] else 'DOES NOT FIT'}); "
-              f"plan(s): {'; '.join(dict.fromkeys(auto['plans']))}")
-        print(f"  {'configuration':34s} {'step':>8s} {'setup':>7s} {'peak/rank':>10s} {'fits':>5s} {'auto/it':>8s} {'amortised':>9s}")
+        print(
+            f"  default path: {auto['step_s'] * 1e3:.0f} ms/step, setup {auto['setup_s']:.1f} s, peak "
+            f"{mib(auto['peak_bytes']) if auto['peak_bytes'] else '-'} ({'fits' if auto['fits'] else 'DOES NOT FIT'}); "
+            f"plan(s): {'; '.join(dict.fromkeys(auto['plans']))}"
+        )
+        print(
+            f"  {'configuration':34s} {'step':>8s} {'setup':>7s} {'peak/rank':>10s} {'fits':>5s} {'auto/it':>8s} "
+            f"{'amortised':>9s}"
+        )
         for other, v in sorted(row["versus"].items(), key=lambda kv: kv[1]["step_s"]):
             peak = mib(v["peak_bytes"]) if v["peak_bytes"] else "-"
-            print(f"  {other:34s} {v['step_s'] * 1e3:6.0f}ms {v['setup_s']:6.1f}s {peak:>10s} {'yes' if v['fits'] else 'NO':>5s} "
-                  f"{v['throughput_ratio']:7.2f}x {v['amortised_ratio']:8.2f}x")
+            print(
+                f"  {other:34s} {v['step_s'] * 1e3:6.0f}ms {v['setup_s']:6.1f}s {peak:>10s} "
+                f"{'yes' if v['fits'] else 'NO':>5s} "
+                f"{v['throughput_ratio']:7.2f}x {v['amortised_ratio']:8.2f}x"
+            )
         for label in ("best_baseline", "best_uniform"):
             if label in row:
                 v = row["versus"][row[label]]
-                print(f"  default path vs the {label.replace('_', ' ')} that fits ({row[label]}): {v['throughput_ratio']:.2f}x "
-                      f"steady, {v['amortised_ratio']:.2f}x with setup amortised over {AMORTISED_STEPS} steps")
+                print(
+                    f"  default path vs the {label.replace('_', ' ')} that fits ({row[label]}): "
+                    f"{v['throughput_ratio']:.2f}x "
+                    f"steady, {v['amortised_ratio']:.2f}x with setup amortised over {AMORTISED_STEPS} steps"
+                )
 
 
 def plot(results: dict, path: Path, model: BenchModel) -> None:
@@ -323,7 +369,9 @@ def plot(results: dict, path: Path, model: BenchModel) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(w, name, row) for w, res in results.items() for name, row in res["ratios"].items() if "skipped" not in row]
+    panels = [
+        (w, name, row) for w, res in results.items() for name, row in res["ratios"].items() if "skipped" not in row
+    ]
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 5.0), squeeze=False)

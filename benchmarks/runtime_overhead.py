@@ -23,10 +23,19 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import harness
-from harness import RESULTS, BenchModel, FSDP2GPT, interleaved, make_module, measure_run, mib, model_parallel_fsdp2, worker_pool
+from harness import (
+    FSDP2GPT,
+    RESULTS,
+    BenchModel,
+    interleaved,
+    make_module,
+    measure_run,
+    mib,
+    model_parallel_fsdp2,
+    worker_pool,
+)
 
 from lightning_galvatron import GalvatronStrategy
 from lightning_galvatron.plan import LayerStrategy as S
@@ -43,12 +52,23 @@ def run(kind: str, model: BenchModel, warmup: int, timed: int, memory: bool) -> 
     if kind.startswith("galvatron-"):
         dp_type = kind.removeprefix("galvatron-")
         plan = ParallelPlan.uniform(WORLD, model.n_layer, S(dp_type=dp_type), global_batch_size=model.global_batch)
-        return measure_run(lambda: GalvatronStrategy(plan=plan, save_plan=False), model, warmup=warmup, timed=timed, memory=memory)
+        return measure_run(
+            lambda: GalvatronStrategy(plan=plan, save_plan=False), model, warmup=warmup, timed=timed, memory=memory
+        )
     if kind == "lightning-ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
-        return measure_run(lambda: DDPStrategy(process_group_backend="gloo"), model, warmup=warmup, timed=timed, memory=memory)
-    return measure_run(model_parallel_fsdp2, model, warmup=warmup, timed=timed, memory=memory, module_cls=lambda m: make_module(m, FSDP2GPT))
+        return measure_run(
+            lambda: DDPStrategy(process_group_backend="gloo"), model, warmup=warmup, timed=timed, memory=memory
+        )
+    return measure_run(
+        model_parallel_fsdp2,
+        model,
+        warmup=warmup,
+        timed=timed,
+        memory=memory,
+        module_cls=lambda m: make_module(m, FSDP2GPT),
+    )
 
 
 def main() -> None:
@@ -85,15 +105,29 @@ def main() -> None:
         row = summary[name]
         for k in (ours, theirs):
             print(f"  {k:32s} step {row['step_time_s'][k] * 1e3:7.1f} ms (median)   peak {mib(peaks[k])} per rank")
-        print(f"  {name}: step time ratio {ours} / {theirs}: {row['step_time_ratio']:.3f} (per round: "
-              f"{', '.join(f'{x:.2f}' for x in row['step_time_ratio_per_round'])});  memory ratio {row['memory_ratio']:.3f}\n")
+        print(
+            f"  {name}: step time ratio {ours} / {theirs}: {row['step_time_ratio']:.3f} (per round: "
+            f"{', '.join(f'{x:.2f}' for x in row['step_time_ratio_per_round'])});  memory ratio "
+            f"{row['memory_ratio']:.3f}\n"
+        )
     print(f"({seconds:.0f} s)")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "machine": harness.machine(), "model": model.describe(), "world_size": WORLD, "rounds": args.rounds,
-        "summary": summary, "runs": runs, "seconds": seconds,
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "machine": harness.machine(),
+                "model": model.describe(),
+                "world_size": WORLD,
+                "rounds": args.rounds,
+                "summary": summary,
+                "runs": runs,
+                "seconds": seconds,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     plot(summary, runs, out.with_suffix(".png"), model)
     print(f"results written to {out} and {out.with_suffix('.png')}")
 
@@ -109,12 +143,18 @@ def plot(summary: dict, runs: dict, path: Path, model: BenchModel) -> None:
         row = summary[name]
         for k in pair:
             left.plot([r["step_time_s"] * 1e3 for r in runs[k]], marker="o", label=k)
-        left.set(xlabel="round", ylabel="median step time (ms)", title=f"{name}: step time ratio {row['step_time_ratio']:.3f}")
+        left.set(
+            xlabel="round",
+            ylabel="median step time (ms)",
+            title=f"{name}: step time ratio {row['step_time_ratio']:.3f}",
+        )
         left.legend(fontsize=8)
         right.bar(list(pair), [row["peak_bytes_per_rank"][k] / 2**20 for k in pair], color=["tab:green", "tab:blue"])
         right.set(ylabel="peak memory per rank (MiB)", title=f"{name}: memory ratio {row['memory_ratio']:.3f}")
         right.tick_params(axis="x", labelsize=8)
-    fig.suptitle(f"GalvatronStrategy vs Lightning's strategies on the same uniform plan: {model.describe()}", fontsize=9)
+    fig.suptitle(
+        f"GalvatronStrategy vs Lightning's strategies on the same uniform plan: {model.describe()}", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

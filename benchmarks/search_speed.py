@@ -49,18 +49,32 @@ def main() -> None:
             search(profile, devices, BUDGET, global_batch_size=batch)
             full.append(time.perf_counter() - started)
         plan = result.plan
-        rows.append({
-            "blocks": blocks, "devices": devices, "global_batch_size": batch, "budget": BUDGET, "target_s": target,
-            "search_s_min": min(alone), "search_s_median": statistics.median(alone),
-            "with_baselines_s_median": statistics.median(full),
-            "shapes_considered": result.shapes_considered, "shapes_solved": result.shapes_solved,
-            "throughput_samples_per_s": result.throughput_samples_per_s,
-            "peak_memory_bytes_per_device": result.peak_memory_bytes_per_device,
-            "plan": f"pp={plan.pp} {plan.schedule} m={plan.micro_batches} "
-            + ", ".join(sorted({f'{sum(s == t for s in plan.layers)}x {t.short()}' for t in plan.layers})),
-        })
-    header = f"{'blocks':>6} {'devices':>7} {'batch':>5} {'search (min/median)':>20} {'+baselines':>10} {'target':>7}  shapes  throughput  peak memory  plan"
-    print(f"Search speed, {platform.processor() or platform.machine()}, profile {PROFILE.name}, budget {BUDGET} per device")
+        rows.append(
+            {
+                "blocks": blocks,
+                "devices": devices,
+                "global_batch_size": batch,
+                "budget": BUDGET,
+                "target_s": target,
+                "search_s_min": min(alone),
+                "search_s_median": statistics.median(alone),
+                "with_baselines_s_median": statistics.median(full),
+                "shapes_considered": result.shapes_considered,
+                "shapes_solved": result.shapes_solved,
+                "throughput_samples_per_s": result.throughput_samples_per_s,
+                "peak_memory_bytes_per_device": result.peak_memory_bytes_per_device,
+                "plan": f"pp={plan.pp} {plan.schedule} m={plan.micro_batches} "
+                + ", ".join(sorted({f"{sum(s == t for s in plan.layers)}x {t.short()}" for t in plan.layers})),
+            }
+        )
+    header = (
+        f"{'blocks':>6} {'devices':>7} {'batch':>5} {'search (min/median)':>20} {'+baselines':>10} "
+        f"{'target':>7}  shapes  throughput  peak memory  plan"
+    )
+    print(
+        f"Search speed, {platform.processor() or platform.machine()}, profile {PROFILE.name}, "
+        f"budget {BUDGET} per device"
+    )
     print(header)
     for r in rows:
         ok = "ok" if r["search_s_median"] < r["target_s"] else "SLOW"
@@ -68,7 +82,8 @@ def main() -> None:
             f"{r['blocks']:>6} {r['devices']:>7} {r['global_batch_size']:>5} "
             f"{r['search_s_min']:>9.3f}/{r['search_s_median']:.3f} s {r['with_baselines_s_median']:>8.2f} s "
             f"{r['target_s']:>5.0f} s {ok:>4} {r['shapes_solved']:>3}/{r['shapes_considered']:<4} "
-            f"{r['throughput_samples_per_s']:>8.2f}/s  {format_bytes(r['peak_memory_bytes_per_device']):>10}  {r['plan']}"
+            f"{r['throughput_samples_per_s']:>8.2f}/s  {format_bytes(r['peak_memory_bytes_per_device']):>10}  "
+            f"{r['plan']}"
         )
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,13 @@ from lightning_galvatron.units import format_bytes
 
 HERE = Path(__file__).parent
 PROFILE = HERE / "data" / "llama2-7b-a100-8gpu.json"
-REFERENCE = HERE.parent / "tests" / "data" / "galvatron-profiles" / "galvatron_config_llama2-7b_1nodes_8gpus_per_node_36GB_bf16.json"
+REFERENCE = (
+    HERE.parent
+    / "tests"
+    / "data"
+    / "galvatron-profiles"
+    / "galvatron_config_llama2-7b_1nodes_8gpus_per_node_36GB_bf16.json"
+)
 
 
 def main() -> None:
@@ -33,21 +39,26 @@ def main() -> None:
     for budget in ("36GB", "36GiB"):
         theirs = evaluate(profile, reference, memory_budget_bytes=budget)
         ours = search(profile, 8, budget, global_batch_size=reference.global_batch_size)
-        rows.append({
-            "budget": budget,
-            "ours_samples_per_s": ours.throughput_samples_per_s,
-            "ours_peak_memory_bytes": ours.peak_memory_bytes_per_device,
-            "reference_samples_per_s": theirs.throughput_samples_per_s,
-            "reference_peak_memory_bytes": theirs.peak_memory_bytes,
-            "reference_fits": theirs.fits,
-            "speedup": ours.throughput_samples_per_s / theirs.throughput_samples_per_s,
-            "ours_plan": ours.plan.to_dict(),
-            "search_s": ours.search_time_s,
-        })
+        rows.append(
+            {
+                "budget": budget,
+                "ours_samples_per_s": ours.throughput_samples_per_s,
+                "ours_peak_memory_bytes": ours.peak_memory_bytes_per_device,
+                "reference_samples_per_s": theirs.throughput_samples_per_s,
+                "reference_peak_memory_bytes": theirs.peak_memory_bytes,
+                "reference_fits": theirs.fits,
+                "speedup": ours.throughput_samples_per_s / theirs.throughput_samples_per_s,
+                "ours_plan": ours.plan.to_dict(),
+                "search_s": ours.search_time_s,
+            }
+        )
         print(
-            f"{budget:>6}: ours {ours.throughput_samples_per_s:.2f} samples/s ({format_bytes(ours.peak_memory_bytes_per_device)}), "
-            f"reference plan {theirs.throughput_samples_per_s:.2f} samples/s ({format_bytes(theirs.peak_memory_bytes)}, "
-            f"{'fits' if theirs.fits else 'does not fit'}), x{rows[-1]['speedup']:.3f}, search {ours.search_time_s:.2f} s"
+            f"{budget:>6}: ours {ours.throughput_samples_per_s:.2f} samples/s "
+            f"({format_bytes(ours.peak_memory_bytes_per_device)}), "
+            f"reference plan {theirs.throughput_samples_per_s:.2f} samples/s "
+            f"({format_bytes(theirs.peak_memory_bytes)}, "
+            f"{'fits' if theirs.fits else 'does not fit'}), x{rows[-1]['speedup']:.3f}, search "
+            f"{ours.search_time_s:.2f} s"
         )
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,9 @@ class MajorityDataset(Dataset):
 
 
 class MajorityDataModule(L.LightningDataModule):
-    def __init__(self, batch_size: int = 8, seq_length: int = 16, train_samples: int = 2048, val_samples: int = 256) -> None:
+    def __init__(
+        self, batch_size: int = 8, seq_length: int = 16, train_samples: int = 2048, val_samples: int = 256
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
 

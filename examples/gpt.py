@@ -53,7 +53,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 instead of n_head: with tensor parallelism each rank holds a slice of the heads.
-        q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -194,7 +197,9 @@ class ArithmeticText(Dataset):
 
 
 class ArithmeticDataModule(L.LightningDataModule):
-    def __init__(self, batch_size: int = 4, seq_length: int = 32, train_samples: int = 512, val_samples: int = 64) -> None:
+    def __init__(
+        self, batch_size: int = 4, seq_length: int = 32, train_samples: int = 512, val_samples: int = 64
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
 

@@ -30,8 +30,15 @@ import lightning_galvatron  # noqa: E402,F401  (registers strategy="galvatron")
 from examples.gpt import ALPHABET, ArithmeticDataModule  # noqa: E402
 
 TINY_LLAMA = dict(
-    model_type="llama", vocab_size=len(ALPHABET) + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    model_type="llama",
+    vocab_size=len(ALPHABET) + 1,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
 )
 
 
@@ -69,7 +76,9 @@ class CausalLMFineTune(L.LightningModule):
         self.log("val_loss", self.loss(batch), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay)
+        return torch.optim.AdamW(
+            self.parameters(), lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay
+        )
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """lightning_galvatron: automatic hybrid parallelism for PyTorch Lightning.
 
-``import lightning_galvatron`` makes ``Trainer(strategy="galvatron")`` available in ``lightning`` and,
-when installed, ``pytorch_lightning`` (registered as soon as Lightning is imported, so that the
-offline parts -- plans, search, CLI -- never load Lightning).
+``import lightning_galvatron`` makes ``Trainer(strategy="galvatron")`` available in ``lightning``
+(registered as soon as Lightning is imported, so that the offline parts -- plans, search, CLI -- never
+load Lightning); in ``pytorch_lightning`` the name says to use ``lightning.pytorch`` instead.
 """
 
 from typing import Any
@@ -12,7 +12,14 @@ from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 
 _install()
 
-__all__ = ["GalvatronStrategy", "LayerStrategy", "ParallelPlan", "PlanError", "dry_run", "register_tensor_parallel_plan"]
+__all__ = [
+    "GalvatronStrategy",
+    "LayerStrategy",
+    "ParallelPlan",
+    "PlanError",
+    "dry_run",
+    "register_tensor_parallel_plan",
+]
 __version__ = "0.1.0"
 
 

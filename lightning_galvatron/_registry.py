@@ -1,9 +1,9 @@
-"""Make ``strategy="galvatron"`` work in ``lightning`` and, when installed, ``pytorch_lightning``.
+"""Make ``strategy="galvatron"`` work in ``lightning``, and say why not in ``pytorch_lightning``.
 
 The two packages have separate class hierarchies and registries: a ``pytorch_lightning.Trainer``
-only accepts subclasses of ``pytorch_lightning.strategies.Strategy``. The Lightning-facing modules
-are written once against ``lightning.pytorch``; for ``pytorch_lightning`` they are loaded again
-with the imports renamed -- the same source mapping Lightning uses to build its mirror package.
+only accepts subclasses of ``pytorch_lightning.strategies.Strategy``, and LightningModules of
+its own. The strategy is written against ``lightning.pytorch`` only; in ``pytorch_lightning`` the
+name is registered to an error that says to import ``lightning.pytorch`` instead.
 
 Registration itself is the strategy's (``GalvatronStrategy.register_strategies``, Lightning's pattern); this
 module only calls it, once the user's program has imported Lightning (a ``sys.meta_path`` hook), so
@@ -12,23 +12,23 @@ that ``import lightning_galvatron`` stays light: the offline search and the CLI 
 
 from __future__ import annotations
 
-import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import inspect
 import sys
 import types
 from collections.abc import Callable
+from typing import Any
 
-# Modules that import Lightning, in dependency order.
-_GLUE_MODULES = ("precision", "data", "trials", "strategy")
-_MIRROR_PACKAGE = "lightning_galvatron._pytorch_lightning"
+_DESCRIPTION = "Hybrid parallelism with a per-layer plan searched by Galvatron"
 
 
 def install() -> None:
     """Register now for each Lightning package already imported, else right after it is imported."""
-    for package, register in (("lightning.pytorch", register_lightning), ("pytorch_lightning", register_pytorch_lightning)):
+    for package, register in (
+        ("lightning.pytorch", register_lightning),
+        ("pytorch_lightning", register_pytorch_lightning),
+    ):
         if package in sys.modules:
             register()
         elif importlib.util.find_spec(package.split(".")[0]) is not None:
@@ -42,7 +42,9 @@ class _CallAfterImport(importlib.abc.MetaPathFinder):
         self.name = name
         self.callback = callback
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)
@@ -72,32 +74,23 @@ def register_lightning() -> type | None:
     return GalvatronStrategy
 
 
-def register_pytorch_lightning() -> type | None:
-    """Register the ``pytorch_lightning`` twin of the strategy; ``None`` if that package is absent."""
-    if importlib.util.find_spec("pytorch_lightning") is None:
-        return None
-    strategy_module = _mirror_glue_modules()
+def register_pytorch_lightning() -> None:
+    """``pytorch_lightning`` is a separate copy of Lightning whose Trainer accepts only its own classes; the
+    strategy is built on ``lightning``. The name gets a clear error there instead of "invalid strategy name"."""
     from pytorch_lightning.strategies import StrategyRegistry
 
-    strategy_module.GalvatronStrategy.register_strategies(StrategyRegistry)
-    return strategy_module.GalvatronStrategy
+    if "galvatron" not in StrategyRegistry:
+        StrategyRegistry.register(
+            "galvatron", _not_in_pytorch_lightning, description=_DESCRIPTION + " (lightning only)"
+        )
 
 
-def _mirror_glue_modules() -> types.ModuleType:
-    if f"{_MIRROR_PACKAGE}.strategy" in sys.modules:
-        return sys.modules[f"{_MIRROR_PACKAGE}.strategy"]
-    package = types.ModuleType(_MIRROR_PACKAGE)
-    package.__path__ = []
-    sys.modules[_MIRROR_PACKAGE] = package
-    for name in _GLUE_MODULES:
-        original = importlib.import_module(f"lightning_galvatron.{name}")
-        source = inspect.getsource(original)
-        source = source.replace("lightning.pytorch", "pytorch_lightning").replace("lightning.fabric", "lightning_fabric")
-        for glue in _GLUE_MODULES:
-            source = source.replace(f"lightning_galvatron.{glue} ", f"{_MIRROR_PACKAGE}.{glue} ")
-        module = types.ModuleType(f"{_MIRROR_PACKAGE}.{name}", original.__doc__)
-        module.__file__ = original.__file__
-        sys.modules[module.__name__] = module
-        exec(compile(source, original.__file__ or name, "exec"), module.__dict__)
-        setattr(package, name, module)
-    return sys.modules[f"{_MIRROR_PACKAGE}.strategy"]
+def _not_in_pytorch_lightning(**_: Any) -> None:
+    raise ValueError(PYTORCH_LIGHTNING_MESSAGE)
+
+
+PYTORCH_LIGHTNING_MESSAGE = (
+    'strategy="galvatron" runs with the `lightning` package, not `pytorch_lightning`: they are two copies of '
+    "Lightning, and a Trainer accepts only its own package's strategies, modules and callbacks. Import Lightning as "
+    "`import lightning.pytorch as pl` (same API and version) in your LightningModule, callbacks and Trainer code"
+)

@@ -22,7 +22,9 @@ def check_strategy_arguments(
 ) -> None:
     """Raise ``ValueError`` naming the argument and what to give instead."""
     if plan is None:
-        raise ValueError('GalvatronStrategy needs a plan: plan="auto" (the default), a ParallelPlan, a dict or a JSON file')
+        raise ValueError(
+            'GalvatronStrategy needs a plan: plan="auto" (the default), a ParallelPlan, a dict or a JSON file'
+        )
     if plan != "auto":
         check_plan_source(plan)
     if layers is not None and not (

@@ -8,9 +8,9 @@ is changed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch import nn
 from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.plan import ParallelPlan, PlanError
 from lightning_galvatron.profiles import Profile
+from lightning_galvatron.search.estimate import Estimate
 from lightning_galvatron.units import format_bytes, parse_bytes
 
 # Left free on a GPU for the CUDA context, the allocator's fragmentation and NCCL buffers.
@@ -34,30 +35,17 @@ class SearchSettings:
     """What ``GalvatronStrategy`` passes on to the search (see its arguments), checked when it is made.
 
     The strategy makes these in its constructor, so a wrong limit or budget stops the program before any
-    process is launched or anything is profiled; the rules are the search's own (:class:`SearchOptions`).
+    process is launched or anything is profiled. The knobs are one
+    :class:`~lightning_galvatron.search.options.SearchOptions`, passed to the search whole.
     """
 
     memory_budget: int | str | None = None
-    max_tp: int | None = None
-    max_pp: int | None = None
-    disable: Sequence[str] = ()
-    schedules: Sequence[str] | None = None
-    search_batch_size: bool = False
-    max_global_batch_size: int | None = None
     profile_cache: bool | str | os.PathLike = True
-    calibration: Any = None  # a Calibration, its dict or JSON file: price plans with the calibrated cost model
+    options: Any = None  # a SearchOptions (None: the defaults)
 
     def __post_init__(self) -> None:
-        from lightning_galvatron.search.calibration import load_calibration
-        from lightning_galvatron.search.space import SearchOptions
+        from lightning_galvatron.search.options import SearchOptions
 
-        # A single name is a list of one (YAML users write `disable: zero3`).
-        for name in ("disable", "schedules"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                object.__setattr__(self, name, (value,))
-            elif value is not None:
-                object.__setattr__(self, name, tuple(value))
         if self.memory_budget is not None:
             try:
                 budget = parse_bytes(self.memory_budget)
@@ -65,18 +53,24 @@ class SearchSettings:
                 raise ValueError(f"memory_budget: {err}") from None
             if budget <= 0:
                 raise ValueError(f"memory_budget must be a positive size such as '24GB', got {self.memory_budget!r}")
-        SearchOptions(
-            max_tp=self.max_tp,
-            max_pp=self.max_pp,
-            disable=frozenset(self.disable),
-            schedules=self.schedules or SearchOptions().schedules,
-        )
-        value = self.max_global_batch_size
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"max_global_batch_size must be a positive integer or None, got {value!r}")
         if not isinstance(self.profile_cache, (bool, str, os.PathLike)):
             raise ValueError(f"profile_cache must be True, False or a directory, got {self.profile_cache!r}")
-        object.__setattr__(self, "calibration", load_calibration(self.calibration))
+        object.__setattr__(self, "options", SearchOptions.of(self.options))
+
+    @classmethod
+    def of(
+        cls, memory_budget: Any, profile_cache: Any, search_options: Any = None, **shorthands: Any
+    ) -> SearchSettings:
+        """The strategy's arguments: ``search_options`` (a SearchOptions or a dict of its fields) and its
+        fields given by name, which win where given (not None, False or empty: the strategy's defaults)."""
+        from lightning_galvatron.search.options import SearchOptions
+
+        given = {
+            name: value
+            for name, value in shorthands.items()
+            if value is not None and value is not False and not (isinstance(value, (list, tuple, set)) and not value)
+        }
+        return cls(memory_budget, profile_cache, SearchOptions.of(search_options, **given))
 
     @property
     def memory_budget_bytes(self) -> int | None:
@@ -87,8 +81,9 @@ class SearchSettings:
 class AutoPlan:
     plan: ParallelPlan
     profile: Profile
-    report: str  # the search's table and baselines (rank 0; empty elsewhere)
+    report: str  # what the search compared its plan with, and its cost (rank 0; empty elsewhere)
     memory_budget_bytes: int
+    estimate: Estimate  # the plan's predicted time and memory (every rank)
     seconds: dict[str, float] = field(default_factory=dict)
     profile_cached: bool = False
     search_result: Any = None  # the search's SearchResult (rank 0; None elsewhere)
@@ -102,7 +97,11 @@ def device_memory(device: torch.device, processes_per_node: int) -> tuple[int, s
         return total, f"{torch.cuda.get_device_name(device)} has {format_bytes(total)}"
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     share = physical // max(processes_per_node, 1)
-    return share, f"this machine's {format_bytes(physical)} shared by {processes_per_node} processes is {format_bytes(share)} each"
+    return (
+        share,
+        f"this machine's {format_bytes(physical)} shared by {processes_per_node} processes is "
+        f"{format_bytes(share)} each",
+    )
 
 
 def default_memory_budget(device: torch.device, processes_per_node: int) -> int:
@@ -153,8 +152,8 @@ def plan_automatically(
     chooses recomputation and micro-batches (gradient accumulation inside the step) to fit the budget.
     """
     from lightning_galvatron.profiler import profile
-    from lightning_galvatron.search import search
-    from lightning_galvatron.search.report import describe_search
+    from lightning_galvatron.search import evaluate, search
+    from lightning_galvatron.search.report import describe_alternatives
 
     started = time.perf_counter()
     cache_info: dict[str, Any] = {}
@@ -172,33 +171,28 @@ def plan_automatically(
         )
     profiled = time.perf_counter()
     budget = settings.memory_budget_bytes or default_memory_budget(device, devices_per_node)
-    # Pipelines cannot carry an encoder's output to decoder stages (see runtime.pipeline).
-    max_pp = 1 if len(structure.block_lists) > 1 else settings.max_pp
+    # Pipelines cannot carry an encoder's output to decoder stages (see runtime.pipeline); on one device every
+    # uniform plan is the same, so there are no baselines to compare with.
+    options = dataclasses.replace(
+        settings.options,
+        max_pp=1 if len(structure.block_lists) > 1 else settings.options.max_pp,
+        baselines=settings.options.baselines and world_size > 1,
+    )
     outcome: tuple[dict | None, str, str | None] = (None, "", None)
+    # What the search is given, flat (its options by field): measured selection searches again with them.
     arguments: dict[str, Any] = {
         "world_size": world_size,
         "memory_budget_bytes": budget,
         "global_batch_size": global_batch_size,
-        "max_tp": settings.max_tp,
-        "max_pp": max_pp,
-        "disable": settings.disable,
-        "schedules": settings.schedules,
         "optimizer": optimizer,
         "precision": precision,
-        "search_batch_size": settings.search_batch_size,
-        "max_global_batch_size": settings.max_global_batch_size,
-        "calibration": settings.calibration,
+        **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)},
     }
     result = None
     if dist.get_rank() == 0:
         try:
-            result = search(measured, **arguments, baselines=world_size > 1)  # on one device every uniform plan is the same
-            devices = f"{world_size} device{'s' if world_size > 1 else ''}"
-            title = (
-                f"Galvatron plan for {devices}, {format_bytes(budget)} per device, "
-                f"global batch {result.global_batch_size}"
-            )
-            outcome = (result.plan.to_dict(), describe_search(result, title), None)
+            result = search(measured, **arguments)
+            outcome = (result.plan.to_dict(), describe_alternatives(result), None)
         except ValueError as error:  # infeasible budget, no valid plan: say it on every rank
             outcome = (None, "", str(error))
     holder = [outcome]
@@ -206,12 +200,22 @@ def plan_automatically(
     plan_dict, report, error = holder[0]
     if error is not None:
         raise PlanError(f"automatic plan search failed: {error}")
-    assert plan_dict is not None
+    assert plan_dict is not None and measured is not None
+    plan = ParallelPlan.from_dict(plan_dict)
     return AutoPlan(
-        plan=ParallelPlan.from_dict(plan_dict),
+        plan=plan,
         profile=measured,
         report=report,
         memory_budget_bytes=budget,
+        # The search's own estimate, recomputed where the search did not run (the same deterministic cost model).
+        estimate=evaluate(
+            measured,
+            plan,
+            optimizer=optimizer,
+            precision=precision,
+            memory_budget_bytes=budget,
+            calibration=settings.options.calibration,
+        ),
         seconds={"profile": profiled - started, "search": time.perf_counter() - profiled},
         profile_cached=bool(cache_info.get("cached")),
         search_result=result,

@@ -52,8 +52,8 @@ def check_sharded_checkpoint(path: str | os.PathLike) -> Any:
         shards = sorted(p.name for p in path.glob("*.distcp"))
         if not shards and not (path / METADATA_FILE).is_file():
             raise CheckpointError(
-                f"{str(path)!r} is not a sharded (DCP) checkpoint directory: it has no {DCP_INDEX_FILE}, no shard files "
-                f"and no {METADATA_FILE}"
+                f"{str(path)!r} is not a sharded (DCP) checkpoint directory: it has no {DCP_INDEX_FILE}, no shard "
+                f"files and no {METADATA_FILE}"
             )
         found = f"it holds {len(shards)} shard file(s) but" if shards else "it"
         raise CheckpointError(
@@ -165,7 +165,9 @@ def _load_model(path: Path, model: nn.Module, saved: set[str], strict: bool) -> 
     set_model_state_dict(model, _split_like(holder[MODEL_KEY], state), options=StateDictOptions(strict=False))
 
 
-def _load_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, key: str, saved: set[str], strict: bool) -> None:
+def _load_optimizer(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, key: str, saved: set[str], strict: bool
+) -> None:
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (
@@ -176,7 +178,7 @@ def _load_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
     if not any(name.startswith(f"{key}.") for name in saved):
         raise CheckpointError(
-            f"checkpoint {str(path)!r} has no state for optimizer {key[len('optimizer_'):]} (saved with "
+            f"checkpoint {str(path)!r} has no state for optimizer {key[len('optimizer_') :]} (saved with "
             "save_weights_only=True, or with fewer optimizers): it can initialise a model but not resume its training"
         )
     state = get_optimizer_state_dict(model, optimizer)
@@ -186,8 +188,9 @@ def _load_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     loaded = {**holder[key], "state": _split_like(holder[key]["state"], state["state"])}
     if len(loaded["param_groups"]) != len(own_groups):
         raise CheckpointError(
-            f"checkpoint {str(path)!r}: optimizer {key[len('optimizer_'):]} has {len(own_groups)} parameter groups but "
-            f"the checkpoint's has {len(loaded['param_groups'])}; configure_optimizers must build the same groups"
+            f"checkpoint {str(path)!r}: optimizer {key[len('optimizer_') :]} has {len(own_groups)} parameter "
+            f"groups but the checkpoint's has {len(loaded['param_groups'])}; configure_optimizers must build the "
+            "same groups"
         )
     for group, params in zip(loaded["param_groups"], own_groups):
         group["params"] = params  # one rank's names were stored; hyper-parameters are the same on every rank
@@ -264,7 +267,9 @@ def load_model_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         for part in path[:-1]:
             node = node.setdefault(part, {})
         is_tensor = isinstance(entry, TensorStorageMetadata)
-        node[path[-1]] = torch.empty(entry.size, dtype=entry.properties.dtype) if is_tensor else None  # None: DCP fills in
+        node[path[-1]] = (
+            torch.empty(entry.size, dtype=entry.properties.dtype) if is_tensor else None
+        )  # None: DCP fills in
     if MODEL_KEY not in root:
         raise CheckpointError(f"checkpoint {str(checkpoint_dir)!r} holds no model state ({MODEL_KEY!r} entries)")
     with warnings.catch_warnings():  # one process on purpose; DCP warns that no process group is initialised
@@ -316,11 +321,13 @@ def hf_models(module: nn.Module) -> list[dict[str, Any]]:
     for name, sub in module.named_modules():
         if isinstance(sub, transformers.PreTrainedModel) and not any(_under(name, r["prefix"]) for r in found):
             cls = type(sub)
-            found.append({
-                "prefix": name,
-                "class": f"{cls.__module__}:{cls.__qualname__}",
-                "config": json.loads(sub.config.to_json_string(use_diff=False)),
-            })
+            found.append(
+                {
+                    "prefix": name,
+                    "class": f"{cls.__module__}:{cls.__qualname__}",
+                    "config": json.loads(sub.config.to_json_string(use_diff=False)),
+                }
+            )
     return found
 
 
@@ -352,9 +359,7 @@ def export_hf(
     try:
         import transformers
     except ImportError:
-        raise CheckpointError(
-            "--hf needs transformers: pip install 'lightning_galvatron[hf]'"
-        ) from None
+        raise CheckpointError("--hf needs transformers: pip install 'lightning_galvatron[hf]'") from None
 
     state = load_model_state(checkpoint_dir)
     if config is not None:
@@ -366,10 +371,14 @@ def export_hf(
     else:
         records = (_metadata(checkpoint_dir).get("galvatron") or {}).get("hf_models") or []
         if len(records) != 1:
-            found = "no Hugging Face model" if not records else f"{len(records)} ({', '.join(r['prefix'] for r in records)})"
+            found = (
+                "no Hugging Face model"
+                if not records
+                else f"{len(records)} ({', '.join(r['prefix'] for r in records)})"
+            )
             raise CheckpointError(
-                f"checkpoint {str(checkpoint_dir)!r} records {found}: pass the model's config (--hf-config CONFIG.json) "
-                "to say which model to export"
+                f"checkpoint {str(checkpoint_dir)!r} records {found}: pass the model's config (--hf-config "
+                "CONFIG.json) to say which model to export"
             )
         (record,) = records
         module_name, _, qualname = record["class"].partition(":")

@@ -5,6 +5,8 @@ Subcommands:
 * ``profile --model MODULE:CLASS --datamodule MODULE:CLASS -o profile.json`` -- measure a model and
   the cluster it runs on (under ``torchrun``, or ``--devices N`` with Lightning's launcher);
 * ``search PROFILE --world-size N --memory-budget 36GB`` -- the best plan for any cluster;
+* ``calibrate PROFILE --model MODULE:CLASS --datamodule MODULE:CLASS -o calibration.json`` -- fit the cost
+  model to short runs of probe plans on this machine (under ``torchrun``, or ``--devices N``);
 * ``evaluate PROFILE --plan PLAN`` -- predicted time and memory of a plan (ours or the reference
   system's format): a what-if tool;
 * ``import-galvatron DIR --hidden-size H --seq-length S -o profile.json`` -- convert the reference
@@ -31,14 +33,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_galvatron.cli_options import (
+    add_cost_options,
+    add_json_option,
+    add_memory_budget_option,
+    add_model_options,
+    add_search_options,
+    byte_size,
+    json_object,
+    memory_size,
+    precision_of,
+    profile_path,
+    search_options,
+)
 from lightning_galvatron.search.report import describe_estimate, describe_search
-from lightning_galvatron.units import format_bytes, parse_bytes
+from lightning_galvatron.units import format_bytes
 
 EXIT_OK, EXIT_NO, EXIT_USAGE = 0, 1, 2
 
@@ -101,7 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             traceback.print_exc()
         if isinstance(err, InfeasibleBudgetError):
-            extra = {"fits": False, "smallest_budget_bytes": err.smallest_budget_bytes, "global_batch_size": err.global_batch_size}
+            extra = {
+                "fits": False,
+                "smallest_budget_bytes": err.smallest_budget_bytes,
+                "global_batch_size": err.global_batch_size,
+            }
             return _fail(EXIT_NO, "no_plan", str(err), args.command, as_json, **extra)
         if isinstance(err, NoValidPlanError):
             return _fail(EXIT_NO, "no_plan", str(err), args.command, as_json, fits=False)
@@ -121,120 +142,6 @@ def _fail(code: int, kind: str, message: str, command: str | None, as_json: bool
     return code
 
 
-# ---------------------------------------------------------------------------------------------- shared options
-_BARE_NUMBER = re.compile(r"^\s*[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?\s*$", re.IGNORECASE)
-
-
-def _byte_size(text: str) -> int:
-    """A memory size with its unit (``36GB``, ``40GiB``, ``512MB``; ``0`` alone is allowed)."""
-    if _BARE_NUMBER.match(text) and float(text) != 0:
-        raise argparse.ArgumentTypeError(
-            f"{text.strip()!r} has no unit: write e.g. '{text.strip()}GB' (decimal) or '{text.strip()}GiB' (binary), "
-            f"or '{text.strip()}B' if you mean bytes"
-        )
-    try:
-        return parse_bytes(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _memory_size(text: str) -> int:
-    """A device's memory or budget: a byte size above zero."""
-    size = _byte_size(text)
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"a device's memory must be more than 0 bytes, got {text!r}")
-    return size
-
-
-def _optimizer(text: str) -> str | float:
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {err}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"n_layer\": 4}'")
-    return value
-
-
-def add_json_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object (errors included) instead of text")
-
-
-def add_memory_budget_option(parser: argparse.ArgumentParser, help: str) -> None:
-    """``--memory-budget`` (``GalvatronStrategy(memory_budget=...)``; ``--memory-per-device`` is its old name)."""
-    parser.add_argument("--memory-budget", "--memory-per-device", dest="memory_budget", type=_memory_size, help=help)
-
-
-def add_search_options(parser: argparse.ArgumentParser, *, prefix: str = "") -> None:
-    """The search's limits, named as ``GalvatronStrategy``'s arguments. ``prefix`` starts each help text."""
-    from lightning_galvatron.plan import SCHEDULES
-    from lightning_galvatron.search.space import DISABLE_CHOICES
-
-    p = parser
-    p.add_argument("--search-batch-size", action="store_true", help=f"{prefix}also search the global batch size for throughput")
-    p.add_argument("--max-global-batch-size", type=int, help=f"{prefix}largest batch tried by --search-batch-size (default: 8 x world size)")
-    p.add_argument("--max-tp", type=int, help=f"{prefix}largest tensor/sequence-parallel degree")
-    p.add_argument("--max-pp", type=int, help=f"{prefix}largest pipeline degree")
-    p.add_argument("--disable", nargs="+", default=[], choices=sorted(DISABLE_CHOICES), metavar="WHAT", help=f"{prefix}leave out: {', '.join(sorted(DISABLE_CHOICES))}")
-    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, help=f"{prefix}pipeline schedules allowed (default: all)")
-
-
-def add_precision_option(parser: argparse.ArgumentParser) -> None:
-    from lightning_galvatron.search.cost import PRECISIONS
-
-    parser.add_argument(
-        "--precision", choices=sorted(PRECISIONS),
-        help="training precision (default: the precision the profile was measured in)",
-    )
-
-
-def _add_cost_options(parser: argparse.ArgumentParser) -> None:
-    from lightning_galvatron.search.cost import OPTIMIZER_STATES
-
-    add_precision_option(parser)
-    parser.add_argument(
-        "--optimizer",
-        type=_optimizer,
-        default="adamw",
-        help=f"optimizer kind ({', '.join(sorted(OPTIMIZER_STATES))}) or its state bytes per parameter (default: adamw)",
-    )
-    add_json_option(parser)
-
-
-def add_model_options(parser: argparse.ArgumentParser, *, hf_help: str, model_help: str) -> None:
-    """The model of a question about a cluster at hand or not: a Hugging Face config or a class, built on meta."""
-    model = parser.add_mutually_exclusive_group(required=True)
-    model.add_argument("--hf-config", help=hf_help)
-    model.add_argument("--model", help=model_help)
-    parser.add_argument("--model-args", type=_json_object, default={}, help="with --model: its init arguments as a JSON object")
-    parser.add_argument("--layers", nargs="+", help="dotted path(s) of the block container(s) (default: detected)")
-    parser.add_argument("--seq-length", type=int, help="tokens per sample (default: the config's maximum positions)")
-
-
-def precision_of(args: argparse.Namespace, profile: Any) -> tuple[str, str]:
-    """The precision asked for, else the profile's; and where it came from (for the report)."""
-    if args.precision:
-        return args.precision, "given"
-    if profile is not None and profile.measured_precision:
-        return profile.measured_precision, "the profile's"
-    assumed = "32-true" if profile is not None and profile.model.activation_dtype_bytes == 4 else "bf16-mixed"
-    return assumed, "assumed: the profile does not record its precision; pass --precision"
-
-
-def profile_path(text: str) -> str:
-    """A profile file, or the name of a reference profile shipped with the package (``a100``)."""
-    from lightning_galvatron import reference_profiles
-
-    return reference_profiles.resolve(text)
-
-
 # ---------------------------------------------------------------------------------------------- profile
 @subcommand
 def _register_profile(subparsers: Any) -> None:
@@ -246,24 +153,18 @@ def _register_profile(subparsers: Any) -> None:
         "rank: `torchrun --nproc-per-node 4 --no-python lightning-galvatron profile ...`, or let Lightning launch the "
         "processes with --devices 4.",
     )
-    p.add_argument("--model", help="the LightningModule class, MODULE:CLASS or path/to/file.py:CLASS")
-    p.add_argument("--model-args", type=_json_object, default={}, help="its init arguments as a JSON object")
-    p.add_argument("--datamodule", help="the LightningDataModule class giving the example batch, MODULE:CLASS")
-    p.add_argument("--datamodule-args", type=_json_object, default={}, help="its init arguments as a JSON object")
+    _add_training_inputs(p)
     p.add_argument(
-        "--config",
-        help="a LightningCLI YAML (read as LightningCLI reads it): its model, data and trainer.precision are used; "
-        "--model/--datamodule name the classes when the YAML has no class_path; command-line arguments win",
+        "--batch-sizes", type=int, nargs="+", default=[1, 4], help="local batch sizes to time (default: 1 4)"
     )
-    p.add_argument("--layers", nargs="+", help="dotted path(s) of the block container(s) (default: detected)")
-    p.add_argument("--precision", help="32-true, bf16-mixed or bf16-true (default: the config's, else 32-true)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="local batch sizes to time (default: 1 4)")
-    p.add_argument("--budget", type=float, default=3.0, help="rough seconds for the collective measurements (default: 3)")
-    p.add_argument("--devices", type=int, help="without torchrun: processes to launch on this machine (Lightning's launcher)")
-    p.add_argument("--accelerator", default="auto", help="with --devices: cpu, cuda or auto (default: auto)")
+    p.add_argument(
+        "--budget", type=float, default=3.0, help="rough seconds for the collective measurements (default: 3)"
+    )
     cache = p.add_mutually_exclusive_group()
     cache.add_argument(
-        "--profile-cache", "--cache-dir", dest="cache_dir",
+        "--profile-cache",
+        "--cache-dir",
+        dest="cache_dir",
         help="profile cache directory (default: $LIGHTNING_GALVATRON_CACHE or ~/.cache/lightning_galvatron/profiles)",
     )
     cache.add_argument("--no-cache", action="store_true", help="always measure, never read or write the cache")
@@ -272,27 +173,113 @@ def _register_profile(subparsers: Any) -> None:
     p.set_defaults(func=_cmd_profile)
 
 
+def _add_training_inputs(p: argparse.ArgumentParser) -> None:
+    """What a command that trains or measures the model on this machine builds it from, and on how many processes."""
+    p.add_argument("--model", help="the LightningModule class, MODULE:CLASS or path/to/file.py:CLASS")
+    p.add_argument("--model-args", type=json_object, default={}, help="its init arguments as a JSON object")
+    p.add_argument("--datamodule", help="the LightningDataModule class giving the training batches, MODULE:CLASS")
+    p.add_argument("--datamodule-args", type=json_object, default={}, help="its init arguments as a JSON object")
+    p.add_argument(
+        "--config",
+        help="a LightningCLI YAML (read as LightningCLI reads it): its model, data and trainer.precision are used; "
+        "--model/--datamodule name the classes when the YAML has no class_path; command-line arguments win",
+    )
+    p.add_argument("--layers", nargs="+", help="dotted path(s) of the block container(s) (default: detected)")
+    p.add_argument("--precision", help="32-true, bf16-mixed or bf16-true (default: the config's, else 32-true)")
+    p.add_argument(
+        "--devices", type=int, help="without torchrun: processes to launch on this machine (Lightning's launcher)"
+    )
+    p.add_argument("--accelerator", default="auto", help="with --devices: cpu, cuda or auto (default: auto)")
+
+
 def _cmd_profile(args: argparse.Namespace) -> int:
     from lightning_galvatron.profiler.command import run_profile
 
     return run_profile(args)
 
 
+# ---------------------------------------------------------------------------------------------- calibrate
+@subcommand
+def _register_calibrate(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "calibrate",
+        help="fit the cost model to short runs of probe plans on this machine (under torchrun, or with --devices)",
+        description="Train a few probe plans briefly (every kind of block strategy, two micro-batch sizes, a "
+        "pipeline), time them with the runtime profiler and fit the cost model's calibration; rank 0 writes it for "
+        "GalvatronStrategy(calibration=...) and `search --calibration`.",
+    )
+    p.add_argument("profile", help="the profile of this model on this machine (`lightning-galvatron profile`)")
+    _add_training_inputs(p)
+    p.add_argument(
+        "--global-batch-size", type=int, help="samples per step (default: the datamodule's batch_size x devices)"
+    )
+    p.add_argument("--warmup-steps", type=int, default=2, help="steps of each probe before timing (default: 2)")
+    p.add_argument("--timed-steps", type=int, default=4, help="timed steps of each probe (default: 4)")
+    p.add_argument("-o", "--output", required=True, help="where rank 0 writes the calibration JSON")
+    add_json_option(p)
+    p.set_defaults(func=_cmd_calibrate)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    """:func:`~lightning_galvatron.calibrate.calibrate` on every rank; rank 0 writes the calibration."""
+    import torch.distributed as dist
+
+    from lightning_galvatron.calibrate import calibrate
+    from lightning_galvatron.profiler.command import _resolve_inputs
+
+    inputs = _resolve_inputs(args)  # the model and data as `profile` reads them
+    datamodule = inputs.build()[1]
+    world = int(os.environ.get("WORLD_SIZE") or args.devices or 0)
+    hparams = getattr(datamodule, "hparams", None)
+    per_device = getattr(datamodule, "batch_size", None) or getattr(hparams, "batch_size", None)
+    batch = args.global_batch_size or (per_device or 0) * world
+    if not batch:
+        raise ValueError("say how many samples a step trains on: --global-batch-size (no batch_size in the datamodule)")
+    started = time.perf_counter()
+    calibration = calibrate(
+        args.profile,
+        lambda: inputs.build()[0],
+        datamodule,
+        global_batch_size=batch,
+        layers=args.layers,
+        warmup_steps=args.warmup_steps,
+        timed_steps=args.timed_steps,
+        precision=inputs.precision,
+        accelerator=args.accelerator,
+        devices=args.devices,
+    )
+    if dist.get_rank() == 0:
+        calibration.save(args.output)
+        seconds = time.perf_counter() - started
+        if getattr(args, "json", False):
+            result = {"output": args.output, "calibration": calibration.to_dict(), "seconds": seconds}
+            print(json.dumps(result, indent=2))
+        else:
+            print(f"Calibrated in {seconds:.1f} s: {calibration.describe()}")
+            print(f"Wrote {args.output} (for GalvatronStrategy(calibration=...) and `search --calibration`)")
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------------------------- search
 @subcommand
 def _register_search(subparsers: Any) -> None:
-    p = subparsers.add_parser("search", help="search the best hybrid plan for a cluster (offline)", description=(
-        "Search the plan with the highest predicted throughput that fits the memory budget. "
-        "Exit status 0 with a plan, 1 when no plan fits (the message says the smallest budget that does)."))
-    p.add_argument("profile", help="profile JSON (ours, see import-galvatron), or the name of a reference profile (a100)")
+    p = subparsers.add_parser(
+        "search",
+        help="search the best hybrid plan for a cluster (offline)",
+        description=(
+            "Search the plan with the highest predicted throughput that fits the memory budget. "
+            "Exit status 0 with a plan, 1 when no plan fits (the message says the smallest budget that does)."
+        ),
+    )
+    p.add_argument(
+        "profile", help="profile JSON (ours, see import-galvatron), or the name of a reference profile (a100)"
+    )
     p.add_argument("--world-size", type=int, required=True, help="number of devices")
     add_memory_budget_option(p, "memory budget per device, e.g. 36GB or 40GiB (default: the profile's device memory)")
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the world size)")
     add_search_options(p)
-    p.add_argument("--memory-tolerance", type=float, default=0.01, help="DP memory resolution as a fraction of the budget (default: 0.01)")
-    p.add_argument("--no-baselines", action="store_true", help="skip the uniform baselines")
     p.add_argument("-o", "--output", help="write the plan JSON here")
-    _add_cost_options(p)
+    add_cost_options(p)
     p.set_defaults(func=_cmd_search)
 
 
@@ -310,16 +297,9 @@ def _cmd_search(args: argparse.Namespace) -> int:
         args.world_size,
         budget,
         global_batch_size=args.global_batch_size,
-        max_tp=args.max_tp,
-        max_pp=args.max_pp,
-        disable=args.disable,
-        schedules=args.schedules,
         optimizer=args.optimizer,
         precision=precision,
-        search_batch_size=args.search_batch_size,
-        max_global_batch_size=args.max_global_batch_size,
-        memory_tolerance=args.memory_tolerance,
-        baselines=not args.no_baselines,
+        options=search_options(args),
     )
     if args.output:
         result.plan.save(args.output)
@@ -328,7 +308,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
         return EXIT_OK
     title = (
         f"Best plan for {profile.model.name} ({profile.model.num_blocks} blocks) on {args.world_size} devices, "
-        f"budget {format_bytes(budget)} per device, global batch {result.global_batch_size}, {precision} ({precision_source})"
+        f"budget {format_bytes(budget)} per device, global batch {result.global_batch_size}, {precision} "
+        f"({precision_source})"
     )
     print(describe_search(result, title))
     if args.output:
@@ -340,16 +321,21 @@ def _cmd_search(args: argparse.Namespace) -> int:
 @subcommand
 def _register_evaluate(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "evaluate", help="predict step time and memory of a plan (ours or the reference system's format)",
+        "evaluate",
+        help="predict step time and memory of a plan (ours or the reference system's format)",
         description="Predict a plan's step time and peak memory per device. Exit status 0, or 1 when a budget is "
         "given (or the profile says the device memory) and the plan does not fit it.",
     )
     p.add_argument("profile", help="profile JSON (ours), or the name of a reference profile (a100)")
     p.add_argument("--plan", required=True, help="plan JSON, ours or Hetu-Galvatron's")
-    p.add_argument("--world-size", type=int, help="devices (needed for a reference-format plan unless its file name says, e.g. 1nodes_8gpus_per_node)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        help="devices (needed for a reference-format plan unless its file name says, e.g. 1nodes_8gpus_per_node)",
+    )
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the plan's)")
     add_memory_budget_option(p, "budget to check the plan against (default: the profile's device memory)")
-    _add_cost_options(p)
+    add_cost_options(p)
     p.set_defaults(func=_cmd_evaluate)
 
 
@@ -367,8 +353,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if world_size is None and is_galvatron_format(data):
         found = re.search(r"(\d+)nodes_(\d+)gpus_per_node", Path(args.plan).name)
         if not found:
-            raise PlanError(f"plan file {args.plan!r} is in the reference format, which does not say its world size: "
-                            "pass --world-size")
+            raise PlanError(
+                f"plan file {args.plan!r} is in the reference format, which does not say its world size: "
+                "pass --world-size"
+            )
         world_size = int(found.group(1)) * int(found.group(2))
     try:
         plan = ParallelPlan.from_dict(data, world_size=world_size)
@@ -388,8 +376,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**estimate.to_dict(), "precision": precision, "profile": args.profile}, indent=2))
         return status
-    print(f"Plan {args.plan} for {profile.model.name} on {plan.world_size} devices, global batch "
-          f"{estimate.global_batch_size}, {precision} ({precision_source})")
+    print(
+        f"Plan {args.plan} for {profile.model.name} on {plan.world_size} devices, global batch "
+        f"{estimate.global_batch_size}, {precision} ({precision_source})"
+    )
     print(describe_estimate(estimate))
     for warning in estimate.warnings:
         print(f"warning: {warning}")
@@ -415,15 +405,20 @@ def _register_import_galvatron(subparsers: Any) -> None:
     p.add_argument("--tied-embeddings", action="store_true", help="the head shares the embedding's weights")
     p.add_argument("--model-name", help="name of the model (default: from the file names)")
     p.add_argument("--hardware-name", help="name of the devices measured, e.g. 'NVIDIA A100 x8 per node'")
-    p.add_argument("--memory-overhead", type=_byte_size, default=0, help="fixed memory per device the model does not account for, e.g. 2GB")
-    p.add_argument("--device-memory", type=_memory_size, help="memory of one device, e.g. 80GB")
+    p.add_argument(
+        "--memory-overhead",
+        type=byte_size,
+        default=0,
+        help="fixed memory per device the model does not account for, e.g. 2GB",
+    )
+    p.add_argument("--device-memory", type=memory_size, help="memory of one device, e.g. 80GB")
     p.add_argument("-o", "--output", required=True, help="where to write the profile JSON")
     add_json_option(p)
     p.set_defaults(func=_cmd_import_galvatron)
 
 
 def _cmd_import_galvatron(args: argparse.Namespace) -> int:
-    from lightning_galvatron.search.galvatron_import import import_galvatron
+    from lightning_galvatron.producers.galvatron_import import import_galvatron
 
     profile = import_galvatron(
         args.directory,
@@ -442,13 +437,24 @@ def _cmd_import_galvatron(args: argparse.Namespace) -> int:
     profile.save(args.output)
     model = profile.model
     if args.json:
-        print(json.dumps({
-            "output": args.output, "model": model.name, "blocks": model.num_blocks, "layer_types": len(model.layer_types),
-            "collectives": len(profile.hardware.collectives), "devices_per_node": profile.hardware.devices_per_node,
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "output": args.output,
+                    "model": model.name,
+                    "blocks": model.num_blocks,
+                    "layer_types": len(model.layer_types),
+                    "collectives": len(profile.hardware.collectives),
+                    "devices_per_node": profile.hardware.devices_per_node,
+                },
+                indent=2,
+            )
+        )
         return EXIT_OK
-    print(f"Wrote {args.output}: {model.name}, {model.num_blocks} blocks of {len(model.layer_types)} type(s), "
-          f"{len(profile.hardware.collectives)} collective fits, {profile.hardware.devices_per_node} devices per node")
+    print(
+        f"Wrote {args.output}: {model.name}, {model.num_blocks} blocks of {len(model.layer_types)} type(s), "
+        f"{len(profile.hardware.collectives)} collective fits, {profile.hardware.devices_per_node} devices per node"
+    )
     return EXIT_OK
 
 
@@ -470,7 +476,9 @@ def _register_consolidate(subparsers: Any) -> None:
     parser.add_argument(
         "--lightning",
         action="store_true",
-        help="with -o: write a Lightning checkpoint (state_dict + epoch/step/hyper-parameters) for load_from_checkpoint",
+        help=(
+            "with -o: write a Lightning checkpoint (state_dict + epoch/step/hyper-parameters) for load_from_checkpoint"
+        ),
     )
     parser.add_argument(
         "--hf-config",
@@ -489,12 +497,23 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
             raise ValueError("--lightning writes a Lightning checkpoint file: use it with -o, not with --hf")
         exported = export_hf(args.checkpoint, args.hf, config=args.hf_config)
         if args.json:
-            print(json.dumps({"output": str(exported.directory), "class": exported.class_name, "prefix": exported.prefix,
-                              "tensors": exported.tensors}, indent=2))
+            print(
+                json.dumps(
+                    {
+                        "output": str(exported.directory),
+                        "class": exported.class_name,
+                        "prefix": exported.prefix,
+                        "tensors": exported.tensors,
+                    },
+                    indent=2,
+                )
+            )
         else:
-            print(f"wrote {exported.directory}: {exported.class_name} ({exported.tensors} tensors under "
-                  f"{exported.prefix or 'the top level'!r} of the LightningModule); load it with "
-                  f"transformers.{exported.class_name}.from_pretrained({str(exported.directory)!r})")
+            print(
+                f"wrote {exported.directory}: {exported.class_name} ({exported.tensors} tensors under "
+                f"{exported.prefix or 'the top level'!r} of the LightningModule); load it with "
+                f"transformers.{exported.class_name}.from_pretrained({str(exported.directory)!r})"
+            )
         return EXIT_OK
     if args.hf_config:
         raise ValueError("--hf-config describes the model of --hf: pass --hf OUT_DIR")
@@ -517,7 +536,8 @@ def _register_estimate(subparsers: Any) -> None:
         "from the measured one. Exit status 0 when a plan fits, 1 when none does.",
     )
     add_model_options(
-        p, hf_help="a Hugging Face config.json (nothing is downloaded)",
+        p,
+        hf_help="a Hugging Face config.json (nothing is downloaded)",
         model_help="a LightningModule or nn.Module class, MODULE:CLASS, built on the meta device",
     )
     p.add_argument("--world-size", type=int, required=True, help="number of devices")
@@ -528,10 +548,22 @@ def _register_estimate(subparsers: Any) -> None:
         f"the package ({reference_profiles.describe()}) (default: the newest profile of --accelerator devices in the "
         "local profile cache)",
     )
-    p.add_argument("--reference", help="profile JSON (or reference name) whose measured blocks calibrate compute and activations (default: --hardware)")
-    p.add_argument("--accelerator", default="cuda", choices=("cuda", "gpu", "cpu"), help="the kind of devices asked about (default: cuda)")
     p.add_argument(
-        "--allow-other-device", action="store_true",
+        "--reference",
+        help=(
+            "profile JSON (or reference name) whose measured blocks calibrate compute and activations (default: "
+            "--hardware)"
+        ),
+    )
+    p.add_argument(
+        "--accelerator",
+        default="cuda",
+        choices=("cuda", "gpu", "cpu"),
+        help="the kind of devices asked about (default: cuda)",
+    )
+    p.add_argument(
+        "--allow-other-device",
+        action="store_true",
         help="use a profile measured on another kind of device than --accelerator (its times and bandwidths are then "
         "those of that device)",
     )
@@ -539,14 +571,33 @@ def _register_estimate(subparsers: Any) -> None:
     add_search_options(p)
     p.add_argument("-o", "--output", help="write the plan JSON here (when one fits)")
     p.add_argument("--profile-output", help="write the analytic profile here (for `search` and `evaluate`)")
-    _add_cost_options(p)
+    add_cost_options(p)
     p.set_defaults(func=_cmd_estimate)
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from lightning_galvatron.estimator import run_estimate
 
-    return run_estimate(args)
+    names = (
+        "hf_config",
+        "model",
+        "model_args",
+        "layers",
+        "world_size",
+        "memory_budget",
+        "seq_length",
+        "hardware",
+        "reference",
+        "accelerator",
+        "allow_other_device",
+        "global_batch_size",
+        "precision",
+        "optimizer",
+        "output",
+        "profile_output",
+    )
+    given = {name: getattr(args, name) for name in names}
+    return run_estimate(**given, options=search_options(args), as_json=args.json)
 
 
 # ---------------------------------------------------------------------------------------------- dry-run

@@ -38,6 +38,13 @@ def loader_batch_size(dataloader: object) -> int | None:
     return size
 
 
+def example_batch(loader: object) -> object:
+    """The loader's first batch, without moving the random state training will use (a shuffling sampler draws
+    its seed from it)."""
+    with torch.random.fork_rng():
+        return next(iter(loader))  # type: ignore[call-overload]
+
+
 def rebatch(dataloader: object, batch_size: int) -> object:
     """A copy of ``dataloader`` that yields ``batch_size`` samples per batch, same sampler and options.
 
@@ -81,8 +88,7 @@ def first_dataloader(trainer: Any) -> Any:
     return loaders
 
 
-def example_batch(loader: Any) -> Any:
-    """The loader's first batch, without moving the random state training will use (a shuffling sampler draws
-    its seed from it)."""
-    with torch.random.fork_rng():
-        return next(iter(loader))
+def batch_index(args: tuple, kwargs: dict) -> int:
+    """The ``batch_idx`` of a Lightning step's arguments (0 where the step takes none)."""
+    index = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
+    return index if isinstance(index, int) else 0

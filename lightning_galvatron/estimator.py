@@ -2,7 +2,7 @@
 
 ``lightning-galvatron estimate --hf-config CONFIG.json --world-size 64 --memory-budget 80GB --seq-length 4096
 --hardware PROFILE`` (or ``--model MODULE:CLASS``) runs the plan search on an analytic profile of the model
-(:mod:`lightning_galvatron.search.analytic`: exact shapes, compute and activation bytes scaled from a
+(:mod:`lightning_galvatron.producers.analytic`: exact shapes, compute and activation bytes scaled from a
 measured reference profile) with the hardware profile's interconnect, and answers before anything is
 launched. From Python: :func:`estimate_cluster`.
 
@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from lightning_galvatron.jsonfile import read_json_object
-from lightning_galvatron.profiles import HardwareProfile, Profile, ProfileError, load_profile
-from lightning_galvatron.search.analytic import (
+from lightning_galvatron.producers.analytic import (
     ArchitectureShape,
     Scaling,
     analytic_profile,
     architecture_from_hf_config,
 )
+from lightning_galvatron.profiles import HardwareProfile, Profile, ProfileError, load_profile
 from lightning_galvatron.units import format_bytes, parse_bytes
 
 # Per-block FLOPs of decoder models from 1B to 70B parameters differ from a 7B block's by less than this factor;
@@ -113,7 +113,8 @@ def estimate_cluster(
     measured blocks calibrate compute and activations (default: ``hardware``'s). ``device_type``: the kind of
     device asked about (``cuda``, ``cpu``; default: the hardware profile's); a profile measured on another kind
     is refused unless ``allow_other_device``. ``precision``: default the reference's measured precision.
-    ``search_options`` go to :func:`lightning_galvatron.search.search` (``global_batch_size``, ``max_tp``, ...).
+    ``search_options`` go to :func:`lightning_galvatron.search.search`: ``global_batch_size``, ``optimizer`` and
+    ``options`` (its knobs, a :class:`~lightning_galvatron.search.options.SearchOptions`) or knobs by name.
     """
     from lightning_galvatron.search import InfeasibleBudgetError, search
 
@@ -136,14 +137,23 @@ def estimate_cluster(
     profile, scalings = analytic_profile(architecture, reference_profile, seq, hardware_profile.hardware)
     warnings += extrapolation_warnings(scalings, names.get("reference", "the reference profile"))
     common = dict(
-        architecture=architecture, profile=profile, scalings=tuple(scalings), world_size=world_size,
-        memory_budget_bytes=budget, seq_length=seq, sources=names, precision=precision, warnings=tuple(warnings),
+        architecture=architecture,
+        profile=profile,
+        scalings=tuple(scalings),
+        world_size=world_size,
+        memory_budget_bytes=budget,
+        seq_length=seq,
+        sources=names,
+        precision=precision,
+        warnings=tuple(warnings),
     )
     try:
         result = search(profile, world_size, budget, precision=precision, **search_options)
     except InfeasibleBudgetError as error:
         return ClusterEstimate(
-            **common, smallest_budget_bytes=error.smallest_budget_bytes, error=str(error),
+            **common,
+            smallest_budget_bytes=error.smallest_budget_bytes,
+            error=str(error),
             seconds=time.perf_counter() - started,
         )
     return ClusterEstimate(**common, result=result, seconds=time.perf_counter() - started)
@@ -156,11 +166,15 @@ def check_device_types(device_type: str | None, profiles: Mapping[str, Profile],
     for name, profile in profiles.items():
         measured = profile.device_type
         if measured is None:
-            warnings.append(f"{name} does not record the kind of device it was measured on; its times are taken as "
-                            f"those of {device_type or 'the devices asked about'}")
+            warnings.append(
+                f"{name} does not record the kind of device it was measured on; its times are taken as "
+                f"those of {device_type or 'the devices asked about'}"
+            )
         elif device_type is not None and measured != device_type:
-            message = (f"{name} was measured on {measured} devices but the question is about {device_type} devices: its "
-                       f"times and bandwidths would be those of {measured}")
+            message = (
+                f"{name} was measured on {measured} devices but the question is about {device_type} devices: its "
+                f"times and bandwidths would be those of {measured}"
+            )
             if not allow_other_device:
                 raise ValueError(
                     f"{message}. Pass --hardware with a profile of {device_type} devices (shipped: "
@@ -265,28 +279,35 @@ def describe(estimate: ClusterEstimate) -> str:
         f"{format_bytes(estimate.memory_budget_bytes)} each"
     )
     src = estimate.sources
-    lines = [head, f"Profiles: hardware {src.get('hardware', '?')}, measured blocks {src.get('reference', src.get('hardware', '?'))}; "
-                   f"precision {estimate.precision}"]
+    lines = [
+        head,
+        f"Profiles: hardware {src.get('hardware', '?')}, measured blocks "
+        f"{src.get('reference', src.get('hardware', '?'))}; "
+        f"precision {estimate.precision}",
+    ]
     lines += [f"warning: {w}" for w in estimate.warnings]
     if estimate.result is not None:
         r = estimate.result
         lines.append(
-            f"Fits: yes. Peak {format_bytes(r.peak_memory_bytes_per_device)} of {format_bytes(estimate.memory_budget_bytes)} "
-            f"per device, {r.throughput_samples_per_s:.2f} samples/s at global batch {r.global_batch_size}, with this plan:\n"
+            f"Fits: yes. Peak {format_bytes(r.peak_memory_bytes_per_device)} of "
+            f"{format_bytes(estimate.memory_budget_bytes)} per device, {r.throughput_samples_per_s:.2f} samples/s "
+            f"at global batch {r.global_batch_size}, with this plan:\n"
         )
         lines.append(describe_search(r, title="").lstrip("\n"))
     else:
         smallest = estimate.smallest_budget_bytes
         lines.append(
-            "Fits: no. " + (estimate.error or "")
+            "Fits: no. "
+            + (estimate.error or "")
             + (f"\nThe smallest memory per device that fits: {format_bytes(smallest)}." if smallest else "")
         )
     lines.append("\nHow these numbers were made:")
     lines.append(f"  model: parameters and shapes counted exactly ({src.get('model', arch.name)})")
     for s in estimate.scalings:
         lines.append(
-            f"  {s.layer_type}: forward time = {s.reference}'s measured time x {s.time_ratio:.3g} (ratio of forward FLOPs); "
-            f"activation bytes = its measured bytes x {s.activation_ratio:.3g} (ratio of the tensors kept for backward)"
+            f"  {s.layer_type}: forward time = {s.reference}'s measured time x {s.time_ratio:.3g} (ratio of "
+            f"forward FLOPs); activation bytes = its measured bytes x {s.activation_ratio:.3g} (ratio of the "
+            "tensors kept for backward)"
         )
     lines.append(f"  calibration: measured blocks of {src.get('reference', 'the reference profile')}")
     hw: HardwareProfile = estimate.profile.hardware
@@ -298,53 +319,71 @@ def describe(estimate: ClusterEstimate) -> str:
     return "\n".join(lines)
 
 
-def run_estimate(args: Any) -> int:
-    """The ``estimate`` subcommand (see :mod:`lightning_galvatron.cli`)."""
-    if args.hf_config:
-        architecture = architecture_from_config_file(args.hf_config)
-        model_source = args.hf_config
-    else:
-        architecture = architecture_from_class(args.model, args.model_args, args.layers)
-        model_source = args.model
+def run_estimate(
+    *,
+    world_size: int,
+    hf_config: str | None = None,
+    model: str | None = None,
+    model_args: Mapping[str, Any] | None = None,
+    layers: Sequence[str] | None = None,
+    memory_budget: int | str | None = None,
+    seq_length: int | None = None,
+    hardware: str | None = None,
+    reference: str | None = None,
+    accelerator: str = "cuda",
+    allow_other_device: bool = False,
+    global_batch_size: int | None = None,
+    precision: str | None = None,
+    optimizer: str | float = "adamw",
+    options: Any = None,
+    output: str | None = None,
+    profile_output: str | None = None,
+    as_json: bool = False,
+) -> int:
+    """The ``estimate`` subcommand (see :mod:`lightning_galvatron.cli`): print the estimate, write the plan
+    (``output``) and the analytic profile (``profile_output``); 0 when a plan fits, 1 when none does.
+    ``hardware``/``reference``: profile files or names of reference profiles; ``options``: the search's knobs
+    (:class:`~lightning_galvatron.search.options.SearchOptions`)."""
     from lightning_galvatron.reference_profiles import resolve
 
-    device_type = "cuda" if args.accelerator == "gpu" else args.accelerator
-    hardware_path = resolve(args.hardware) if args.hardware else str(newest_cached_profile(device_type))
-    reference_path = resolve(args.reference) if args.reference else None
-    hardware_name, reference_name = args.hardware or hardware_path, args.reference or args.hardware or hardware_path
+    if hf_config:
+        architecture = architecture_from_config_file(hf_config)
+        model_source = hf_config
+    else:
+        architecture = architecture_from_class(model, model_args, layers)
+        model_source = model
+    device_type = "cuda" if accelerator == "gpu" else accelerator
+    hardware_path = resolve(hardware) if hardware else str(newest_cached_profile(device_type))
+    reference_path = resolve(reference) if reference else None
+    hardware_name, reference_name = hardware or hardware_path, reference or hardware or hardware_path
     try:
         estimate = estimate_cluster(
             architecture,
-            args.world_size,
-            args.memory_budget,
+            world_size,
+            memory_budget,
             hardware=hardware_path,
             reference=reference_path,
-            seq_length=args.seq_length,
+            seq_length=seq_length,
             sources={"model": model_source, "hardware": hardware_name, "reference": reference_name},
             device_type=device_type,
-            allow_other_device=args.allow_other_device,
-            global_batch_size=args.global_batch_size,
-            search_batch_size=args.search_batch_size,
-            max_global_batch_size=args.max_global_batch_size,
-            max_tp=args.max_tp,
-            max_pp=args.max_pp,
-            disable=args.disable,
-            schedules=args.schedules,
-            optimizer=args.optimizer,
-            precision=args.precision,
+            allow_other_device=allow_other_device,
+            global_batch_size=global_batch_size,
+            optimizer=optimizer,
+            precision=precision,
+            options=options,
         )
     except ProfileError as err:
         raise ValueError(str(err)) from None
-    if args.profile_output:
-        estimate.profile.save(args.profile_output)
-    if args.output and estimate.result is not None:
-        estimate.result.plan.save(args.output)
-    if args.json:
+    if profile_output:
+        estimate.profile.save(profile_output)
+    if output and estimate.result is not None:
+        estimate.result.plan.save(output)
+    if as_json:
         print(json.dumps(estimate.to_dict(), indent=2))
     else:
         print(describe(estimate))
-        if args.profile_output:
-            print(f"Analytic profile written to {args.profile_output} (`lightning-galvatron search`/`evaluate` read it)")
-        if args.output and estimate.result is not None:
-            print(f"Plan written to {args.output}")
+        if profile_output:
+            print(f"Analytic profile written to {profile_output} (`lightning-galvatron search`/`evaluate` read it)")
+        if output and estimate.result is not None:
+            print(f"Plan written to {output}")
     return 0 if estimate.fits else 1

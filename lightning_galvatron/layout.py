@@ -119,9 +119,7 @@ class Layout:
 
     def rank_grid(self) -> list[list[list[int]]]:
         """Ranks arranged as ``[pp][dp][tp]`` (a ``DeviceMesh`` with dimensions ``pp, dp, tp``)."""
-        return [
-            [[self.rank(s, d, t) for t in range(self.tp)] for d in range(self.dp)] for s in range(self.pp)
-        ]
+        return [[[self.rank(s, d, t) for t in range(self.tp)] for d in range(self.dp)] for s in range(self.pp)]
 
     def tp_group(self, rank: int) -> list[int]:
         """The ranks of ``rank``'s tensor-parallel group, in group order."""

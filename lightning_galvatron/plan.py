@@ -106,11 +106,12 @@ class LayerStrategy:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "layer strategy") -> LayerStrategy:
         if not isinstance(data, Mapping):
-            raise PlanError(f"{where} must be an object like {{\"tp\": 2, \"dp_type\": \"zero3\"}}, got {data!r}")
+            raise PlanError(f'{where} must be an object like {{"tp": 2, "dp_type": "zero3"}}, got {data!r}')
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise PlanError(
-                f"{where}: unknown layer strategy keys {sorted(unknown)}; known: tp, sp, dp_type, recompute, tp_consecutive"
+                f"{where}: unknown layer strategy keys {sorted(unknown)}; known: tp, sp, dp_type, recompute, "
+                "tp_consecutive"
             )
         try:
             return cls(**data)
@@ -169,14 +170,15 @@ class ParallelPlan:
             raise PlanError(f"vocab must be a LayerStrategy, got {type(self.vocab).__name__}")
         if self.world_size % self.pp:
             raise PlanError(
-                f"pp={self.pp} does not divide world_size={self.world_size}: choose pp among {_divisors(self.world_size)}"
+                f"pp={self.pp} does not divide world_size={self.world_size}: choose pp among "
+                f"{divisors(self.world_size)}"
             )
         n = self.devices_per_stage
         for where, strategy in [*((f"layers[{i}]", s) for i, s in enumerate(self.layers)), ("vocab", self.vocab)]:
             if n % strategy.tp:
                 raise PlanError(
                     f"{where}: tp={strategy.tp} does not divide the {n} devices of a pipeline stage "
-                    f"(world_size={self.world_size} / pp={self.pp}); choose tp among {_divisors(n)}"
+                    f"(world_size={self.world_size} / pp={self.pp}); choose tp among {divisors(n)}"
                 )
         if self.schedule not in SCHEDULES:
             raise PlanError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
@@ -269,7 +271,9 @@ class ParallelPlan:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def uniform(cls, world_size: int, num_layers: int, strategy: LayerStrategy | None = None, **kwargs: Any) -> ParallelPlan:
+    def uniform(
+        cls, world_size: int, num_layers: int, strategy: LayerStrategy | None = None, **kwargs: Any
+    ) -> ParallelPlan:
         """The same strategy for every block (and, unless given, for the vocabulary layers)."""
         strategy = strategy or LayerStrategy()
         kwargs.setdefault("vocab", strategy)
@@ -453,7 +457,9 @@ def is_galvatron_format(data: Mapping[str, Any]) -> bool:
     return "tp_sizes_enc" in data and "pp_deg" in data
 
 
-def load_plan(source: ParallelPlan | Mapping[str, Any] | str | os.PathLike, world_size: int | None = None) -> ParallelPlan:
+def load_plan(
+    source: ParallelPlan | Mapping[str, Any] | str | os.PathLike, world_size: int | None = None
+) -> ParallelPlan:
     """Accept a plan object, a dict (ours or the reference format) or a JSON file path."""
     if isinstance(source, ParallelPlan):
         plan = source
@@ -496,6 +502,11 @@ def check_plan_source(source: ParallelPlan | Mapping[str, Any] | str | os.PathLi
         raise PlanError(f"{where}{err}") from None
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order: the degrees a group of ``n`` devices can be split by."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def even_partition(num_layers: int, chunks: int) -> tuple[int, ...]:
     """Split ``num_layers`` into ``chunks`` nearly equal parts, larger parts first."""
     base, extra = divmod(num_layers, chunks)
@@ -505,10 +516,6 @@ def even_partition(num_layers: int, chunks: int) -> tuple[int, ...]:
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise PlanError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _int_list(value: str | Sequence[int] | int) -> list[int]:

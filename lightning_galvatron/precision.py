@@ -32,9 +32,7 @@ class _GlobalNormClipping(Precision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_(
-            params, clip_val, pipeline_group=self.pipeline_group, norm_excluded=self.norm_excluded
-        )
+        clip_grad_norm_(params, clip_val, pipeline_group=self.pipeline_group, norm_excluded=self.norm_excluded)
 
 
 class GalvatronFullPrecision(_GlobalNormClipping, Precision):

@@ -7,8 +7,9 @@
 - ``setup_environment`` (every worker): initialise the process group and start the rank monitor
   (:mod:`lightning_galvatron.runtime.watchdog`); meshes are made lazily.
 - ``setup``: find the model's blocks, get the plan (given, or with ``plan="auto"`` profiled and
-  searched by :mod:`lightning_galvatron.autoplan`), broadcast rank 0's weights, apply the plan (the
-  runtime does the work), create the optimizers.
+  searched by :mod:`lightning_galvatron.autoplan`) and its prediction (:mod:`lightning_galvatron.prediction`),
+  report them, broadcast rank 0's weights, apply the plan (the runtime does the work), create the optimizers,
+  add the callback that logs plan and measurements (:mod:`lightning_galvatron.monitor`).
 - ``distributed_sampler_kwargs`` / ``process_dataloader``: give each data shard of the plan's input
   layout the samples DDP would have trained on (batch semantics, see :mod:`lightning_galvatron.data`).
 - ``training_step`` / ``validation_step`` / ...: with one micro-batch and no pipeline, Lightning's own
@@ -60,12 +61,20 @@ from lightning_galvatron._compat import override
 from lightning_galvatron.arguments import check_strategy_arguments
 from lightning_galvatron.autoplan import SearchSettings, check_memory_budget, optimizer_kind, plan_automatically
 from lightning_galvatron.checkpoint import hf_models, load_checkpoint, whole_strided_tensors
-from lightning_galvatron.data import example_batch, first_dataloader, loader_batch_size, rebatch, shard_batch_size
-from lightning_galvatron.display import plan_table
+from lightning_galvatron.data import (
+    batch_index,
+    example_batch,
+    first_dataloader,
+    loader_batch_size,
+    rebatch,
+    shard_batch_size,
+)
+from lightning_galvatron.display import setup_report
 from lightning_galvatron.errors import leave_to_reporting_rank
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
 from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
 from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans, tensor_parallel_plan_or_reason
+from lightning_galvatron.monitor import GalvatronMonitor, output_dir, save_plan_files
 from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
 from lightning_galvatron.precision import (
     boundary_dtype,
@@ -74,7 +83,9 @@ from lightning_galvatron.precision import (
     precision_flag,
     precision_plugin_for,
 )
+from lightning_galvatron.prediction import Prediction, plan_source_name, price_given_plan, searched_prediction
 from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan, check_runtime_support, input_shard
+from lightning_galvatron.runtime.compile import compile_options
 from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.runtime.pipeline import PipelineRunner, join_micro_batches, loss_of
 from lightning_galvatron.runtime.sync import agree_across_ranks, broadcast_module_states, destroy_process_group
@@ -108,11 +119,11 @@ class GalvatronStrategy(ModelParallelStrategy):
         search_batch_size: let the automatic search change the global batch size for throughput (up to
             ``max_global_batch_size``); off by default, so training matches DDP's.
         profile_cache: ``True`` for the default profile cache, a directory, or ``False`` to always profile.
-        calibration: price plans with the cost model calibrated from measured steps on this machine: a
-            :class:`~lightning_galvatron.search.calibration.Calibration` or its JSON file (see
-            ``benchmarks/README.md``); by default the profile alone.
-        trials: measured selection with ``plan="auto"`` (README): ``True`` (default, 20 s), ``False`` (the search's plan),
-            a budget in seconds or a dict of :class:`~lightning_galvatron.selection.TrialSettings` fields.
+        calibration, search_options: price plans with the cost model calibrated on this machine (a Calibration or
+            its JSON file, see ``lightning-galvatron calibrate``); every knob of the search, a dict of the fields of
+            :class:`~lightning_galvatron.search.options.SearchOptions` (or one; the arguments above win over it).
+        trials: measured selection with ``plan="auto"`` (README): ``True`` (default, 20 s), ``False`` (the search's
+            plan), a budget in seconds or a dict of :class:`~lightning_galvatron.selection.TrialSettings` fields.
         save_plan: write the plan (and, when searched, the profile) next to the logger's files.
         layers: dotted path(s) of the container(s) holding the Transformer blocks, relative to the
             LightningModule (e.g. ``"model.blocks"``); detected when omitted.
@@ -129,6 +140,11 @@ class GalvatronStrategy(ModelParallelStrategy):
             data loader that never returns): ``True`` (default: 5 minutes in setup, then 10x the longest training
             step but at least a minute), ``False``, or a dict of
             :class:`~lightning_galvatron.runtime.watchdog.WatchdogSettings` fields, e.g. ``{"setup_timeout_s": 600}``.
+        compile: ``torch.compile`` each block's forward: ``True``, or a dict of ``torch.compile`` arguments (e.g.
+            ``{"mode": "max-autotune"}``); static shapes unless ``dynamic`` is given (see
+            :mod:`lightning_galvatron.runtime.compile`). Pass the model itself uncompiled.
+        monitor: log the plan and its predicted time and memory as hyperparameters, and measured step time,
+            samples/s and peak memory as metrics (:class:`~lightning_galvatron.monitor.GalvatronMonitor`).
 
     Every argument is checked here, before any process is launched; errors name the argument.
     """
@@ -157,6 +173,9 @@ class GalvatronStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         watchdog: bool | Mapping[str, float] | WatchdogSettings = True,
+        compile: bool | Mapping[str, Any] = False,
+        monitor: bool = True,
+        search_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -165,13 +184,21 @@ class GalvatronStrategy(ModelParallelStrategy):
         )
         with _reported_by_rank_zero():  # under torchrun every process makes the strategy
             check_strategy_arguments(plan, layers, global_batch_size)
-            self._search = SearchSettings(
-                memory_budget, max_tp, max_pp, disable, schedules, search_batch_size, max_global_batch_size,
-                profile_cache, calibration,
+            knobs = dict(
+                max_tp=max_tp,
+                max_pp=max_pp,
+                disable=disable,
+                schedules=schedules,
+                calibration=calibration,
+                search_batch_size=search_batch_size,
+                max_global_batch_size=max_global_batch_size,
             )
+            self._search = SearchSettings.of(memory_budget, profile_cache, search_options, **knobs)
             self._watchdog = WatchdogSettings.of(watchdog)
+            self._compile = compile_options(compile)
             self._trials, self.selection = TrialSettings.of(trials), None  # selection: what the trials decided
         self._monitor: RankMonitor | None = None
+        self._add_monitor = monitor
         self._plan_source = plan
         self._save_plan = save_plan
         self._layers = layers
@@ -179,6 +206,8 @@ class GalvatronStrategy(ModelParallelStrategy):
         self._broadcast_initial_weights = broadcast_initial_weights
         self._vocab_parallel_loss = vocab_parallel_loss
         self.plan: ParallelPlan | None = None
+        self.prediction: Prediction | None = None  # the plan that runs and its predicted time and memory
+        self.plan_files: list[Path] = []  # written to the logger's directory (save_plan)
         self.structure: ModelStructure | None = None
         self._meshes: MeshCache | None = None
         self._parallelised: torch.nn.Module | None = None  # the model the plan was applied to
@@ -220,9 +249,11 @@ class GalvatronStrategy(ModelParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        if self._parallelised is not self.model:  # validate/test after fit reuse the parallel model
+        if self._add_monitor and not any(isinstance(c, GalvatronMonitor) for c in trainer.callbacks):
+            trainer.callbacks.insert(0, GalvatronMonitor())  # first: its step ends before other callbacks' work
+        if self._parallelised is not self.model:  # validate/test after fit reuse the parallel model, on its device
             self._parallelise(trainer)
-        self.model_to_device()
+            self.model_to_device()
         self.barrier()
 
         if trainer.state.fn == TrainerFn.FITTING:
@@ -246,15 +277,10 @@ class GalvatronStrategy(ModelParallelStrategy):
         module = self.lightning_module
         started = time.perf_counter()
         self.structure = find_blocks(module, self._layers)
-        if self._plan_source == "auto":
-            self._progress("setup: profiling and searching the plan")
-            self.plan = self._search_plan(trainer, self.structure)
-        else:
-            self.plan = self._load_plan(self.world_size)
-        tp_plans = block_tensor_parallel_plans(self.structure)  # the model side's plans, handed to the runtime
-        check_runtime_support(self.plan, self.structure, tp_plans)  # before the plan is printed or applied
-        if self._plan_source != "auto":
-            rank_zero_info(plan_table(self.plan, self.structure.block_names))
+        self._tp_plans = block_tensor_parallel_plans(self.structure)  # the model side's plans, for the runtime
+        self._progress("setup: resolving the plan")
+        self.plan, self.prediction = self._resolve_plan(trainer, self.structure)
+        rank_zero_info(setup_report(self.prediction, self.structure.block_names))
         outside = self._trace_outside_layers(trainer) if self.plan.pp > 1 else None
         self._progress("setup: applying the plan")
         if self.plan.pp > 1 and not self._save_distributed_checkpoint:
@@ -263,10 +289,10 @@ class GalvatronStrategy(ModelParallelStrategy):
                 f"this pp={self.plan.pp} plan: use sharded checkpoints (the default; `lightning-galvatron consolidate` "
                 "makes one file of them) or a plan with pp=1"
             )
-        if self._save_plan:
-            directory = _output_dir(trainer)  # collective (Lightning broadcasts the log directory)
-            if self.global_rank == 0:
-                self.plan.save(directory / "galvatron_plan.json")
+        if self._save_plan:  # collective (Lightning broadcasts the log directory)
+            self.plan_files = save_plan_files(
+                output_dir(trainer), self.plan, self.prediction.profile, self.global_rank == 0
+            )
 
         self.model = self.precision_plugin.convert_module(self.model)
         if self._broadcast_initial_weights and self.world_size > 1:
@@ -281,7 +307,8 @@ class GalvatronStrategy(ModelParallelStrategy):
             parallel_loss=self._uses_parallel_loss,
             boundary_dtype=boundary_dtype(precision_flag(self.precision_plugin)),
             outside_layers=outside,
-            tp_plans=tp_plans,
+            tp_plans=self._tp_plans,
+            compile_options=self._compile,
         )
         _materialize_distributed_module(self.model, self.root_device)
         self._parallelised = self.model
@@ -309,17 +336,32 @@ class GalvatronStrategy(ModelParallelStrategy):
             plan = plan.replace(global_batch_size=self._global_batch_size)
         return plan
 
-    def _search_plan(self, trainer: Any, structure: ModelStructure) -> ParallelPlan:
-        """``plan="auto"``: profile on every rank, search on rank 0, the same plan everywhere."""
+    def _resolve_plan(self, trainer: Any, structure: ModelStructure) -> tuple[ParallelPlan, Prediction]:
+        """The plan -- given, or with ``plan="auto"`` profiled on every rank and searched on rank 0, the same
+        everywhere -- and what the cost model predicts for it (a given plan: with a cached profile, if any)."""
         module = self.lightning_module
+        loader = first_dataloader(trainer)
+        per_device = loader_batch_size(loader)
+        context = {
+            "world_size": self.world_size,
+            "devices_per_node": self.num_processes,
+            "device": self.root_device,
+            "precision": precision_flag(self.precision_plugin),
+            "settings": self._search,
+            "optimizer": optimizer_kind(_configured_optimizer(module)),
+        }
+        if self._plan_source != "auto":
+            plan = self._load_plan(self.world_size)
+            check_runtime_support(plan, structure, self._tp_plans)  # before the plan is priced, printed or applied
+            return plan, price_given_plan(
+                plan, plan_source_name(self._plan_source), module, structure, loader, per_device, **context
+            )
         if any(p.is_meta for p in module.parameters()):
             raise PlanError(
                 'plan="auto" profiles the model by running it, but its parameters are on the meta device '
                 "(empty_init / configure_model); create it with real weights, or pass a plan (e.g. one from "
                 "`lightning-galvatron search`)"
             )
-        loader = first_dataloader(trainer)
-        per_device = loader_batch_size(loader)
         if per_device is None:
             raise PlanError(
                 'plan="auto" needs a DataLoader with a batch_size to profile with and to size the global batch; '
@@ -336,24 +378,15 @@ class GalvatronStrategy(ModelParallelStrategy):
                 "Galvatron: one device: nothing communicates, so no hardware profile is measured; the plan chooses "
                 "recomputation and micro-batches to fit the memory budget"
             )
-        auto = plan_automatically(
-            module,
-            structure,
-            example,
-            world_size=self.world_size,
-            devices_per_node=self.num_processes,
-            precision=precision_flag(self.precision_plugin),
-            global_batch_size=global_batch,
-            device=self.root_device,
-            settings=self._search,
-            optimizer=optimizer_kind(_configured_optimizer(module)),
-        )
-        plan = choose_plan(self, trainer, auto, loader, global_batch)  # the report, then trials when fitting
-        if self._save_plan:
-            directory = _output_dir(trainer)  # collective (Lightning broadcasts the log directory)
-            if self.global_rank == 0:
-                auto.profile.save(directory / "galvatron_profile.json")
-        return plan
+        auto = plan_automatically(module, structure, example, global_batch_size=global_batch, **context)
+        plan = choose_plan(self, trainer, auto, loader, global_batch)  # trials when fitting (measured selection)
+        check_runtime_support(plan, structure, self._tp_plans)  # before the plan is printed or applied
+        if plan.global_batch_size != global_batch:
+            rank_zero_info(
+                f"Galvatron: the search changed the global batch size from {global_batch} to "
+                f"{plan.global_batch_size} (search_batch_size=True)"
+            )
+        return plan, searched_prediction(auto, plan, optimizer=context["optimizer"], precision=context["precision"])
 
     # ------------------------------------------------------------------ data: batch semantics
     @property
@@ -405,7 +438,7 @@ class GalvatronStrategy(ModelParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
-            self._monitor.evaluation_step("validation", _batch_index(args, kwargs))
+            self._monitor.evaluation_step("validation", batch_index(args, kwargs))
         if self._runner is None:
             with self._step_context():
                 return super().validation_step(*args, **kwargs)
@@ -414,7 +447,7 @@ class GalvatronStrategy(ModelParallelStrategy):
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
-            self._monitor.evaluation_step("test", _batch_index(args, kwargs))
+            self._monitor.evaluation_step("test", batch_index(args, kwargs))
         if self._runner is None:
             with self._step_context():
                 return super().test_step(*args, **kwargs)
@@ -423,7 +456,7 @@ class GalvatronStrategy(ModelParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
-            self._monitor.evaluation_step("predict", _batch_index(args, kwargs))
+            self._monitor.evaluation_step("predict", batch_index(args, kwargs))
         if self._runner is None:
             with self._step_context():
                 return super().predict_step(*args, **kwargs)
@@ -452,7 +485,11 @@ class GalvatronStrategy(ModelParallelStrategy):
 
         scale = 1.0 / (self._applied.input_shards * self.plan.micro_batches * trainer.accumulate_grad_batches)
         gradients = self._applied.gradients
-        with recording_logs(module) as logs, self._step_context(), gradients.deferred():  # loss_parallel covers backward too
+        with (
+            recording_logs(module) as logs,
+            self._step_context(),
+            gradients.deferred(),
+        ):  # loss_parallel covers backward too
             outputs = self._runner.run(batch, step, loss_scale=scale, train=train)
         if train and not gradients.is_deferred:  # once, after the last micro-batch (unless Lightning accumulates)
             gradients.reduce()
@@ -475,7 +512,9 @@ class GalvatronStrategy(ModelParallelStrategy):
         for optimizer in self.optimizers:
             call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
             call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
-            call._call_lightning_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
+            call._call_lightning_module_hook(
+                trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer
+            )
 
     @contextmanager
     @override
@@ -495,7 +534,9 @@ class GalvatronStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(*args, **kwargs)  # runs the training step (the closure) in automatic optimization
+        output = super().optimizer_step(
+            *args, **kwargs
+        )  # runs the training step (the closure) in automatic optimization
         if self._monitor is not None:
             self._monitor.step_finished(self.lightning_module.trainer.global_step)
         return output
@@ -573,11 +614,6 @@ def _reported_by_rank_zero() -> Generator:
         raise
 
 
-def _batch_index(args: tuple, kwargs: dict) -> int:
-    index = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
-    return index if isinstance(index, int) else 0
-
-
 def _configured_optimizer(module: Any) -> Optimizer | None:
     """The optimizer the module's configure_optimizers returns (the search sizes its states)."""
     try:
@@ -585,14 +621,6 @@ def _configured_optimizer(module: Any) -> Optimizer | None:
     except Exception:  # noqa: BLE001 - sized as Adam, the common worst case
         return None
     return optimizers[0] if optimizers else None
-
-
-def _output_dir(trainer: Any) -> Path:
-    """Where the plan and profile are saved: the logger's directory. Call on every rank (it broadcasts)."""
-    path = Path(trainer.log_dir or trainer.default_root_dir)
-    if trainer.global_rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 GalvatronStrategy.register_strategies(StrategyRegistry)  # also called by _registry once Lightning is imported

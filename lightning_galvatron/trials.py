@@ -67,19 +67,12 @@ _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step"
 
 
 def choose_plan(strategy: Any, trainer: Any, auto: Any, loader: Any, global_batch: int) -> ParallelPlan:
-    """The plan to train: the search's, or with ``strategy._trials`` and when fitting, the fastest measured.
+    """The plan to train: the search's, or with ``strategy._trials`` and when fitting, the fastest measured
+    (``global_batch``: the batch the loader gives, kept for callers; the plan may carry another).
 
     Collective (every rank, the same plan); sets ``strategy.selection``.
     """
-    rank_zero_info(auto.report)
-    source = "cached profile" if auto.profile_cached else "profiling"
-    rank_zero_info(f"Galvatron: {source} took {auto.seconds['profile']:.2f} s, search {auto.seconds['search']:.2f} s")
-    if auto.plan.global_batch_size != global_batch:
-        rank_zero_info(
-            f"Galvatron: the search changed the global batch size from {global_batch} to "
-            f"{auto.plan.global_batch_size} (search_batch_size=True)"
-        )
-    plan = auto.plan
+    plan = auto.plan  # the search's report is printed with the plan that trains (display.setup_report)
     predicted = auto.search_result.estimate.step_time_s if auto.search_result is not None else None
     trial_s = runner_up = None
     if strategy._trials is not None and trainer.state.fn == TrainerFn.FITTING:  # trials train
@@ -114,16 +107,29 @@ def _trials(strategy: Any, trainer: Any, auto: Any, loader: Any) -> Any:
         return traced["layers"]
 
     runner = TrialRunner(
-        module, trainer, strategy._layers, batch, strategy._meshes, strategy.precision_plugin, mixed_precision_policy(flag),
-        boundary_dtype(flag), strategy.root_device, [name for name in _STEP_METHODS if is_overridden(name, module)],
-        strategy._vocab_parallel_loss, outside_layers,
+        module,
+        trainer,
+        strategy._layers,
+        batch,
+        strategy._meshes,
+        strategy.precision_plugin,
+        mixed_precision_policy(flag),
+        boundary_dtype(flag),
+        strategy.root_device,
+        [name for name in _STEP_METHODS if is_overridden(name, module)],
+        strategy._vocab_parallel_loss,
+        outside_layers,
     )
     structure = strategy.structure
     tp_plans = block_tensor_parallel_plans(structure)
     rank_zero_info(f"Galvatron: measured selection: trying candidate plans for up to {strategy._trials.budget_s:g} s")
     selection = select_by_measurement(
-        auto, runner, strategy._trials, cache=SelectionCache.of(strategy._search.profile_cache),
-        check=lambda plan: check_runtime_support(plan, structure, tp_plans), report=rank_zero_info,
+        auto,
+        runner,
+        strategy._trials,
+        cache=SelectionCache.of(strategy._search.profile_cache),
+        check=lambda plan: check_runtime_support(plan, structure, tp_plans),
+        report=rank_zero_info,
         progress=strategy._progress,
     )
     rank_zero_info(selection.report())
@@ -173,6 +179,7 @@ def _batch_size(batch: Any) -> int:
 def _shard(batch: Any, num_shards: int, shard: int) -> Any:
     flat, spec = tree_flatten(batch)
     size = _batch_size(batch) // num_shards
+
     def part(x: Any) -> Any:
         batched = (isinstance(x, torch.Tensor) and x.dim() > 0) or isinstance(x, list)
         return x[shard * size : (shard + 1) * size] if batched else x
@@ -198,7 +205,7 @@ class TrialRunner:
     outside_layers: Callable[[], OutsideLayers]  # collective; called only for pipelined candidates
 
     def run(
-        self, plan: ParallelPlan, settings: TrialSettings, observe: bool = True, stop_above: float | None = None
+        self, plan: ParallelPlan, settings: TrialSettings, observe: bool = True
     ) -> tuple[Measurement, list[Observation]]:
         """Train ``plan`` for a few steps on a copy (collective: every rank, the same plans in the same order).
 
@@ -241,8 +248,15 @@ class TrialRunner:
         blocks = structure.blocks  # by global index; a pipeline stage keeps only its own in the containers
         model = self.precision_plugin.convert_module(model)
         applied = apply_plan(
-            model, structure, plan, self.meshes, self.mp_policy, entry_methods=self.entry_methods,
-            parallel_loss=self._parallel_loss(plan), boundary_dtype=self.boundary_dtype, outside_layers=outside,
+            model,
+            structure,
+            plan,
+            self.meshes,
+            self.mp_policy,
+            entry_methods=self.entry_methods,
+            parallel_loss=self._parallel_loss(plan),
+            boundary_dtype=self.boundary_dtype,
+            outside_layers=outside,
             tp_plans=block_tensor_parallel_plans(structure),
         )
         _materialize_distributed_module(model, self.device)
@@ -324,7 +338,9 @@ class TrialRunner:
         try:
             model = copy.deepcopy(self.module)
         except Exception as error:
-            raise TrialUnavailable(f"the LightningModule cannot be copied for trials ({type(error).__name__}: {error})") from error
+            raise TrialUnavailable(
+                f"the LightningModule cannot be copied for trials ({type(error).__name__}: {error})"
+            ) from error
         model._trainer = self.trainer
         model.log = _ignore_log  # type: ignore[method-assign]
         return model
@@ -414,10 +430,10 @@ class StepClock(Callback):
         if self.runner_up is not None and self.runner_up[2] < measured:
             name, plan, seconds = self.runner_up
             line += (
-                f"\nGalvatron: the runner-up of the trials, {name} ({plan_summary(plan)}), measured {seconds * 1e3:.1f} ms "
-                "per step in its trial, less than this plan takes now (trials leave out the training loop's own work -- "
-                "logging, callbacks -- and a busy machine disturbs them; to measure again, delete the cached selection "
-                "or give trials= more timed steps)"
+                f"\nGalvatron: the runner-up of the trials, {name} ({plan_summary(plan)}), measured "
+                f"{seconds * 1e3:.1f} ms per step in its trial, less than this plan takes now (trials leave out "
+                "the training loop's own work -- logging, callbacks -- and a busy machine disturbs them; to "
+                "measure again, delete the cached selection or give trials= more timed steps)"
             )
         return line
 

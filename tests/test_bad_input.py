@@ -51,7 +51,10 @@ def _files(tmp_path) -> dict[str, str]:
         (dict(disable=["zero9"]), r"cannot disable \['zero9'\]; choose from \['ddp', .*'zero3'\]"),
         (dict(disable="zero9"), r"cannot disable \['zero9'\]"),
         (dict(disable=["ddp", "zero2", "zero3"]), r"leaves no way to hold the model states"),
-        (dict(schedules=["zigzag"]), r"schedules must be a non-empty subset of \('gpipe', '1f1b', 'interleaved_1f1b'\)"),
+        (
+            dict(schedules=["zigzag"]),
+            r"schedules must be a non-empty subset of \('gpipe', '1f1b', 'interleaved_1f1b'\)",
+        ),
         (dict(max_global_batch_size=0), r"max_global_batch_size must be a positive integer"),
         (dict(global_batch_size=0), r"global_batch_size must be a positive integer, got 0"),
         (dict(layers=3), r"layers must be a dotted path such as 'model.blocks'"),
@@ -98,8 +101,11 @@ def test_malformed_calibration_file_is_named(tmp_path):
 
 def test_malformed_profile_files_are_named(tmp_path):
     files = _files(tmp_path)
-    for name, message in [("list.json", "must hold a JSON object"), ("truncated.json", "is not valid JSON"),
-                          ("missing.json", "does not exist")]:
+    for name, message in [
+        ("list.json", "must hold a JSON object"),
+        ("truncated.json", "is not valid JSON"),
+        ("missing.json", "does not exist"),
+    ]:
         with pytest.raises(ProfileError, match=rf"profile file '.*{name}' {message}"):
             Profile.load(files[name])
 
@@ -113,8 +119,11 @@ def _trainer(strategy, precision="32-true", devices=2):
 @pytest.mark.parametrize("precision", ["16-mixed", "16-true", "16"])
 def test_fp16_is_refused_in_our_words(strategy, precision):
     strategy = GalvatronStrategy(plan=PLAN4) if strategy == "instance" else strategy
-    with pytest.raises(ValueError, match=r"GalvatronStrategy does not support precision='?16.*'?; choose one of "
-                                         r"32-true, bf16-mixed, bf16-true\. fp16 needs a gradient scaler") as error:
+    with pytest.raises(
+        ValueError,
+        match=r"GalvatronStrategy does not support precision='?16.*'?; choose one of "
+        r"32-true, bf16-mixed, bf16-true\. fp16 needs a gradient scaler",
+    ) as error:
         _trainer(strategy, precision)
     assert "Fabric" not in str(error.value) and "ModelParallelStrategy" not in str(error.value)
 
@@ -122,8 +131,11 @@ def test_fp16_is_refused_in_our_words(strategy, precision):
 def test_devices_are_checked_before_the_launch(tmp_path):
     """What depends on the devices is refused when the Trainer is made, before any process starts."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    with pytest.raises(ValueError, match=r"memory_budget=.* is more than a device has \(this machine's .* shared by 2 "
-                                         r"processes is .* each\): a plan made for it would not fit; give at most"):
+    with pytest.raises(
+        ValueError,
+        match=r"memory_budget=.* is more than a device has \(this machine's .* shared by 2 "
+        r"processes is .* each\): a plan made for it would not fit; give at most",
+    ):
         _trainer(GalvatronStrategy(memory_budget=physical))  # the machine's whole memory for each of 2 processes
     _trainer(GalvatronStrategy(memory_budget=physical // 4))  # within the share: fine
     with pytest.raises(PlanError, match=r"the plan is for world_size=2 but 4 devices are running"):
@@ -137,8 +149,11 @@ def test_devices_are_checked_before_the_launch(tmp_path):
 def test_a_plan_for_other_blocks_is_refused_before_it_is_printed(pools):
     """Six layer strategies for the example's four blocks: refused with the count, not an IndexError in the table."""
     six = ParallelPlan.uniform(2, 6, S())
-    with pytest.raises(AssertionError, match=r"PlanError: the plan has 6 layer strategies but the model has 4 blocks "
-                                             r"\(model\.blocks \(4 x Block\)\); give one strategy per block") as error:
+    with pytest.raises(
+        AssertionError,
+        match=r"PlanError: the plan has 6 layer strategies but the model has 4 blocks "
+        r"\(model\.blocks \(4 x Block\)\); give one strategy per block",
+    ) as error:
         pools(2).run(run_distributed, six)
     assert "IndexError" not in str(error.value)
 
@@ -150,16 +165,24 @@ def test_checkpoint_directories_a_killed_save_leaves_are_named(tmp_path):
     interrupted.mkdir()
     (interrupted / "__0_0.distcp").write_bytes(b"partial")
     for path, message in [
-        (interrupted, (r"checkpoint directory '.*step=32\.ckpt' is incomplete: it holds 1 shard file\(s\) but has no "
-                       r"\.metadata file, which DCP writes last -- the save that wrote it was interrupted")),
+        (
+            interrupted,
+            (
+                r"checkpoint directory '.*step=32\.ckpt' is incomplete: it holds 1 shard file\(s\) but has no "
+                r"\.metadata file, which DCP writes last -- the save that wrote it was interrupted"
+            ),
+        ),
         (tmp_path / "nowhere.ckpt", r"checkpoint '.*nowhere\.ckpt' does not exist"),
     ]:
         with pytest.raises(CheckpointError, match=message):
             load_checkpoint(path, model)
         with pytest.raises(CheckpointError, match=message):
             consolidate(path, tmp_path / "model.pt")
-    with pytest.raises(CheckpointError, match=r"'.*' is not a sharded \(DCP\) checkpoint directory: it has no "
-                                              r"\.metadata, no shard files and no meta\.pt"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'.*' is not a sharded \(DCP\) checkpoint directory: it has no "
+        r"\.metadata, no shard files and no meta\.pt",
+    ):
         load_checkpoint(tmp_path, model)  # a directory, but no checkpoint
     (interrupted / ".metadata").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=r"cannot read '.*step=32\.ckpt/\.metadata'"):
@@ -186,8 +209,16 @@ def _cli(capsys, *argv: str) -> tuple[int, str]:
     ],
 )
 def test_cli_memory_per_device(capsys, tmp_path, value, message):
-    code, err = _cli(capsys, "search", str(A100_PROFILE), "--world-size", "8", f"--memory-per-device={value}",
-                     "-o", str(tmp_path / "plan.json"))
+    code, err = _cli(
+        capsys,
+        "search",
+        str(A100_PROFILE),
+        "--world-size",
+        "8",
+        f"--memory-per-device={value}",
+        "-o",
+        str(tmp_path / "plan.json"),
+    )
     assert code == 2 and re.search(message, err), err
     assert not (tmp_path / "plan.json").exists()
 
@@ -198,14 +229,19 @@ def test_cli_evaluate_names_the_file_and_the_option(capsys, tmp_path):
     ParallelPlan.uniform(8, 32, S()).save(tmp_path / "no_batch.json")
     for argv, message in [
         (["--plan", files["list.json"]], r"plan file '.*list\.json' must hold a JSON object"),
-        (["--plan", str(tmp_path / "six.json"), "--global-batch-size", "8"],
-         (r"plan file '.*six\.json' \(evaluated on the profile '.*'\): the plan has 6 layer strategies but the "
-          r"profiled model has 32 blocks")),
-        (["--plan", str(tmp_path / "no_batch.json")],
-         r"plan file '.*no_batch\.json' .*: it does not fix its global batch size: pass --global-batch-size"),
+        (
+            ["--plan", str(tmp_path / "six.json"), "--global-batch-size", "8"],
+            (
+                r"plan file '.*six\.json' \(evaluated on the profile '.*'\): the plan has 6 layer strategies but the "
+                r"profiled model has 32 blocks"
+            ),
+        ),
+        (
+            ["--plan", str(tmp_path / "no_batch.json")],
+            r"plan file '.*no_batch\.json' .*: it does not fix its global batch size: pass --global-batch-size",
+        ),
     ]:
         code, err = _cli(capsys, "evaluate", str(A100_PROFILE), *argv)
         assert code == 2 and re.search(message, err), err
     code, err = _cli(capsys, "evaluate", files["list.json"], "--plan", str(tmp_path / "six.json"))
     assert code == 2 and re.search(r"profile file '.*list\.json' must hold a JSON object", err), err
-

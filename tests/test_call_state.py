@@ -46,7 +46,7 @@ def test_recomputed_blocks_give_the_gradients_of_plain_blocks(factory):
     for model in (plain, recomputed):
         model(input_ids=inputs, labels=inputs).loss.backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters()):
-        torch.testing.assert_close(b.grad, a.grad, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b.grad, a.grad, atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _predict(plan: ParallelPlan | None) -> list:

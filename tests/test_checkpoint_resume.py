@@ -42,14 +42,24 @@ GLOBAL_BATCH = 16
 DDP_PIPELINE = ParallelPlan.uniform(4, 4, S(), pp=2, schedule="gpipe")  # what `plan: auto` chose for 4 CPU processes
 TP_ZERO3 = ParallelPlan.uniform(4, 4, S(tp=2, dp_type="zero3"), vocab=S(tp=2))
 PP2_TP2_ZERO2 = ParallelPlan(
-    world_size=4, layers=(S(tp=2), S(tp=2, dp_type="zero2"), S(dp_type="zero3"), S(recompute=True)),
-    pp=2, schedule="1f1b", micro_batches=2,
+    world_size=4,
+    layers=(S(tp=2), S(tp=2, dp_type="zero2"), S(dp_type="zero3"), S(recompute=True)),
+    pp=2,
+    schedule="1f1b",
+    micro_batches=2,
 )
 
 
 def _fit(
-    plan: Any, cache: str, *, train_samples: int, max_steps: int = -1, max_epochs: int | None = None,
-    ckpt_path: str | None = None, save_path: str | None = None, checkpoint_every: int | None = None,
+    plan: Any,
+    cache: str,
+    *,
+    train_samples: int,
+    max_steps: int = -1,
+    max_epochs: int | None = None,
+    ckpt_path: str | None = None,
+    save_path: str | None = None,
+    checkpoint_every: int | None = None,
     checkpoint_dir: str | None = None,
 ) -> dict[str, Any]:
     """The README example on this pool's ranks (DataLoader batch = global batch / devices, as DDP would)."""
@@ -65,9 +75,18 @@ def _fit(
     if checkpoint_every:
         callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=checkpoint_every, save_top_k=-1))
     trainer = L.Trainer(
-        default_root_dir=tempfile.gettempdir(), accelerator="cpu", devices=world, strategy=strategy, logger=False,
-        enable_checkpointing=bool(checkpoint_every), enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, max_steps=max_steps, max_epochs=max_epochs, callbacks=callbacks,
+        default_root_dir=tempfile.gettempdir(),
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=bool(checkpoint_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        max_steps=max_steps,
+        max_epochs=max_epochs,
+        callbacks=callbacks,
     )
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     if save_path is not None:
@@ -75,7 +94,9 @@ def _fit(
     losses = torch.tensor(recorder.losses, dtype=torch.float64)
     dist.all_reduce(losses)  # every rank logs the same loss (pipelines replay the last stage's)
     return dict(
-        losses=(losses / world).tolist(), plan=strategy.plan, state=gather_full_state(trainer.lightning_module),
+        losses=(losses / world).tolist(),
+        plan=strategy.plan,
+        state=gather_full_state(trainer.lightning_module),
         grads=_merge_over_ranks(recorder.grads),
         dtensors=any(type(p).__name__ == "DTensor" for p in trainer.lightning_module.parameters()),
     )
@@ -102,7 +123,11 @@ def _resumed_matches(resumed: dict, first: dict, uninterrupted: dict, exact: boo
         return
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(uninterrupted["losses"]), atol=1e-5, rtol=0)
     assert_parameters_moved_alike(
-        resumed["state"], uninterrupted["state"], first["initial"], FP32_TOL["param_rtol"], FP32_TOL["param_mean_rtol"],
+        resumed["state"],
+        uninterrupted["state"],
+        first["initial"],
+        FP32_TOL["param_rtol"],
+        FP32_TOL["param_mean_rtol"],
         skip=rounding_noise_gradients(uninterrupted["grads"]),  # Adam turns their rounding noise into steps
     )
 
@@ -165,11 +190,17 @@ def test_full_checkpoint_files_resume_into_plans_without_a_pipeline(pools, tmp_p
     torch.testing.assert_close(
         torch.tensor(first.losses + resumed.losses), torch.tensor(uninterrupted.losses), atol=1e-5, rtol=0
     )
-    with pytest.raises(AssertionError, match=r"CheckpointError: '.*full\.ckpt' is a full checkpoint file .*; resume it "
-                                             r"with a plan without pipeline stages \(pp=1\)"):
+    with pytest.raises(
+        AssertionError,
+        match=r"CheckpointError: '.*full\.ckpt' is a full checkpoint file .*; resume it "
+        r"with a plan without pipeline stages \(pp=1\)",
+    ):
         pools(4).run(run_distributed, DDP_PIPELINE, max_epochs=2, ckpt_path=checkpoint, **epochs)
-    with pytest.raises(AssertionError, match=r"PlanError: save_distributed_checkpoint=False gathers the model on rank 0, "
-                                             r"which holds only pipeline stage 0 of this pp=2 plan"):
+    with pytest.raises(
+        AssertionError,
+        match=r"PlanError: save_distributed_checkpoint=False gathers the model on rank 0, "
+        r"which holds only pipeline stage 0 of this pp=2 plan",
+    ):
         pools(4).run(run_distributed, DDP_PIPELINE, max_epochs=1, strategy_kwargs=full, **epochs)
 
 
@@ -187,7 +218,9 @@ def test_fused_projections_under_tensor_parallelism_save_and_resume(pools, tmp_p
     uninterrupted = pools(2).run(run_distributed, FUSED_QKV_TP, max_epochs=2, **common)[0]
     pools(2).run(run_distributed, FUSED_QKV_TP, max_epochs=1, save_path=checkpoint, **common)
     same = pools(2).run(run_distributed, FUSED_QKV_TP, max_epochs=2, ckpt_path=checkpoint, **common)[0]
-    ddp = pools(2).run(run_distributed, ParallelPlan.uniform(2, 4, S()), max_epochs=2, ckpt_path=checkpoint, **common)[0]
+    ddp = pools(2).run(run_distributed, ParallelPlan.uniform(2, 4, S()), max_epochs=2, ckpt_path=checkpoint, **common)[
+        0
+    ]
     assert same.losses == uninterrupted.losses[1:]
     for name, value in uninterrupted.state.items():
         assert torch.equal(same.state[name], value), name

@@ -18,8 +18,15 @@ from tests.search_profiles import A100_PROFILE, GALVATRON_DIR, REFERENCE_PLAN
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_CONFIG = REPO / "tests" / "data" / "llama2-7b-config.json"
-GPT2_SMALL = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024,
-              "architectures": ["GPT2LMHeadModel"]}
+GPT2_SMALL = {
+    "model_type": "gpt2",
+    "n_embd": 768,
+    "n_layer": 12,
+    "n_head": 12,
+    "vocab_size": 50257,
+    "n_positions": 1024,
+    "architectures": ["GPT2LMHeadModel"],
+}
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -66,33 +73,68 @@ def test_search_exit_codes_and_json(capsys, cpu_profile):
     assert code == 2 and "'36' has no unit: write e.g. '36GB'" in data["error"]["message"]
     code, _, err = run(capsys, *base, "--memory-per-device", "36")  # the old name is an alias
     assert code == 2 and "has no unit" in err
-    code, data = json_error(capsys, "search", str(cpu_profile), "--world-size", "8", "--memory-budget", "36GB", "--no-baselines")
+    code, data = json_error(
+        capsys, "search", str(cpu_profile), "--world-size", "8", "--memory-budget", "36GB", "--no-baselines"
+    )
     assert code == 0 and data["precision"] == "32-true"
     code, out, _ = run(capsys, "search", "a100", "--world-size", "8", "--memory-budget", "36GB", "--no-baselines")
     assert code == 0 and "bf16-mixed (the profile's)" in out and "budget 33.5 GiB per device" in out
 
 
 def test_evaluate_exit_codes_and_json(capsys, tmp_path):
-    code, out, _ = run(capsys, "evaluate", str(A100_PROFILE), "--plan", str(REFERENCE_PLAN), "--memory-budget", "36GB", "--json")
+    code, out, _ = run(
+        capsys, "evaluate", str(A100_PROFILE), "--plan", str(REFERENCE_PLAN), "--memory-budget", "36GB", "--json"
+    )
     assert code == 0 and json.loads(out)["fits"] is True
     code, out, _ = run(capsys, "evaluate", str(A100_PROFILE), "--plan", str(REFERENCE_PLAN), "--memory-budget", "8GB")
     assert code == 1 and "DOES NOT FIT" in out  # the answer is "no"
     ParallelPlan.uniform(8, 6, S()).save(tmp_path / "six.json")
-    code, data = json_error(capsys, "evaluate", str(A100_PROFILE), "--plan", str(tmp_path / "six.json"), "--global-batch-size", "8")
+    code, data = json_error(
+        capsys, "evaluate", str(A100_PROFILE), "--plan", str(tmp_path / "six.json"), "--global-batch-size", "8"
+    )
     assert code == 2 and data["error"]["kind"] == "usage" and "six.json" in data["error"]["message"]
 
 
 def test_import_galvatron_exit_codes_and_json(capsys, tmp_path):
-    code, data = json_error(capsys, "import-galvatron", str(GALVATRON_DIR), "--hidden-size", "4096", "--seq-length", "2048",
-                            "-o", str(tmp_path / "p.json"))
+    code, data = json_error(
+        capsys,
+        "import-galvatron",
+        str(GALVATRON_DIR),
+        "--hidden-size",
+        "4096",
+        "--seq-length",
+        "2048",
+        "-o",
+        str(tmp_path / "p.json"),
+    )
     assert code == 0 and data["blocks"] == 32
     imported = Profile.load(tmp_path / "p.json")
     assert imported.measured_precision == "bf16-mixed" and imported.device_type == "cuda"
-    code, data = json_error(capsys, "import-galvatron", str(tmp_path / "none"), "--hidden-size", "4096", "--seq-length",
-                            "2048", "-o", str(tmp_path / "q.json"))
+    code, data = json_error(
+        capsys,
+        "import-galvatron",
+        str(tmp_path / "none"),
+        "--hidden-size",
+        "4096",
+        "--seq-length",
+        "2048",
+        "-o",
+        str(tmp_path / "q.json"),
+    )
     assert code == 2 and "is not a directory of Hetu-Galvatron profile files" in data["error"]["message"]
-    code, data = json_error(capsys, "import-galvatron", str(GALVATRON_DIR), "--hidden-size", "4096", "--seq-length", "2048",
-                            "--device-memory", "80", "-o", str(tmp_path / "q.json"))
+    code, data = json_error(
+        capsys,
+        "import-galvatron",
+        str(GALVATRON_DIR),
+        "--hidden-size",
+        "4096",
+        "--seq-length",
+        "2048",
+        "--device-memory",
+        "80",
+        "-o",
+        str(tmp_path / "q.json"),
+    )
     assert code == 2 and "has no unit" in data["error"]["message"]
 
 
@@ -100,18 +142,36 @@ def test_profile_exit_codes_and_json(capsys, tmp_path, monkeypatch):
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(REPO)
-    code, data = json_error(capsys, "profile", "--model", "examples.gpt:GPTModule", "--datamodule",
-                            "examples.gpt:ArithmeticDataModule", "-o", str(tmp_path / "p.json"))
+    code, data = json_error(
+        capsys,
+        "profile",
+        "--model",
+        "examples.gpt:GPTModule",
+        "--datamodule",
+        "examples.gpt:ArithmeticDataModule",
+        "-o",
+        str(tmp_path / "p.json"),
+    )
     assert code == 2 and "torchrun --nproc-per-node" in data["error"]["message"]
     code, data = json_error(capsys, "profile", "--model", "examples.gpt:Nope", "-o", str(tmp_path / "p.json"))
     assert code == 2 and "has no 'Nope'" in data["error"]["message"]
 
 
 def test_dry_run_usage_errors_as_json(capsys, tmp_path):
-    code, data = json_error(capsys, "dry-run", "--hf-config", str(LLAMA_CONFIG), "--seq-length", "16", "--plan",
-                            str(tmp_path / "missing.json"))
+    code, data = json_error(
+        capsys,
+        "dry-run",
+        "--hf-config",
+        str(LLAMA_CONFIG),
+        "--seq-length",
+        "16",
+        "--plan",
+        str(tmp_path / "missing.json"),
+    )
     assert code == 2 and "does not exist" in data["error"]["message"] and data["error"]["command"] == "dry-run"
-    code, data = json_error(capsys, "dry-run", "--hf-config", str(LLAMA_CONFIG), "--plan", "auto", "--memory-budget", "1")
+    code, data = json_error(
+        capsys, "dry-run", "--hf-config", str(LLAMA_CONFIG), "--plan", "auto", "--memory-budget", "1"
+    )
     assert code == 2 and "has no unit" in data["error"]["message"]
 
 
@@ -129,8 +189,18 @@ def test_estimate_with_the_shipped_reference_profile_names_it(capsys):
     assert data["warnings"] == []  # the measured model itself: no extrapolation
     code, data = _estimate(capsys, "--hf-config", str(LLAMA_CONFIG), "--memory-budget", "8GB", "--hardware", "a100")
     assert code == 1 and not data["fits"] and data["smallest_budget_bytes"] > 8e9
-    code, out, _ = run(capsys, "estimate", "--hf-config", str(LLAMA_CONFIG), "--world-size", "8", "--memory-budget", "36GB",
-                       "--hardware", "a100")
+    code, out, _ = run(
+        capsys,
+        "estimate",
+        "--hf-config",
+        str(LLAMA_CONFIG),
+        "--world-size",
+        "8",
+        "--memory-budget",
+        "36GB",
+        "--hardware",
+        "a100",
+    )
     assert "Profiles: hardware a100, measured blocks a100; precision bf16-mixed" in out and "A100" in out
     code, data = _estimate(capsys, "--hf-config", str(LLAMA_CONFIG), "--memory-budget", "36GB", "--hardware", "h999")
     assert code == 2 and "neither a profile file nor the name of a reference profile" in data["error"]["message"]

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from lightning_galvatron.cli import main
+from lightning_galvatron.producers.analytic import analytic_profile, architecture_from_hf_config
 from lightning_galvatron.profiles import Profile
 from lightning_galvatron.search import search
-from lightning_galvatron.search.analytic import analytic_profile, architecture_from_hf_config
 from lightning_galvatron.units import parse_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,8 +38,16 @@ def _estimate(*args: str) -> tuple[dict, float, int]:
 
 def test_llama2_7b_on_eight_a100s_of_36gb_fits_within_ten_seconds():
     data, seconds, status = _estimate(
-        "--hf-config", str(LLAMA_CONFIG), "--world-size", "8", "--memory-per-device", "36GB", "--seq-length", "2048",
-        "--hardware", str(A100),
+        "--hf-config",
+        str(LLAMA_CONFIG),
+        "--world-size",
+        "8",
+        "--memory-per-device",
+        "36GB",
+        "--seq-length",
+        "2048",
+        "--hardware",
+        str(A100),
     )
     assert status == 0 and data["fits"]
     assert seconds < 10, seconds
@@ -56,8 +64,16 @@ def test_llama2_7b_on_eight_a100s_of_36gb_fits_within_ten_seconds():
 
 def test_sixty_four_devices_of_80gb_at_sequence_4096():
     data, seconds, status = _estimate(
-        "--hf-config", str(LLAMA_CONFIG), "--world-size", "64", "--memory-per-device", "80GB", "--seq-length", "4096",
-        "--hardware", str(A100),
+        "--hf-config",
+        str(LLAMA_CONFIG),
+        "--world-size",
+        "64",
+        "--memory-per-device",
+        "80GB",
+        "--seq-length",
+        "4096",
+        "--hardware",
+        str(A100),
     )
     assert status == 0 and data["fits"] and seconds < 10
     assert data["search"]["peak_memory_bytes_per_device"] <= parse_bytes("80GB")
@@ -85,12 +101,35 @@ def test_shapes_counted_from_configs_match_the_models_transformers_builds():
     from lightning_galvatron.model.shapes import architecture_of_module, hf_model_on_meta
 
     configs = [
-        dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=6, num_attention_heads=8,
-             num_key_value_heads=2, vocab_size=1000, architectures=["LlamaForCausalLM"]),
-        dict(model_type="gpt2", n_embd=128, n_layer=5, n_head=4, vocab_size=500, n_positions=64,
-             architectures=["GPT2LMHeadModel"]),
-        dict(model_type="bert", hidden_size=128, num_hidden_layers=3, num_attention_heads=4, intermediate_size=512,
-             vocab_size=700, max_position_embeddings=64, architectures=["BertForSequenceClassification"]),
+        dict(
+            model_type="llama",
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=1000,
+            architectures=["LlamaForCausalLM"],
+        ),
+        dict(
+            model_type="gpt2",
+            n_embd=128,
+            n_layer=5,
+            n_head=4,
+            vocab_size=500,
+            n_positions=64,
+            architectures=["GPT2LMHeadModel"],
+        ),
+        dict(
+            model_type="bert",
+            hidden_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            intermediate_size=512,
+            vocab_size=700,
+            max_position_embeddings=64,
+            architectures=["BertForSequenceClassification"],
+        ),
     ]
     import torch
     import transformers
@@ -102,18 +141,45 @@ def test_shapes_counted_from_configs_match_the_models_transformers_builds():
         with torch.device("meta"):
             fields = {k: v for k, v in config.items() if k != "architectures"}
             whole = getattr(transformers, config["architectures"][0])(transformers.AutoConfig.for_model(**fields))
-        assert counted.parameters == built.parameters == sum(p.numel() for p in whole.parameters()), config["model_type"]
+        assert counted.parameters == built.parameters == sum(p.numel() for p in whole.parameters()), config[
+            "model_type"
+        ]
         assert counted.blocks == built.blocks and counted.vocab == built.vocab
-        for field in ("parameters", "matmul_parameters", "num_heads", "num_key_value_heads", "head_dim", "ffn_hidden_size",
-                      "gated_mlp", "supports_tensor_parallel", "supports_megatron_sp", "supports_ulysses"):
-            assert getattr(counted.layer_types[0], field) == getattr(built.layer_types[0], field), (config["model_type"], field)
+        for field in (
+            "parameters",
+            "matmul_parameters",
+            "num_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "ffn_hidden_size",
+            "gated_mlp",
+            "supports_tensor_parallel",
+            "supports_megatron_sp",
+            "supports_ulysses",
+        ):
+            assert getattr(counted.layer_types[0], field) == getattr(built.layer_types[0], field), (
+                config["model_type"],
+                field,
+            )
 
 
 def test_a_module_class_with_two_block_lists_gets_no_pipeline(capsys):
-    status = main([
-        "estimate", "--model", "tests.helpers.model_families:TorchSeq2Seq", "--seq-length", "8", "--world-size", "4",
-        "--memory-per-device", "1GB", "--hardware", str(A100), "--json",
-    ])
+    status = main(
+        [
+            "estimate",
+            "--model",
+            "tests.helpers.model_families:TorchSeq2Seq",
+            "--seq-length",
+            "8",
+            "--world-size",
+            "4",
+            "--memory-per-device",
+            "1GB",
+            "--hardware",
+            str(A100),
+            "--json",
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     assert status == 0 and data["fits"]
     assert [s["layer_type"] for s in data["scaling"]] == ["TransformerEncoderLayer", "TransformerDecoderLayer"]
@@ -121,10 +187,23 @@ def test_a_module_class_with_two_block_lists_gets_no_pipeline(capsys):
 
 
 def test_when_nothing_fits_it_says_the_smallest_budget(capsys, tmp_path):
-    status = main([
-        "estimate", "--hf-config", str(LLAMA_CONFIG), "--world-size", "8", "--memory-per-device", "8GB",
-        "--seq-length", "2048", "--hardware", str(A100), "-o", str(tmp_path / "plan.json"),
-    ])
+    status = main(
+        [
+            "estimate",
+            "--hf-config",
+            str(LLAMA_CONFIG),
+            "--world-size",
+            "8",
+            "--memory-per-device",
+            "8GB",
+            "--seq-length",
+            "2048",
+            "--hardware",
+            str(A100),
+            "-o",
+            str(tmp_path / "plan.json"),
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 1
     assert "Fits: no." in out and "The smallest memory per device that fits:" in out
@@ -133,9 +212,22 @@ def test_when_nothing_fits_it_says_the_smallest_budget(capsys, tmp_path):
 
 def test_without_a_hardware_profile_the_local_cache_is_used(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("LIGHTNING_GALVATRON_CACHE", str(tmp_path))
-    args = ["estimate", "--hf-config", str(LLAMA_CONFIG), "--world-size", "8", "--memory-per-device", "36GB", "--seq-length", "2048"]
+    args = [
+        "estimate",
+        "--hf-config",
+        str(LLAMA_CONFIG),
+        "--world-size",
+        "8",
+        "--memory-per-device",
+        "36GB",
+        "--seq-length",
+        "2048",
+    ]
     assert main(args) == 2
-    assert "no --hardware profile given and no profile of cuda devices in the local profile cache" in capsys.readouterr().err
+    assert (
+        "no --hardware profile given and no profile of cuda devices in the local profile cache"
+        in capsys.readouterr().err
+    )
     (tmp_path / "cached.json").write_text(A100.read_text())
     assert main([*args, "--profile-output", str(tmp_path / "analytic.json")]) == 0
     out = capsys.readouterr().out

@@ -25,7 +25,8 @@ def test_profile_under_torchrun_then_search(tmp_path, capsys):
     command = [
         "torchrun", "--standalone", "--nproc-per-node", "2", "--no-python", "lightning-galvatron", "profile",
         "--model", "examples.gpt:GPTModule", "--model-args", TINY,
-        "--datamodule", "examples.gpt:ArithmeticDataModule", "--datamodule-args", json.dumps({"seq_length": 8, "batch_size": 2}),
+        "--datamodule", "examples.gpt:ArithmeticDataModule",
+        "--datamodule-args", json.dumps({"seq_length": 8, "batch_size": 2}),
         "--budget", "1", "--no-cache", "-o", str(out),
     ]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
@@ -36,7 +37,20 @@ def test_profile_under_torchrun_then_search(tmp_path, capsys):
 
     plans = []
     for _ in range(2):
-        code = main(["search", str(out), "--world-size", "2", "--memory-per-device", "1GB", "--precision", "32-true", "--json", "--no-baselines"])
+        code = main(
+            [
+                "search",
+                str(out),
+                "--world-size",
+                "2",
+                "--memory-per-device",
+                "1GB",
+                "--precision",
+                "32-true",
+                "--json",
+                "--no-baselines",
+            ]
+        )
         assert code == 0
         plans.append(json.loads(capsys.readouterr().out)["plan"])
     assert plans[0] == plans[1]  # deterministic given a profile
@@ -46,7 +60,17 @@ def test_profile_without_a_launcher_says_how_to_run(tmp_path, capsys, monkeypatc
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(REPO)
-    code = main(["profile", "--model", "examples.gpt:GPTModule", "--datamodule", "examples.gpt:ArithmeticDataModule", "-o", str(tmp_path / "p.json")])
+    code = main(
+        [
+            "profile",
+            "--model",
+            "examples.gpt:GPTModule",
+            "--datamodule",
+            "examples.gpt:ArithmeticDataModule",
+            "-o",
+            str(tmp_path / "p.json"),
+        ]
+    )
     assert code == 2
     assert "torchrun --nproc-per-node" in capsys.readouterr().err
 
@@ -66,15 +90,26 @@ def test_config_sections_and_command_line_overrides(monkeypatch, tmp_path):
 
     with_paths = tmp_path / "class_paths.yaml"
     with_paths.write_text(
-        "trainer:\n  precision: bf16-mixed\nmodel:\n  class_path: examples.gpt.GPTModule\n  init_args:\n    n_layer: 3\n"
+        "trainer:\n  precision: bf16-mixed\nmodel:\n  class_path: examples.gpt.GPTModule\n  init_args:\n    "
+        "n_layer: 3\n"
         "data:\n  class_path: examples.gpt.ArithmeticDataModule\n"
     )
     inputs = _resolve_inputs(build_parser().parse_args(["profile", "--config", str(with_paths), "-o", "x.json"]))
     model, _ = inputs.build()
     assert model.hparams.n_layer == 3 and inputs.precision == "bf16-mixed"
 
-    typo = build_parser().parse_args(["profile", "--config", "configs/gpt_tiny_cpu.yaml", *classes, "--model-args",
-                                      '{"n_layerz": 2}', "-o", "x.json"])
+    typo = build_parser().parse_args(
+        [
+            "profile",
+            "--config",
+            "configs/gpt_tiny_cpu.yaml",
+            *classes,
+            "--model-args",
+            '{"n_layerz": 2}',
+            "-o",
+            "x.json",
+        ]
+    )
     with pytest.raises(ValueError, match="n_layerz"):  # LightningCLI checks init arguments against the signature
         _resolve_inputs(typo)
 

@@ -20,7 +20,19 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_search_prints_a_table_and_writes_the_plan(capsys, tmp_path):
     plan_path = tmp_path / "plan.json"
-    code, out, _ = run(capsys, "search", str(A100_PROFILE), "--world-size", "8", "--memory-per-device", "36GB", "--global-batch-size", "16", "-o", str(plan_path))
+    code, out, _ = run(
+        capsys,
+        "search",
+        str(A100_PROFILE),
+        "--world-size",
+        "8",
+        "--memory-per-device",
+        "36GB",
+        "--global-batch-size",
+        "16",
+        "-o",
+        str(plan_path),
+    )
     assert code == 0
     assert "blocks" in out and "strategy" in out and "memory/device" in out and "time/micro-batch" in out
     assert "Uniform baselines" in out and "zero3" in out and "Search took" in out
@@ -29,7 +41,19 @@ def test_search_prints_a_table_and_writes_the_plan(capsys, tmp_path):
 
 
 def test_search_json(capsys):
-    code, out, _ = run(capsys, "search", str(A100_PROFILE), "--world-size", "8", "--memory-per-device", "36GB", "--global-batch-size", "16", "--json", "--no-baselines")
+    code, out, _ = run(
+        capsys,
+        "search",
+        str(A100_PROFILE),
+        "--world-size",
+        "8",
+        "--memory-per-device",
+        "36GB",
+        "--global-batch-size",
+        "16",
+        "--json",
+        "--no-baselines",
+    )
     assert code == 0
     data = json.loads(out)
     for key in ("throughput_samples_per_s", "step_time_s", "peak_memory_bytes_per_device", "plan"):
@@ -39,7 +63,9 @@ def test_search_json(capsys):
 
 
 def test_evaluate_a_reference_format_plan(capsys):
-    code, out, _ = run(capsys, "evaluate", str(A100_PROFILE), "--plan", str(REFERENCE_PLAN), "--memory-per-device", "36GB", "--json")
+    code, out, _ = run(
+        capsys, "evaluate", str(A100_PROFILE), "--plan", str(REFERENCE_PLAN), "--memory-per-device", "36GB", "--json"
+    )
     assert code == 0  # the world size (8) comes from the file name
     data = json.loads(out)
     assert data["plan"]["world_size"] == 8 and data["fits"] is True
@@ -50,7 +76,21 @@ def test_evaluate_a_reference_format_plan(capsys):
 
 def test_evaluate_our_plan_round_trips(capsys, tmp_path):
     plan_path = tmp_path / "plan.json"
-    run(capsys, "search", str(A100_PROFILE), "--world-size", "8", "--memory-per-device", "36GB", "--global-batch-size", "16", "-o", str(plan_path), "--no-baselines", "--json")
+    run(
+        capsys,
+        "search",
+        str(A100_PROFILE),
+        "--world-size",
+        "8",
+        "--memory-per-device",
+        "36GB",
+        "--global-batch-size",
+        "16",
+        "-o",
+        str(plan_path),
+        "--no-baselines",
+        "--json",
+    )
     capsys.readouterr()
     code, out, _ = run(capsys, "evaluate", str(A100_PROFILE), "--plan", str(plan_path), "--json")
     assert code == 0 and json.loads(out)["global_batch_size"] == 16
@@ -58,13 +98,25 @@ def test_evaluate_our_plan_round_trips(capsys, tmp_path):
 
 def test_import_galvatron(capsys, tmp_path):
     out_path = tmp_path / "profile.json"
-    code, out, _ = run(capsys, "import-galvatron", str(GALVATRON_DIR), "--hidden-size", "4096", "--seq-length", "2048", "-o", str(out_path))
+    code, out, _ = run(
+        capsys,
+        "import-galvatron",
+        str(GALVATRON_DIR),
+        "--hidden-size",
+        "4096",
+        "--seq-length",
+        "2048",
+        "-o",
+        str(out_path),
+    )
     assert code == 0 and "32 blocks" in out
     assert Profile.load(out_path) == Profile.load(A100_PROFILE)
 
 
 def test_errors_are_messages_not_tracebacks(capsys, tmp_path):
-    code, _, err = run(capsys, "search", str(A100_PROFILE), "--world-size", "8", "--memory-budget", "4GB", "--global-batch-size", "8")
+    code, _, err = run(
+        capsys, "search", str(A100_PROFILE), "--world-size", "8", "--memory-budget", "4GB", "--global-batch-size", "8"
+    )
     assert code == 1 and "smallest budget that fits is" in err  # a well-formed question answered "no"
     code, _, err = run(capsys, "search", str(tmp_path / "missing.json"), "--world-size", "8", "--memory-budget", "4GB")
     assert code == 2 and "does not exist" in err
@@ -78,8 +130,24 @@ def test_errors_are_messages_not_tracebacks(capsys, tmp_path):
 
 def test_search_options_reach_the_engine(capsys):
     code, out, _ = run(
-        capsys, "search", str(A100_PROFILE), "--world-size", "8", "--memory-per-device", "36GB", "--global-batch-size", "16",
-        "--max-tp", "2", "--disable", "zero2", "zero3", "--schedules", "1f1b", "--json", "--no-baselines",
+        capsys,
+        "search",
+        str(A100_PROFILE),
+        "--world-size",
+        "8",
+        "--memory-per-device",
+        "36GB",
+        "--global-batch-size",
+        "16",
+        "--max-tp",
+        "2",
+        "--disable",
+        "zero2",
+        "zero3",
+        "--schedules",
+        "1f1b",
+        "--json",
+        "--no-baselines",
     )
     plan = ParallelPlan.from_dict(json.loads(out)["plan"])
     assert all(s.tp <= 2 and s.dp_type == "ddp" for s in plan.layers)

@@ -15,7 +15,13 @@ def test_finds_the_example_gpt_blocks():
     assert structure.block_names == [f"model.blocks.{i}" for i in range(4)]
     assert structure.blocks[0] is module.model.blocks[0]
     vocab = {name for name, _ in structure.vocab_parameters()}
-    assert vocab == {"model.tok_emb.weight", "model.pos_emb.weight", "model.ln_f.weight", "model.ln_f.bias", "model.lm_head.weight"}
+    assert vocab == {
+        "model.tok_emb.weight",
+        "model.pos_emb.weight",
+        "model.ln_f.weight",
+        "model.ln_f.bias",
+        "model.lm_head.weight",
+    }
 
 
 class Head(nn.Module):
@@ -61,7 +67,9 @@ def test_model_without_blocks_says_what_to_pass():
 
 
 def test_bad_explicit_paths():
-    with pytest.raises(BlockDiscoveryError, match="has no submodule at that path; containers that hold several blocks: 'encoder.layer'"):
+    with pytest.raises(
+        BlockDiscoveryError, match="has no submodule at that path; containers that hold several blocks: 'encoder.layer'"
+    ):
         find_blocks(Nested(), "encoder.layers")
     with pytest.raises(BlockDiscoveryError, match="is a Embedding, not a non-empty nn.ModuleList"):
         find_blocks(Nested(), "embed")

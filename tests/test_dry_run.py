@@ -25,7 +25,13 @@ DATA = Path(__file__).parent / "data"
 LLAMA_CONFIG = json.loads((DATA / "llama2-7b-config.json").read_text())
 A100 = str(Path(__file__).parents[1] / "benchmarks" / "data" / "llama2-7b-a100-8gpu.json")
 # Llama-2-7B's structure (32 heads, no GQA, SwiGLU, untied head) at small widths.
-NARROW_LLAMA = {**LLAMA_CONFIG, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 64}
+NARROW_LLAMA = {
+    **LLAMA_CONFIG,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+}
 TINY_GPT = "examples.gpt.GPTModule"
 
 
@@ -34,14 +40,25 @@ def llama_64_plan() -> ParallelPlan:
     ranks, so activations are relocated between blocks and stages), ZeRO-2/ZeRO-3/DDP, recomputation on some
     blocks, a vocabulary-parallel embedding and head."""
     runs = [
-        S(tp=8, dp_type="zero3"), S(tp=4, recompute=True),  # stage 0
-        S(tp=2, dp_type="zero2"), S(tp=1, dp_type="zero3", recompute=True),  # stage 1
-        S(tp=4, dp_type="zero3", tp_consecutive=False), S(tp=2, recompute=True, tp_consecutive=False),  # stage 2
-        S(tp=8, dp_type="zero2", recompute=True), S(tp=1),  # stage 3
+        S(tp=8, dp_type="zero3"),
+        S(tp=4, recompute=True),  # stage 0
+        S(tp=2, dp_type="zero2"),
+        S(tp=1, dp_type="zero3", recompute=True),  # stage 1
+        S(tp=4, dp_type="zero3", tp_consecutive=False),
+        S(tp=2, recompute=True, tp_consecutive=False),  # stage 2
+        S(tp=8, dp_type="zero2", recompute=True),
+        S(tp=1),  # stage 3
     ]
     layers = tuple(s for s in runs for _ in range(4))
-    return ParallelPlan(world_size=64, layers=layers, vocab=S(tp=8, dp_type="zero3"), pp=4, schedule="1f1b",
-                        micro_batches=4, global_batch_size=64)
+    return ParallelPlan(
+        world_size=64,
+        layers=layers,
+        vocab=S(tp=8, dp_type="zero3"),
+        pp=4,
+        schedule="1f1b",
+        micro_batches=4,
+        global_batch_size=64,
+    )
 
 
 def narrow_llama(num_layers: int) -> ModelSource:
@@ -97,7 +114,9 @@ def test_broken_runtimes_are_caught_with_both_stacks(monkeypatch: pytest.MonkeyP
     from lightning_galvatron.runtime import gradient_sync
     from lightning_galvatron.runtime.mesh import Layout, MeshCache
 
-    model = ModelSource.from_class(TINY_GPT, {"vocab_size": 16, "seq_length": 8, "n_layer": 2, "n_head": 4, "n_embd": 32})
+    model = ModelSource.from_class(
+        TINY_GPT, {"vocab_size": 16, "seq_length": 8, "n_layer": 2, "n_head": 4, "n_embd": 32}
+    )
     plan = ParallelPlan(world_size=4, layers=(S(), S(tp=2, dp_type="zero3")), vocab=S(), global_batch_size=8)
 
     launch = gradient_sync._Bucket.launch
@@ -136,7 +155,9 @@ def test_llama2_7b_heterogeneous_plan_order_is_proven_for_all_64_ranks() -> None
     plan = llama_64_plan()
     short = shortened_plan(plan)
     assert short.num_layers == 8 and short.partition == (2, 2, 2, 2)
-    report = prove(narrow_llama(short.num_layers), short, seq_length=16, gradient_clip_val=1.0, phases=("train", "validate"))
+    report = prove(
+        narrow_llama(short.num_layers), short, seq_length=16, gradient_clip_val=1.0, phases=("train", "validate")
+    )
     order = report.order
     assert order.groups_checked > 50 and order.pairs_checked > 0
     # every phase talked: pipeline p2p, tensor-parallel and ZeRO collectives, the loss handed from the last stage
@@ -151,8 +172,14 @@ def test_llama2_7b_sampled_ranks_apply_step_and_measure_memory_at_64() -> None:
     plan = ParallelPlan.load(Path(__file__).parents[1] / "configs" / "llama2_7b_64gpu_plan.json")  # the README's
     assert plan == llama_64_plan()
     ranks = [0, 21, 42, 63]
-    report = dry_run(ModelSource.from_hf_config(DATA / "llama2-7b-config.json"), plan, ranks=ranks, seq_length=2048,
-                     hardware=A100, workers=2)
+    report = dry_run(
+        ModelSource.from_hf_config(DATA / "llama2-7b-config.json"),
+        plan,
+        ranks=ranks,
+        seq_length=2048,
+        hardware=A100,
+        workers=2,
+    )
     assert [r.rank for r in report.ranks] == ranks
     for r in report.ranks:
         assert r.error is None, r.error
@@ -171,29 +198,60 @@ def test_llama2_7b_sampled_ranks_apply_step_and_measure_memory_at_64() -> None:
 def test_sequence_parallel_ulysses_interleaved_uneven_plan_order_on_16_ranks() -> None:
     """Megatron-SP and Ulysses blocks, tp/dp mixes, strided layouts, an uneven partition, interleaved 1F1B with two
     chunks per stage and a vocabulary-parallel head, tied to the embedding across the first and last stage."""
-    model = ModelSource.from_class(TINY_GPT, {"vocab_size": 16, "seq_length": 16, "n_layer": 8, "n_head": 8, "n_embd": 64,
-                                              "tie_weights": True})
-    layers = (
-        S(tp=4, sp="megatron", dp_type="zero3"), S(tp=2, sp="ulysses"), S(tp=8, sp="megatron", recompute=True),  # chunk 0
-        S(tp=2, dp_type="zero2", tp_consecutive=False),  # chunk 1
-        S(tp=4, sp="ulysses", dp_type="zero3", recompute=True), S(),  # chunk 2
-        S(tp=2, sp="megatron", tp_consecutive=False), S(tp=4),  # chunk 3
+    model = ModelSource.from_class(
+        TINY_GPT, {"vocab_size": 16, "seq_length": 16, "n_layer": 8, "n_head": 8, "n_embd": 64, "tie_weights": True}
     )
-    plan = ParallelPlan(world_size=16, layers=layers, vocab=S(tp=2, dp_type="zero3"), pp=2, partition=(3, 1, 2, 2),
-                        schedule="interleaved_1f1b", virtual_stages=2, micro_batches=2, global_batch_size=16)
+    layers = (
+        S(tp=4, sp="megatron", dp_type="zero3"),
+        S(tp=2, sp="ulysses"),
+        S(tp=8, sp="megatron", recompute=True),  # chunk 0
+        S(tp=2, dp_type="zero2", tp_consecutive=False),  # chunk 1
+        S(tp=4, sp="ulysses", dp_type="zero3", recompute=True),
+        S(),  # chunk 2
+        S(tp=2, sp="megatron", tp_consecutive=False),
+        S(tp=4),  # chunk 3
+    )
+    plan = ParallelPlan(
+        world_size=16,
+        layers=layers,
+        vocab=S(tp=2, dp_type="zero3"),
+        pp=2,
+        partition=(3, 1, 2, 2),
+        schedule="interleaved_1f1b",
+        virtual_stages=2,
+        micro_batches=2,
+        global_batch_size=16,
+    )
     report = prove(model, plan, gradient_clip_val=1.0, phases=("train", "validate"))
     kinds = {k for r in report.ranks for ops in r.operations.values() for k in ops}
     assert {"all_to_all", "reduce_scatter", "all_gather", "send", "recv"} <= kinds
 
 
 def test_1024_rank_plan_applies_on_sampled_ranks() -> None:
-    layers = (S(tp=8, dp_type="zero3"), S(tp=4, recompute=True), S(tp=2, dp_type="zero2"), S(dp_type="zero3"),
-              S(tp=8, tp_consecutive=False), S(tp=1, recompute=True), S(tp=2), S(tp=4, dp_type="zero3"))
-    plan = ParallelPlan(world_size=1024, layers=layers, vocab=S(tp=8), pp=8, schedule="1f1b", micro_batches=8,
-                        global_batch_size=1024)
+    layers = (
+        S(tp=8, dp_type="zero3"),
+        S(tp=4, recompute=True),
+        S(tp=2, dp_type="zero2"),
+        S(dp_type="zero3"),
+        S(tp=8, tp_consecutive=False),
+        S(tp=1, recompute=True),
+        S(tp=2),
+        S(tp=4, dp_type="zero3"),
+    )
+    plan = ParallelPlan(
+        world_size=1024, layers=layers, vocab=S(tp=8), pp=8, schedule="1f1b", micro_batches=8, global_batch_size=1024
+    )
     ranks = [0, 517, 1023]
-    report = dry_run(narrow_llama(8), plan, ranks=ranks, seq_length=16, real_tensors=True, measure_memory=False,
-                     phases=("train",), workers=2)
+    report = dry_run(
+        narrow_llama(8),
+        plan,
+        ranks=ranks,
+        seq_length=16,
+        real_tensors=True,
+        measure_memory=False,
+        phases=("train",),
+        workers=2,
+    )
     for r in report.ranks:
         assert r.error is None, r.error
         assert [b["index"] for b in r.blocks] == [r.rank // 128]
@@ -208,7 +266,9 @@ def test_plans_the_search_emits_for_64_devices_are_proven() -> None:
     matrix = [("16GB", {}), ("12GB", {"disable": ["zero3"]})]
     proven = set()
     for budget, options in matrix:
-        found = estimate_cluster(architecture, 64, budget, hardware=A100, seq_length=2048, global_batch_size=128, **options)
+        found = estimate_cluster(
+            architecture, 64, budget, hardware=A100, seq_length=2048, global_batch_size=128, **options
+        )
         short = shortened_plan(found.result.plan)
         if short in proven:
             continue
@@ -221,12 +281,34 @@ def test_plans_the_search_emits_for_64_devices_are_proven() -> None:
 def test_dry_run_command_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from lightning_galvatron.cli import main
 
-    plan = ParallelPlan(world_size=8, layers=(S(tp=2, dp_type="zero3"), S(recompute=True)), vocab=S(tp=2), pp=2,
-                        micro_batches=2, global_batch_size=8)
+    plan = ParallelPlan(
+        world_size=8,
+        layers=(S(tp=2, dp_type="zero3"), S(recompute=True)),
+        vocab=S(tp=2),
+        pp=2,
+        micro_batches=2,
+        global_batch_size=8,
+    )
     plan.save(tmp_path / "plan.json")
     args = {"vocab_size": 16, "seq_length": 8, "n_layer": 2, "n_head": 4, "n_embd": 32}
-    code = main(["dry-run", "--model", TINY_GPT, "--model-args", json.dumps(args), "--plan", str(tmp_path / "plan.json"),
-                 "--ranks", "0,7", "--precision", "32-true", "--json", "--workers", "2"])
+    code = main(
+        [
+            "dry-run",
+            "--model",
+            TINY_GPT,
+            "--model-args",
+            json.dumps(args),
+            "--plan",
+            str(tmp_path / "plan.json"),
+            "--ranks",
+            "0,7",
+            "--precision",
+            "32-true",
+            "--json",
+            "--workers",
+            "2",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["ok"] and out["world_size"] == 8
     first, last = out["ranks"]
@@ -240,9 +322,30 @@ def test_dry_run_command_searches_a_plan(tmp_path: Path, capsys: pytest.CaptureF
 
     config = tmp_path / "narrow-llama.json"
     config.write_text(json.dumps({**NARROW_LLAMA, "num_hidden_layers": 4}))
-    code = main(["dry-run", "--hf-config", str(config), "--plan", "auto", "--world-size", "16", "--memory-per-device",
-                 "1GB", "--hardware", A100, "--seq-length", "16", "--global-batch-size", "16", "--ranks", "3",
-                 "--phases", "train", "--real-tensors"])
+    code = main(
+        [
+            "dry-run",
+            "--hf-config",
+            str(config),
+            "--plan",
+            "auto",
+            "--world-size",
+            "16",
+            "--memory-per-device",
+            "1GB",
+            "--hardware",
+            A100,
+            "--seq-length",
+            "16",
+            "--global-batch-size",
+            "16",
+            "--ranks",
+            "3",
+            "--phases",
+            "train",
+            "--real-tensors",
+        ]
+    )
     text = capsys.readouterr().out
     assert code == 0, text
     assert "on 16 ranks (1 simulated)" in text and "measured peak" in text
@@ -263,10 +366,14 @@ def test_the_model_profiler_counts_fake_tensors_like_real_ones() -> None:
     real = source.build()
     with torch.device("meta"):
         fake = source.build()
-    counted = profile_model(real, find_blocks(real, source.layers), token_batch(2, 16), batch_sizes=(1, 2), degrees=(1, 2))
+    counted = profile_model(
+        real, find_blocks(real, source.layers), token_batch(2, 16), batch_sizes=(1, 2), degrees=(1, 2)
+    )
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu"))
-        fake_counted = profile_model(fake, find_blocks(fake, source.layers), token_batch(2, 16), batch_sizes=(1, 2), degrees=(1, 2))
+        fake_counted = profile_model(
+            fake, find_blocks(fake, source.layers), token_batch(2, 16), batch_sizes=(1, 2), degrees=(1, 2)
+        )
     assert fake_counted.layer_types[0].activation_bytes_per_sample == counted.layer_types[0].activation_bytes_per_sample
     assert fake_counted.vocab.head_activation_bytes_per_sample == counted.vocab.head_activation_bytes_per_sample
     assert not fake_counted.vocab.tied and counted.layer_types[0].activation_bytes_per_sample.at(1) > 0

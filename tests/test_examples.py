@@ -22,8 +22,16 @@ pytestmark = pytest.mark.timeout(900)
 
 def _run(script: str, config: str, logs: Path, cache: Path, *extra: str) -> str:
     command = [
-        sys.executable, script, "fit", "--config", config, "--trainer.enable_progress_bar", "false",
-        "--trainer.logger.init_args.save_dir", str(logs), *extra,
+        sys.executable,
+        script,
+        "fit",
+        "--config",
+        config,
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.logger.init_args.save_dir",
+        str(logs),
+        *extra,
     ]
     env = {**os.environ, "LIGHTNING_GALVATRON_CACHE": str(cache)}
     out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
@@ -42,8 +50,16 @@ def _column(rows: list[dict[str, str]], key: str) -> list[float]:
 
 def test_hugging_face_causal_lm_fine_tune(tmp_path):
     out = _run(
-        "examples/hf_causal_lm.py", "configs/hf_causal_lm.yaml", tmp_path / "logs", tmp_path / "cache",
-        "--trainer.max_steps", "6", "--trainer.val_check_interval", "6", "--trainer.log_every_n_steps", "2",
+        "examples/hf_causal_lm.py",
+        "configs/hf_causal_lm.yaml",
+        tmp_path / "logs",
+        tmp_path / "cache",
+        "--trainer.max_steps",
+        "6",
+        "--trainer.val_check_interval",
+        "6",
+        "--trainer.log_every_n_steps",
+        "2",
     )
     assert "Galvatron plan for 4 devices" in out
     rows = _metrics(tmp_path / "logs", "hf_causal_lm")
@@ -60,7 +76,13 @@ def test_encoder_classifier_before_and_after_differ_in_one_line_and_log_the_same
     runs = {}
     for name in ("ddp", "galvatron"):
         logs = tmp_path / name
-        out = _run("examples/encoder_classifier.py", f"configs/encoder_classifier_{name}.yaml", logs, tmp_path / "cache", *short)
+        out = _run(
+            "examples/encoder_classifier.py",
+            f"configs/encoder_classifier_{name}.yaml",
+            logs,
+            tmp_path / "cache",
+            *short,
+        )
         runs[name] = _metrics(logs, "encoder_classifier")
         assert ("Galvatron plan for 4 devices" in out) == (name == "galvatron")
     for key in ("train_loss", "train_acc", "val_loss", "val_acc"):

@@ -37,8 +37,12 @@ STEP_TIMEOUT_S = 5.0
 def _launch(out: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
-        [sys.executable, str(JOB), str(out), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        [sys.executable, str(JOB), str(out), *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -95,8 +99,13 @@ def test_a_stopped_rank_ends_the_job_with_its_name(tmp_path):
     assert running == []  # the stopped rank was ended too
     assert took < STEP_TIMEOUT_S + 15, took  # the timeout, a beat, and the exit
     text = _user_lines(output)
-    assert f"Galvatron watchdog: no progress for {STEP_TIMEOUT_S:.0f} s (watchdog step_timeout_s)." in text, text[-3000:]
-    assert "rank 1: missing -- no heartbeat (stopped, or hung without releasing Python); last seen in training step" in text
+    assert f"Galvatron watchdog: no progress for {STEP_TIMEOUT_S:.0f} s (watchdog step_timeout_s)." in text, text[
+        -3000:
+    ]
+    assert (
+        "rank 1: missing -- no heartbeat (stopped, or hung without releasing Python); last seen in training step"
+        in text
+    )
     assert f"(pid {pids[1]} on " in text
     # Rank 0 waits for rank 1 in the step's collectives, or right after its step if rank 1 stopped between steps.
     assert re.search(r"rank 0: waiting in (after )?training step", text) and "Ending the job." in text, text[-3000:]
@@ -127,9 +136,11 @@ def test_an_interrupted_checkpoint_is_reported_once(tmp_path):
     code, output, _, _ = _finish(job, {}, timeout_s=120)
     assert code == 1
     text = _user_lines(output)
-    message = (f"CheckpointError: checkpoint directory '{checkpoint}' is incomplete: it holds 1 shard file(s) but has "
-               "no .metadata file, which DCP writes last -- the save that wrote it was interrupted; resume from an "
-               "earlier checkpoint")
+    message = (
+        f"CheckpointError: checkpoint directory '{checkpoint}' is incomplete: it holds 1 shard file(s) but has "
+        "no .metadata file, which DCP writes last -- the save that wrote it was interrupted; resume from an "
+        "earlier checkpoint"
+    )
     assert text.count(message) == 1, text[-4000:]
     assert text.count("Traceback") == 1
 
@@ -220,8 +231,11 @@ def _profile_with_a_foreign_cache_file(cache: str) -> tuple[str, int, int]:
 
 def test_a_cached_profile_of_another_model_is_measured_again(pools, tmp_path):
     messages, parameters, stored = pools(2).run(_profile_with_a_foreign_cache_file, str(tmp_path / "cache"))[0]
-    assert re.search(r"ignoring the cached profile .*/cache/\w+\.json: it was measured on another model or cluster "
-                     r"\(its fingerprint differs in model\); profiling again and overwriting it", messages), messages
+    assert re.search(
+        r"ignoring the cached profile .*/cache/\w+\.json: it was measured on another model or cluster "
+        r"\(its fingerprint differs in model\); profiling again and overwriting it",
+        messages,
+    ), messages
     block = find_blocks(tiny_gpt()).blocks[0]
     assert parameters == sum(p.numel() for p in block.parameters())  # the live model's profile
     assert stored["model"] != "0" * 32  # and it replaced the foreign file
@@ -231,18 +245,24 @@ def test_a_cache_file_is_not_trusted_for_its_name(tmp_path):
     """A profile without a fingerprint, or whose content contradicts the live model, is not used."""
     model = tiny_gpt()
     structure = find_blocks(model)
-    measured_on = fingerprint(model_signature(model, structure), precision="32-true", sample_shapes=[], device_kind="cpu",
-                              world_size=2)
+    measured_on = fingerprint(
+        model_signature(model, structure), precision="32-true", sample_shapes=[], device_kind="cpu", world_size=2
+    )
     synthetic = synthetic_profile(np.random.default_rng(0), num_blocks=4, devices_per_node=2)
     cache = ProfileCache(tmp_path)
     cache.save("key", synthetic)
-    with pytest.warns(UserWarning, match=r"ignoring the cached profile .*key\.json: it does not say what it was "
-                                         r"measured on \(no fingerprint\); profiling again"):
+    with pytest.warns(
+        UserWarning,
+        match=r"ignoring the cached profile .*key\.json: it does not say what it was "
+        r"measured on \(no fingerprint\); profiling again",
+    ):
         assert cache.load("key", fingerprint=measured_on) is None
     forged = dataclasses.replace(synthetic, fingerprint=measured_on)
     cache.save("key", forged)
     assert cache.load("key", fingerprint=measured_on) == forged
-    assert re.fullmatch(r"its block 0 has \d+ parameters but the model's has 12704", contradiction(forged, structure, 2))
+    assert re.fullmatch(
+        r"its block 0 has \d+ parameters but the model's has 12704", contradiction(forged, structure, 2)
+    )
     assert contradiction(forged, structure, 4) is not None
     fewer = dataclasses.replace(forged, model=forged.model.with_num_blocks(6))
     assert contradiction(fewer, structure, 2) == "it describes 6 blocks but the model has 4"

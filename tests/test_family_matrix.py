@@ -42,10 +42,16 @@ PREDICTION_TOL = 1e-4
 
 #: (family, case) -> what the refusal says, for what the runtime cannot run exactly.
 REFUSED = {
-    **{(name, case): r"pipeline parallelism over several block lists" for name in ENCODER_DECODER
-       for case in ("pp_1f1b", "pp_interleaved")},
+    **{
+        (name, case): r"pipeline parallelism over several block lists"
+        for name in ENCODER_DECODER
+        for case in ("pp_1f1b", "pp_interleaved")
+    },
     ("bloom", "ulysses"): r"BLOOM's attention computes its scores itself \(baddbmm with ALiBi\)",
-    ("gptj", "ulysses"): r"its attention implementation is 'eager': Ulysses needs one that calls F.scaled_dot_product_attention",
+    (
+        "gptj",
+        "ulysses",
+    ): r"its attention implementation is 'eager': Ulysses needs one that calls F.scaled_dot_product_attention",
     ("t5", "ulysses"): r"T5's attention computes its scores itself",
     ("torch_encoder", "sequence"): r"nn.MultiheadAttention checks its masks against the sequence it receives",
     ("torch_encoder", "ulysses"): r"nn.MultiheadAttention checks its masks against the sequence it receives",
@@ -64,32 +70,66 @@ def cases(name: str) -> dict[str, dict]:
     return {
         "auto_ample": dict(auto="ample"),
         "auto_tight": dict(auto="tight"),
-        "tensor": dict(plan=ParallelPlan(
-            world_size=4,
-            layers=(S(tp=2, dp_type="zero3"), S(tp=tp, recompute=True), S(dp_type="zero2"),
-                    S(tp=2, tp_consecutive=False, dp_type="zero3", recompute=True)),
-            vocab=S(tp=2),
-        )),
-        "sequence": dict(plan=ParallelPlan(
-            world_size=4,
-            layers=(S(tp=2, sp="megatron", dp_type="zero3"), S(tp=megatron, sp="megatron", recompute=True), S(),
-                    S(tp=2, sp="megatron", tp_consecutive=False, dp_type="zero2")),
-            vocab=S(tp=2),
-        )),
-        "ulysses": dict(plan=ParallelPlan(
-            world_size=4,
-            layers=(S(tp=2, sp="ulysses", dp_type="zero3"), S(tp=4, sp="ulysses", recompute=True),
-                    S(tp=2, sp="megatron"), S(tp=2, sp="ulysses", tp_consecutive=False, dp_type="zero2")),
-            vocab=S(tp=2),
-        )),
-        "pp_1f1b": dict(plan=ParallelPlan(
-            world_size=4, layers=(S(), S(dp_type="zero3"), S(tp=2), S(recompute=True)), pp=2, partition=(1, 3),
-            schedule="1f1b", micro_batches=2,
-        )),
-        "pp_interleaved": dict(plan=ParallelPlan.uniform(
-            4, 4, S(dp_type="zero2"), pp=2, schedule="interleaved_1f1b", virtual_stages=2, micro_batches=2,
-        )),
-        "zero3_recompute": dict(plan=ParallelPlan.uniform(4, 4, S(dp_type="zero3", recompute=True), vocab=S(dp_type="zero3"))),
+        "tensor": dict(
+            plan=ParallelPlan(
+                world_size=4,
+                layers=(
+                    S(tp=2, dp_type="zero3"),
+                    S(tp=tp, recompute=True),
+                    S(dp_type="zero2"),
+                    S(tp=2, tp_consecutive=False, dp_type="zero3", recompute=True),
+                ),
+                vocab=S(tp=2),
+            )
+        ),
+        "sequence": dict(
+            plan=ParallelPlan(
+                world_size=4,
+                layers=(
+                    S(tp=2, sp="megatron", dp_type="zero3"),
+                    S(tp=megatron, sp="megatron", recompute=True),
+                    S(),
+                    S(tp=2, sp="megatron", tp_consecutive=False, dp_type="zero2"),
+                ),
+                vocab=S(tp=2),
+            )
+        ),
+        "ulysses": dict(
+            plan=ParallelPlan(
+                world_size=4,
+                layers=(
+                    S(tp=2, sp="ulysses", dp_type="zero3"),
+                    S(tp=4, sp="ulysses", recompute=True),
+                    S(tp=2, sp="megatron"),
+                    S(tp=2, sp="ulysses", tp_consecutive=False, dp_type="zero2"),
+                ),
+                vocab=S(tp=2),
+            )
+        ),
+        "pp_1f1b": dict(
+            plan=ParallelPlan(
+                world_size=4,
+                layers=(S(), S(dp_type="zero3"), S(tp=2), S(recompute=True)),
+                pp=2,
+                partition=(1, 3),
+                schedule="1f1b",
+                micro_batches=2,
+            )
+        ),
+        "pp_interleaved": dict(
+            plan=ParallelPlan.uniform(
+                4,
+                4,
+                S(dp_type="zero2"),
+                pp=2,
+                schedule="interleaved_1f1b",
+                virtual_stages=2,
+                micro_batches=2,
+            )
+        ),
+        "zero3_recompute": dict(
+            plan=ParallelPlan.uniform(4, 4, S(dp_type="zero3", recompute=True), vocab=S(dp_type="zero3"))
+        ),
     }
 
 
@@ -115,9 +155,7 @@ def profile_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("profiles"))
 
 
-@pytest.mark.parametrize(
-    "name, case", [pytest.param(n, c, id=f"{n}-{c}") for n in FAMILIES for c in CASES]
-)
+@pytest.mark.parametrize("name, case", [pytest.param(n, c, id=f"{n}-{c}") for n in FAMILIES for c in CASES])
 def test_family_matches_one_process(pools, profile_cache, name, case):
     expected, results = _matrix(pools, profile_cache, name)
     outcome = results[case]
@@ -130,4 +168,6 @@ def test_family_matches_one_process(pools, profile_cache, name, case):
     assert_close_runs(outcome, expected, **FP32_TOL)
     assert_same_evaluation(outcome, expected, FP32_TOL["loss_tol"], PREDICTION_TOL)
     if case == "auto_tight":  # pure DDP does not fit the budget
-        assert outcome.plan != ParallelPlan.uniform(4, outcome.plan.num_layers, S(), global_batch_size=outcome.plan.global_batch_size)
+        assert outcome.plan != ParallelPlan.uniform(
+            4, outcome.plan.num_layers, S(), global_batch_size=outcome.plan.global_batch_size
+        )

@@ -11,7 +11,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import gpu_check
+from benchmarks import gpu_check  # noqa: E402
 
 
 def test_cases_plans_and_verdicts() -> None:
@@ -46,9 +46,23 @@ def test_profile_and_memory_sections_run_on_cpu(tmp_path: Path) -> None:
     which must not outlive them in the test process that forks the other tests' workers)."""
     output = tmp_path / "gpu_check.json"
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--tiny", "--cases", "2",
-         "--skip-example", "-o", str(output)],
-        check=False, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)},
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "gpu_check.py"),
+            "--device",
+            "cpu",
+            "--tiny",
+            "--cases",
+            "2",
+            "--skip-example",
+            "-o",
+            str(output),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     out = json.loads(output.read_text())
     assert done.returncode == (0 if out["passed"] else 1), done.stderr[-2000:]

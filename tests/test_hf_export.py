@@ -48,7 +48,10 @@ def test_consolidate_hf_loads_with_from_pretrained_and_gives_the_trained_logits(
 
     # A checkpoint that does not record its model (an earlier version's): the config names the class, the tensors'
     # names give its prefix in the LightningModule.
-    assert main(["consolidate", str(checkpoint), "--hf", str(tmp_path / "again"), "--hf-config", str(out / "config.json")]) == 0
+    assert (
+        main(["consolidate", str(checkpoint), "--hf", str(tmp_path / "again"), "--hf-config", str(out / "config.json")])
+        == 0
+    )
     assert "GPT2LMHeadModel (" in capsys.readouterr().out
     again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "again").eval()
     with torch.no_grad():

@@ -13,8 +13,6 @@ import ast
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1] / "lightning_galvatron"
 PACKAGE = ROOT.name
 MAX_LINES = 600
@@ -177,28 +175,14 @@ def test_the_walk_sees_every_kind_of_import():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 14, until its other halves land: search.cost <-> search.calibration; model.tensor_parallel_plans "
-    "<-> model.families (the built-in plans register through the module that imports them); cli <-> dryrun.command",
-)
 def test_no_import_cycle_between_modules():
     cycles = _cycles(_module_graph())
     assert not cycles, f"import cycles between modules: {_describe(cycles)}"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 14, until its other halves land: model <-> runtime (runtime/ reads model/, model/families use "
-    "runtime/'s tensor-parallel styles); cli <-> dryrun (dryrun/command.py borrows cli.py's argument types)",
-)
 def test_no_import_cycle_between_packages():
     cycles = _cycles(_package_graph())
     assert not cycles, f"import cycles between packages: {_describe(cycles)}"
-
-
-# Files other halves of issue 14 split; the lead removes them from here once those land.
-_SPLIT_ELSEWHERE = ("search/engine.py", "runtime/pipeline.py")
 
 
 def _too_long(relatives: list[str]) -> list[str]:
@@ -208,11 +192,5 @@ def _too_long(relatives: list[str]) -> list[str]:
 
 def test_no_source_file_over_600_lines():
     files = [str(path.relative_to(ROOT)) for path in MODULES.values()]
-    too_long = _too_long([f for f in files if f not in _SPLIT_ELSEWHERE])
-    assert not too_long, f"split these by concept (at most {MAX_LINES} lines): {', '.join(too_long)}"
-
-
-@pytest.mark.xfail(strict=False, reason="issue 14: search/engine.py and runtime/pipeline.py are split by other halves")
-def test_files_split_elsewhere_are_600_lines_at_most():
-    too_long = _too_long(list(_SPLIT_ELSEWHERE))
+    too_long = _too_long(files)
     assert not too_long, f"split these by concept (at most {MAX_LINES} lines): {', '.join(too_long)}"

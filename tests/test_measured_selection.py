@@ -33,8 +33,14 @@ def _auto_cached_and_off(cache_dir: str) -> dict:
     off = GalvatronStrategy(**kwargs, trials=False)
     run_distributed(strategy=off, model_kwargs=DROPOUT, max_steps=1)
     return dict(
-        auto=auto, explicit=explicit, plan=measured.plan, selection=measured.selection, again=again.selection,
-        again_plan=again.plan, off_selection=off.selection, off_plan=off.plan,
+        auto=auto,
+        explicit=explicit,
+        plan=measured.plan,
+        selection=measured.selection,
+        again=again.selection,
+        again_plan=again.plan,
+        off_selection=off.selection,
+        off_plan=off.plan,
     )
 
 
@@ -88,12 +94,23 @@ def _trials_on_copies() -> dict:
     torch.manual_seed(1234)
     module = _CountingGPT(**{**TINY_GPT, **DROPOUT})
     before = {k: v.clone() for k, v in module.state_dict().items()}
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     loader = torch.utils.data.DataLoader(dataset(32), batch_size=4, shuffle=True)
     batch = global_batch_samples(loader, 8)
     runner = TrialRunner(
-        module, trainer, None, batch, MeshCache.shared("cpu"), Precision(), MixedPrecisionPolicy(), torch.float32,
-        torch.device("cpu"), ["training_step"], False,
+        module,
+        trainer,
+        None,
+        batch,
+        MeshCache.shared("cpu"),
+        Precision(),
+        MixedPrecisionPolicy(),
+        torch.float32,
+        torch.device("cpu"),
+        ["training_step"],
+        False,
         lambda: trace_outside_layers(module, find_blocks(module), "training_step", batch),
     )
     settings = TrialSettings(timed_steps=2)
@@ -109,7 +126,10 @@ def _trials_on_copies() -> dict:
     drawn = not torch.equal(rng, torch.get_rng_state())
     stopped, _ = runner.run(plans[1], settings, stop_above=0.0)  # slower than any plan could be: stops at once
     return dict(
-        results=results, restored=restored, drawn=drawn, rank=dist.get_rank(), stopped=stopped,
+        results=results,
+        restored=restored,
+        drawn=drawn,
+        rank=dist.get_rank(),
         unchanged=all(torch.equal(before[k], v) for k, v in module.state_dict().items()),
         plain=not any(isinstance(p, DTensor) for p in module.parameters()),
         blocks=len(module.model.blocks),
@@ -138,7 +158,9 @@ def test_candidates_are_distinct_fit_and_cover_other_kinds():
     from tests.search_profiles import llama_profile
 
     profile = llama_profile()
-    arguments = dict(world_size=8, memory_budget_bytes="60GB", global_batch_size=8, precision="bf16-mixed", optimizer="adamw")
+    arguments = dict(
+        world_size=8, memory_budget_bytes="60GB", global_batch_size=8, precision="bf16-mixed", optimizer="adamw"
+    )
     result = search(profile, **arguments)
     candidates = diverse_candidates(profile, result, arguments, max_candidates=6)
     assert candidates[0].plan == result.plan and candidates[0].name == "searched"
@@ -149,8 +171,12 @@ def test_candidates_are_distinct_fit_and_cover_other_kinds():
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [("yes", "trials must be True, False, a budget"), ({"budget": 3}, r"unknown trials settings \['budget'\]"),
-     (0, "budget_s must be a positive number"), ({"timed_steps": 0}, "timed_steps must be an integer >= 1")],
+    [
+        ("yes", "trials must be True, False, a budget"),
+        ({"budget": 3}, r"unknown trials settings \['budget'\]"),
+        (0, "budget_s must be a positive number"),
+        ({"timed_steps": 0}, "timed_steps must be an integer >= 1"),
+    ],
 )
 def test_bad_trials_argument_is_refused_when_the_strategy_is_made(value, message):
     with pytest.raises(ValueError, match=message):
@@ -161,7 +187,19 @@ def test_the_calibrated_search_leaves_out_what_no_trial_measured():
     from lightning_galvatron.search.candidates import unmeasured
 
     ddp = ParallelPlan.uniform(4, 4, S(), global_batch_size=8)
-    tp_pipeline = ParallelPlan.uniform(4, 4, S(tp=2, sp="megatron", dp_type="zero3"), vocab=S(tp=2), pp=2, global_batch_size=8)
-    assert unmeasured([ddp]) == {"zero2", "zero3", "recompute", "tensor_parallel", "tp_without_sp", "megatron_sp",
-                                 "ulysses", "vocab_parallel", "strided", "pipeline"}
+    tp_pipeline = ParallelPlan.uniform(
+        4, 4, S(tp=2, sp="megatron", dp_type="zero3"), vocab=S(tp=2), pp=2, global_batch_size=8
+    )
+    assert unmeasured([ddp]) == {
+        "zero2",
+        "zero3",
+        "recompute",
+        "tensor_parallel",
+        "tp_without_sp",
+        "megatron_sp",
+        "ulysses",
+        "vocab_parallel",
+        "strided",
+        "pipeline",
+    }
     assert unmeasured([ddp, tp_pipeline]) == {"zero2", "recompute", "tp_without_sp", "ulysses", "strided"}

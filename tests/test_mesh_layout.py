@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from lightning_galvatron.layout import Layout
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.runtime.apply import input_shard
-from lightning_galvatron.layout import Layout
 
 
 def test_consecutive_and_strided_grids():
@@ -26,7 +26,10 @@ def test_coordinates_agree_with_the_grid():
 
 
 def test_layouts_with_one_order_share_a_mesh():
-    plan = ParallelPlan(world_size=4, layers=(S(tp=1, tp_consecutive=False), S(tp=4, tp_consecutive=False), S(tp=2, tp_consecutive=False)))
+    plan = ParallelPlan(
+        world_size=4,
+        layers=(S(tp=1, tp_consecutive=False), S(tp=4, tp_consecutive=False), S(tp=2, tp_consecutive=False)),
+    )
     assert Layout.of(plan, plan.layers[0]) == Layout.of(plan, S())
     assert Layout.of(plan, plan.layers[1]) == Layout.of(plan, S(tp=4))
     assert not Layout.of(plan, plan.layers[2]).consecutive

@@ -71,7 +71,12 @@ PLANS = {
         TORCH_BATCH,
         ParallelPlan(
             world_size=4,
-            layers=(S(tp=2), S(tp=2, dp_type="zero3", recompute=True), S(tp=2, dp_type="zero2"), S(tp=2, dp_type="zero3", recompute=True)),
+            layers=(
+                S(tp=2),
+                S(tp=2, dp_type="zero3", recompute=True),
+                S(tp=2, dp_type="zero2"),
+                S(tp=2, dp_type="zero3", recompute=True),
+            ),
             vocab=S(tp=2),
         ),
     ),
@@ -164,7 +169,9 @@ def test_blocks_and_plans_are_found():
     sequence_first = nn.TransformerEncoderLayer(32, 4, 64, batch_first=False)
     assert tensor_parallel_plan(sequence_first) is None  # the runtime moves activations along dim 0 as the batch
     small_head = nn.Module()
-    small_head.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 4, enable_nested_tensor=False)
+    small_head.encoder = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 4, enable_nested_tensor=False
+    )
     small_head.heads = nn.ModuleList(nn.Sequential(nn.Linear(32, 2), nn.Linear(2, 2)) for _ in range(2))
     assert [bl.path for bl in find_blocks(small_head).block_lists] == ["encoder.layers"]
 
@@ -172,34 +179,51 @@ def test_blocks_and_plans_are_found():
 def test_tensor_parallelism_for_a_block_without_plan_is_refused(pools):
     plan = PLANS["plain_blocks_without_tp_plan"][2]
     plan = plan.replace(layers=(S(tp=2), *plan.layers[1:]))
-    with pytest.raises(AssertionError, match=r"layers\[0\]: MixerBlock has no tensor-parallel plan, so tp=2 cannot run"):
+    with pytest.raises(
+        AssertionError, match=r"layers\[0\]: MixerBlock has no tensor-parallel plan, so tp=2 cannot run"
+    ):
         pools(4).run(run_distributed, plan, model=plain_blocks)
 
 
 def test_encoder_decoder_pipeline_is_refused(pools):
     plan = ParallelPlan.uniform(4, 4, S(), pp=2, schedule="1f1b", micro_batches=2)
-    with pytest.raises(AssertionError, match=r"pipeline parallelism over several block lists \(encoder.layers, decoder.layers\)"):
+    with pytest.raises(
+        AssertionError, match=r"pipeline parallelism over several block lists \(encoder.layers, decoder.layers\)"
+    ):
         pools(4).run(run_distributed, plan, model=torch_seq2seq, global_batch=TORCH_BATCH)
 
 
 # ---------------------------------------------------------------------------------------------- automatic plans
-def _auto_plan_between_zero3_and_ddp(model: Callable[[], L.LightningModule], batch: int, cache_dir: str, **limits) -> dict:
+def _auto_plan_between_zero3_and_ddp(
+    model: Callable[[], L.LightningModule], batch: int, cache_dir: str, **limits
+) -> dict:
     """Profile the model as the strategy will (same cache), give the search a budget that pure DDP exceeds
     but pure ZeRO-3 fits, and train with ``plan="auto"`` (``limits``: the strategy's search limits)."""
     world = dist.get_world_size()
     module = model()
     measured = profile(
-        module, find_blocks(module), dataset(batch)[0 : batch // world], precision="32-true", devices_per_node=world,
+        module,
+        find_blocks(module),
+        dataset(batch)[0 : batch // world],
+        precision="32-true",
+        devices_per_node=world,
         cache=cache_dir,
     )
     num_blocks = measured.model.num_blocks
     peaks = {
-        name: evaluate(measured, ParallelPlan.uniform(world, num_blocks, S(dp_type=name)), global_batch_size=batch,
-                       precision="32-true", optimizer="adamw").peak_memory_bytes
+        name: evaluate(
+            measured,
+            ParallelPlan.uniform(world, num_blocks, S(dp_type=name)),
+            global_batch_size=batch,
+            precision="32-true",
+            optimizer="adamw",
+        ).peak_memory_bytes
         for name in ("ddp", "zero3")
     }
     budget = int((peaks["ddp"] + peaks["zero3"]) / 2)
-    strategy = GalvatronStrategy(memory_budget=budget, profile_cache=cache_dir, save_plan=False, trials=QUICK_TRIALS, **limits)
+    strategy = GalvatronStrategy(
+        memory_budget=budget, profile_cache=cache_dir, save_plan=False, trials=QUICK_TRIALS, **limits
+    )
     result = run_distributed(strategy=strategy, model=model, global_batch=batch)
     return dict(result=result, plan=strategy.plan, budget=budget, peaks=peaks)
 

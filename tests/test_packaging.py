@@ -62,7 +62,9 @@ def test_reference_profiles_are_package_data():
 
     from lightning_galvatron import reference_profiles
 
-    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["lightning_galvatron"]
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "lightning_galvatron"
+    ]
     package = REPO / "lightning_galvatron"
     shipped = {path for pattern in globs for path in package.glob(pattern)}
     files = set((package / "reference_profiles").glob("*.json"))

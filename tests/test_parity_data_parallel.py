@@ -5,8 +5,8 @@ at every step, the first step's gradients and every parameter after 3 AdamW step
 
 Tolerances: fp32 runs differ only in the order of floating-point sums: losses 1e-5, gradients 1e-3
 of their RMS, parameters 1e-4 (1% of one Adam step at lr 1e-2: Adam divides by the gradient's RMS,
-which amplifies rounding in the few gradients that are nearly zero). bf16-mixed is compared with the single-process bf16-mixed run
-(autocast); both round to 8 mantissa bits, in different places (per-rank partial gradients are
+which amplifies rounding in the few gradients that are nearly zero). bf16-mixed is compared with the single-process
+bf16-mixed run (autocast); both round to 8 mantissa bits, in different places (per-rank partial gradients are
 rounded before the fp32 reduction), so: losses 1e-2, gradients 0.15 of their RMS, parameters 3e-3
 on average per tensor and 5e-2 at most (Adam moves a weight by up to lr per step whatever its
 gradient's size, so a near-zero gradient rounded to the other sign moves it the other way). The

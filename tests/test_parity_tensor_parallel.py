@@ -2,8 +2,8 @@
 
 Every plan is trained for 3 AdamW steps against a single-process run of the same model on the
 same global batches; losses (1e-5), first-step gradients (1e-3 of their RMS) and all parameters
-(1e-4, gathered into full tensors; see test_parity_data_parallel) must agree. These are fp32 runs, so the only differences are
-the order of floating-point sums.
+(1e-4, gathered into full tensors; see test_parity_data_parallel) must agree. These are fp32 runs, so the only
+differences are the order of floating-point sums.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from tests.helpers.training import assert_close_runs, run_distributed, run_singl
 from tests.test_parity_data_parallel import FP32_TOL
 
 pytestmark = pytest.mark.timeout(900)
+DEFAULT_STRATEGY = S()
 
 
-def uniform(world: int, strategy: S, vocab: S = S()) -> ParallelPlan:
+def uniform(world: int, strategy: S, vocab: S = DEFAULT_STRATEGY) -> ParallelPlan:
     return ParallelPlan.uniform(world, 4, strategy, vocab=vocab)
 
 
@@ -119,5 +120,8 @@ def test_hugging_face_llama_heterogeneous(pools):
 
 def test_degree_that_splits_a_head_is_refused(pools):
     plan = HETEROGENEOUS  # block 2 has tp=4 but the Llama config has 2 key/value heads
-    with pytest.raises(AssertionError, match=r"layers\[2\] \(model.model.layers.2\): tp=4, sp='none': degree 4 does not divide the 2 key/value heads"):
+    with pytest.raises(
+        AssertionError,
+        match=r"layers\[2\] \(model.model.layers.2\): tp=4, sp='none': degree 4 does not divide the 2 key/value heads",
+    ):
         pools(4).run(run_distributed, plan, model=hf_llama)

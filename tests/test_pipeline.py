@@ -24,9 +24,12 @@ from tests.helpers.training import (
 from tests.test_parity_data_parallel import FP32_TOL
 
 pytestmark = pytest.mark.timeout(900)
+DEFAULT_STRATEGY = S()
 
 
-def pipelined(world: int, pp: int, schedule: str, micro_batches: int, strategy: S = S(), **kwargs) -> ParallelPlan:
+def pipelined(
+    world: int, pp: int, schedule: str, micro_batches: int, strategy: S = DEFAULT_STRATEGY, **kwargs
+) -> ParallelPlan:
     return ParallelPlan.uniform(world, 4, strategy, pp=pp, schedule=schedule, micro_batches=micro_batches, **kwargs)
 
 
@@ -37,6 +40,8 @@ PLANS = {
     "pp4_gpipe": pipelined(4, 4, "gpipe", 4),
     "pp4_1f1b": pipelined(4, 4, "1f1b", 4),
     "pp2_interleaved_1f1b_2_virtual_stages": pipelined(2, 2, "interleaved_1f1b", 2, virtual_stages=2),
+    # Fewer micro-batches than stages: torch's interleaved schedule runs them (one round), so the rules admit it.
+    "pp2_interleaved_1f1b_one_micro_batch": pipelined(2, 2, "interleaved_1f1b", 1, virtual_stages=2),
     "pp2_tp2_zero3": PP2_TP2,
     "pp1_four_micro_batches": pipelined(4, 1, "1f1b", 2, S(tp=2, dp_type="zero2")),
 }
@@ -47,6 +52,15 @@ WORLD = {name: plan.world_size for name, plan in PLANS.items()}
 def test_pipeline_parity(pools, name):
     expected = run_single()
     result = pools(WORLD[name]).run(run_distributed, PLANS[name])[0]
+    assert_close_runs(result, expected, **FP32_TOL)
+
+
+def test_interleaved_with_micro_batches_not_a_multiple_of_pp(pools):
+    """m = 3 at pp = 2: torch's interleaved schedule runs one round of 3, so the rules admit it; it trains as one
+    process does."""
+    plan = pipelined(2, 2, "interleaved_1f1b", 3, virtual_stages=2)
+    expected = run_single(global_batch=6)
+    result = pools(2).run(run_distributed, plan, global_batch=6)[0]
     assert_close_runs(result, expected, **FP32_TOL)
 
 
@@ -132,7 +146,9 @@ def test_predict_under_a_pipeline(pools):
 DP4 = ParallelPlan.uniform(4, 4, S(dp_type="zero3"))
 
 
-@pytest.mark.parametrize(("save_plan", "resume_plan"), [(PP2_TP2, DP4), (DP4, PP2_TP2)], ids=["pp2xtp2_to_dp4", "dp4_to_pp2xtp2"])
+@pytest.mark.parametrize(
+    ("save_plan", "resume_plan"), [(PP2_TP2, DP4), (DP4, PP2_TP2)], ids=["pp2xtp2_to_dp4", "dp4_to_pp2xtp2"]
+)
 def test_resume_under_another_plan(pools, tmp_path, save_plan, resume_plan):
     epochs = dict(max_steps=-1, num_samples=16)  # 2 steps per epoch
     uninterrupted = run_single(max_epochs=2, **epochs)
@@ -143,7 +159,11 @@ def test_resume_under_another_plan(pools, tmp_path, save_plan, resume_plan):
         torch.tensor(first.losses + resumed.losses), torch.tensor(uninterrupted.losses), atol=1e-5, rtol=0
     )
     assert_parameters_moved_alike(
-        resumed.state, uninterrupted.state, uninterrupted.initial, FP32_TOL["param_rtol"], FP32_TOL["param_mean_rtol"],
+        resumed.state,
+        uninterrupted.state,
+        uninterrupted.initial,
+        FP32_TOL["param_rtol"],
+        FP32_TOL["param_mean_rtol"],
         skip=rounding_noise_gradients(uninterrupted.grads),
     )
 

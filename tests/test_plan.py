@@ -45,11 +45,20 @@ INVALID = [
     (lambda: plan(global_batch_size=12), "global batch size 12 is not divisible by dp=8 x micro_batches=1"),
     (lambda: plan(micro_batches=2, global_batch_size=8), "use a multiple of 16"),
     (lambda: plan(layers=(S(tp=2),) * 4, global_batch_size=6), "use a multiple of 8"),
-    (lambda: ParallelPlan.from_dict({"world_size": 8, "layers": [{"tp": 1}], "pipeline": 2}), "unknown plan keys ['pipeline']"),
-    (lambda: ParallelPlan.from_dict({"world_size": 8, "layers": [{"tensor": 2}]}), "unknown layer strategy keys ['tensor']"),
+    (
+        lambda: ParallelPlan.from_dict({"world_size": 8, "layers": [{"tp": 1}], "pipeline": 2}),
+        "unknown plan keys ['pipeline']",
+    ),
+    (
+        lambda: ParallelPlan.from_dict({"world_size": 8, "layers": [{"tensor": 2}]}),
+        "unknown layer strategy keys ['tensor']",
+    ),
     (lambda: ParallelPlan.from_dict({"world_size": 8}), "a plan needs 'layers'"),
     (lambda: ParallelPlan.from_dict({"layers": [{}], "version": 99}), "newer than this lightning_galvatron"),
-    (lambda: ParallelPlan.from_dict({"world_size": 4, "layers": [{}]}, world_size=8), "the plan is for world_size=4 but 8"),
+    (
+        lambda: ParallelPlan.from_dict({"world_size": 4, "layers": [{}]}, world_size=8),
+        "the plan is for world_size=4 but 8",
+    ),
     (lambda: ParallelPlan.from_dict(json.loads(REFERENCE_PLAN.read_text())), "pass world_size"),
     (lambda: load_plan(Path("/nonexistent/plan.json")), "does not exist"),
     (lambda: load_plan(42), "plan must be a ParallelPlan, a dict or a path"),
@@ -72,7 +81,12 @@ def test_messages_are_distinct():
 def test_json_round_trip_is_exact(tmp_path):
     original = ParallelPlan(
         world_size=8,
-        layers=(S(tp=2, sp="megatron", dp_type="zero3", recompute=True), S(tp=4, sp="ulysses", tp_consecutive=False), S(), S()),
+        layers=(
+            S(tp=2, sp="megatron", dp_type="zero3", recompute=True),
+            S(tp=4, sp="ulysses", tp_consecutive=False),
+            S(),
+            S(),
+        ),
         vocab=S(tp=2, dp_type="zero2"),
         pp=2,
         partition=(1, 3),

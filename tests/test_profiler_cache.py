@@ -26,7 +26,9 @@ def test_round_trip_and_atomic_write(tmp_path):
     assert cache.load("abc") == profile
 
 
-@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "lightning_galvatron.profile", "version": 1}), ""])
+@pytest.mark.parametrize(
+    "content", ["{not json", json.dumps({"format": "lightning_galvatron.profile", "version": 1}), ""]
+)
 def test_corrupt_file_warns_with_its_name_and_is_treated_as_missing(tmp_path, content):
     cache = ProfileCache(tmp_path)
     (tmp_path / "k1.json").write_text(content)

@@ -63,8 +63,12 @@ def test_four_ranks_get_one_profile_that_the_search_accepts(pools, tmp_path):
     model, structure, batch = _example()
     derived = profile_model(model, structure, batch, degrees=(1, 2, 4)).layer_types[0]
     for g in (1, 2, 4):
-        assert layer.activation_bytes_per_sample.at(g) == pytest.approx(derived.activation_bytes_per_sample.at(g), rel=0.05)
-    assert layer.replicated_activation_bytes_per_sample == pytest.approx(derived.replicated_activation_bytes_per_sample, rel=0.05)
+        assert layer.activation_bytes_per_sample.at(g) == pytest.approx(
+            derived.activation_bytes_per_sample.at(g), rel=0.05
+        )
+    assert layer.replicated_activation_bytes_per_sample == pytest.approx(
+        derived.replicated_activation_bytes_per_sample, rel=0.05
+    )
 
     plan = search(result, 4, "1GB", precision="32-true", baselines=False).plan
     assert plan.world_size == 4 and plan.num_layers == 4

@@ -23,14 +23,25 @@ def keys(layouts):
 
 def test_one_node_measures_each_group_size_once():
     assert keys(measured_layouts(4, 4)) == [("collective", 2, 2), ("collective", 4, 4), ("p2p", 2, 2), ("p2p", 4, 2)]
-    assert keys(measured_layouts(6, 6, group_sizes=[3])) == [("collective", 3, 3), ("p2p", 2, 2), ("p2p", 3, 2), ("p2p", 6, 2)]
+    assert keys(measured_layouts(6, 6, group_sizes=[3])) == [
+        ("collective", 3, 3),
+        ("p2p", 2, 2),
+        ("p2p", 3, 2),
+        ("p2p", 6, 2),
+    ]
     assert measured_layouts(1, 1) == []
 
 
 def test_two_nodes_measure_both_layouts_where_they_differ():
     layouts = {(lay.kind, lay.group_size, lay.ranks_per_node): lay for lay in measured_layouts(8, 4)}
     # Two ranks: neighbours (inside a node) or 4 apart (across nodes); four ranks: one node, or two per node.
-    for key in [("collective", 2, 2), ("collective", 2, 1), ("collective", 4, 4), ("collective", 4, 2), ("collective", 8, 4)]:
+    for key in [
+        ("collective", 2, 2),
+        ("collective", 2, 1),
+        ("collective", 4, 4),
+        ("collective", 4, 2),
+        ("collective", 8, 4),
+    ]:
         assert key in layouts
     assert layouts[("collective", 2, 1)].groups(8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert layouts[("collective", 4, 2)].groups(8) == [[0, 2, 4, 6], [1, 3, 5, 7]]

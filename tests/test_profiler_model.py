@@ -79,7 +79,11 @@ def test_known_block_activation_bytes_are_exact():
     # The head keeps its input [s, h] and log-softmax's output [s, V]; the embedding only the token ids (the batch).
     assert vocab_profile.head_activation_bytes_per_sample.at(1) == seq * (hidden + vocab) * FP32
     assert vocab_profile.embedding_activation_bytes_per_sample.at(1) == 0
-    assert (vocab_profile.vocab_size, vocab_profile.embedding_parameters, vocab_profile.head_parameters) == (vocab, vocab * hidden, hidden * vocab)
+    assert (vocab_profile.vocab_size, vocab_profile.embedding_parameters, vocab_profile.head_parameters) == (
+        vocab,
+        vocab * hidden,
+        hidden * vocab,
+    )
     assert not vocab_profile.tied
 
 

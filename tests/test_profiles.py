@@ -52,9 +52,16 @@ def test_several_layer_types_and_block_pattern():
         (lambda d: d["model"]["layer_types"][0].update(heads=3), "unknown keys"),
         (lambda d: d["model"].update(blocks=[0, 5]), r"model.blocks\[1\] = 5"),
         (lambda d: d["hardware"].update(overlap_coefficient=0.5), "overlap_coefficient must be >= 1"),
-        (lambda d: d["hardware"].update(collectives=[c for c in d["hardware"]["collectives"] if c["kind"] != "all_reduce"]),
-         "at least one all_reduce"),
-        (lambda d: d["model"]["layer_types"][0]["forward_time"].update(per_sample_s=-1), "per_sample_s must be a finite number"),
+        (
+            lambda d: d["hardware"].update(
+                collectives=[c for c in d["hardware"]["collectives"] if c["kind"] != "all_reduce"]
+            ),
+            "at least one all_reduce",
+        ),
+        (
+            lambda d: d["model"]["layer_types"][0]["forward_time"].update(per_sample_s=-1),
+            "per_sample_s must be a finite number",
+        ),
         (lambda d: d["model"]["layer_types"][0].update(activation_bytes_per_sample={}), "non-empty object"),
     ],
 )
@@ -110,7 +117,10 @@ def test_collective_lookup_prefers_same_side_of_the_node_boundary_and_falls_back
         CollectiveFit("all_to_all", 8, 8, 1e-5, 190e9),
     )
     assert lookup_collective(entries, "all_reduce", 8, 8).bandwidth_bytes_per_s == 150e9
-    assert lookup_collective(entries, "all_reduce", 4, 4).bandwidth_bytes_per_s in (100e9, 150e9)  # intra-node, nearest size
+    assert lookup_collective(entries, "all_reduce", 4, 4).bandwidth_bytes_per_s in (
+        100e9,
+        150e9,
+    )  # intra-node, nearest size
     assert lookup_collective(entries, "all_reduce", 64, 8).bandwidth_bytes_per_s == 40e9  # inter-node, 8 per node
     assert lookup_collective(entries, "all_reduce", 32, 1).bandwidth_bytes_per_s == 8e9  # inter-node, 1 per node
     assert lookup_collective(entries, "all_gather", 8, 8).kind == "all_reduce"  # half an all-reduce's volume

@@ -27,8 +27,17 @@ from tests.test_search_cost import tiny_profile
 PRECISION = "32-true"
 TRUTH = Calibration(
     block={
-        "compute": 1.5, "compute_tensor_parallel": 2.0, "compute_ulysses": 1.2, "recompute": 2.2, "communication": 1.3,
-        "call": 2e-3, "zero2": 1e-3, "zero3": 2e-3, "tensor_parallel": 8e-3, "megatron_sp": 1e-3, "ulysses": 3e-3,
+        "compute": 1.5,
+        "compute_tensor_parallel": 2.0,
+        "compute_ulysses": 1.2,
+        "recompute": 2.2,
+        "communication": 1.3,
+        "call": 2e-3,
+        "zero2": 1e-3,
+        "zero3": 2e-3,
+        "tensor_parallel": 8e-3,
+        "megatron_sp": 1e-3,
+        "ulysses": 3e-3,
         "recompute_call": 4e-3,
     },
     optimizer_s_per_tensor=5e-4,
@@ -39,8 +48,16 @@ TRUTH = Calibration(
 )
 PROBE = ParallelPlan(
     4,
-    (S(), S(dp_type="zero2"), S(dp_type="zero3", recompute=True), S(tp=2, dp_type="zero2"), S(tp=4), S(tp=2, sp="megatron"),
-     S(tp=4, sp="ulysses"), S(dp_type="zero3")),
+    (
+        S(),
+        S(dp_type="zero2"),
+        S(dp_type="zero3", recompute=True),
+        S(tp=2, dp_type="zero2"),
+        S(tp=4),
+        S(tp=2, sp="megatron"),
+        S(tp=4, sp="ulysses"),
+        S(dp_type="zero3"),
+    ),
     global_batch_size=16,
 )
 
@@ -57,7 +74,13 @@ def synthetic_observations(profile, truth: Calibration, plans, step_overhead: fl
             timings, block_time, tensors, dtensors, elements = [], 0.0, 0, 0, 0
             for i in plan.stage_layers(stage):
                 forward, beta, analytic, relocation, s = parts.blocks[i]
-                call = float(block_features(np.array([forward]), beta, np.array([analytic]), _arrays([s]))[0] @ truth.coefficients) + relocation
+                call = (
+                    float(
+                        block_features(np.array([forward]), beta, np.array([analytic]), _arrays([s]))[0]
+                        @ truth.coefficients
+                    )
+                    + relocation
+                )
                 timings.append(BlockTiming(i, 0.4 * call, 0.6 * call, plan.micro_batches, parameter_tensors=12))
                 block_time += call * plan.micro_batches
                 tensors += 12
@@ -65,10 +88,23 @@ def synthetic_observations(profile, truth: Calibration, plans, step_overhead: fl
                 weights = profile.model.layer_types[0].parameters / (s.tp if s.splits_weights else 1)
                 elements += weights / (n // s.tp) if s.dp_type != "ddp" else weights
             tensors += truth.vocab_tensors
-            optimizer = float(truth.optimizer_time(tensors - dtensors, elements) + truth.optimizer_s_per_dtensor * dtensors)
+            optimizer = float(
+                truth.optimizer_time(tensors - dtensors, elements) + truth.optimizer_s_per_dtensor * dtensors
+            )
             forward_backward = block_time  # the embedding/head of the tiny profile cost nothing measurable
-            out.append(Observation(plan, rank, forward_backward + optimizer + step_overhead, forward_backward, optimizer,
-                                   tensors, int(elements), tuple(timings), optimizer_dtensors=dtensors))
+            out.append(
+                Observation(
+                    plan,
+                    rank,
+                    forward_backward + optimizer + step_overhead,
+                    forward_backward,
+                    optimizer,
+                    tensors,
+                    int(elements),
+                    tuple(timings),
+                    optimizer_dtensors=dtensors,
+                )
+            )
     return out
 
 
@@ -80,14 +116,19 @@ def test_nonnegative_least_squares_solves_and_clips():
     y = a @ np.array([1.0, -1.0, 0.5, 0.0])  # the unconstrained optimum has a negative coefficient
     solution = nonnegative_least_squares(a, y)
     assert (solution >= 0).all() and solution[1] == 0.0
-    assert np.linalg.norm(a @ solution - y) <= np.linalg.norm(a @ np.clip(np.linalg.lstsq(a, y, rcond=None)[0], 0, None) - y) + 1e-12
+    assert (
+        np.linalg.norm(a @ solution - y)
+        <= np.linalg.norm(a @ np.clip(np.linalg.lstsq(a, y, rcond=None)[0], 0, None) - y) + 1e-12
+    )
 
 
 @pytest.mark.parametrize(
     "plan",
     [
         ParallelPlan.uniform(4, 4, S(), global_batch_size=16),
-        ParallelPlan.uniform(4, 4, S(tp=2, sp="megatron", dp_type="zero3", recompute=True), vocab=S(tp=2), global_batch_size=16),
+        ParallelPlan.uniform(
+            4, 4, S(tp=2, sp="megatron", dp_type="zero3", recompute=True), vocab=S(tp=2), global_batch_size=16
+        ),
         ParallelPlan.uniform(4, 4, S(dp_type="zero2"), pp=2, micro_batches=4, global_batch_size=16),
     ],
 )
@@ -103,9 +144,21 @@ def test_fit_recovers_the_machine_and_predicts_unseen_plans():
     profile = tiny_profile(alpha=1.3).with_num_blocks(8)
     # The pipeline's stages differ in how many of their tensors are DTensors (plain: S() and Ulysses with DDP),
     # so the optimizer's per-tensor costs can be told apart.
-    staged = (S(), S(tp=2, sp="ulysses"), S(dp_type="zero2"), S(dp_type="zero3", recompute=True), S(tp=2, dp_type="zero2"),
-              S(tp=2), S(tp=2, sp="megatron"), S(dp_type="zero3"))
-    probes = [PROBE, PROBE.replace(micro_batches=4), ParallelPlan(4, staged, pp=2, micro_batches=4, global_batch_size=16)]
+    staged = (
+        S(),
+        S(tp=2, sp="ulysses"),
+        S(dp_type="zero2"),
+        S(dp_type="zero3", recompute=True),
+        S(tp=2, dp_type="zero2"),
+        S(tp=2),
+        S(tp=2, sp="megatron"),
+        S(dp_type="zero3"),
+    )
+    probes = [
+        PROBE,
+        PROBE.replace(micro_batches=4),
+        ParallelPlan(4, staged, pp=2, micro_batches=4, global_batch_size=16),
+    ]
     fitted = fit_calibration(profile, synthetic_observations(profile, TRUTH, probes), precision=PRECISION)
     assert fitted.residual < 1e-6
     for term in BLOCK_TERMS:
@@ -116,9 +169,15 @@ def test_fit_recovers_the_machine_and_predicts_unseen_plans():
     assert fitted.step_overhead_s == pytest.approx(0.02, rel=1e-6)
     assert fitted.pipeline_overhead_s == pytest.approx(0.0, abs=1e-9)
     # A plan none of the probes ran, priced with the fitted terms, is what the machine would measure.
-    unseen = ParallelPlan(4, (S(tp=2, sp="megatron", dp_type="zero3", recompute=True),) * 4 + (S(dp_type="zero2"),) * 4, global_batch_size=16)
+    unseen = ParallelPlan(
+        4,
+        (S(tp=2, sp="megatron", dp_type="zero3", recompute=True),) * 4 + (S(dp_type="zero2"),) * 4,
+        global_batch_size=16,
+    )
     (truth,) = {o.step_s for o in synthetic_observations(profile, TRUTH, [unseen], step_overhead=0.02)}
-    assert evaluate(profile, unseen, precision=PRECISION, calibration=fitted).step_time_s == pytest.approx(truth, rel=1e-3)
+    assert evaluate(profile, unseen, precision=PRECISION, calibration=fitted).step_time_s == pytest.approx(
+        truth, rel=1e-3
+    )
 
 
 def test_a_costly_mechanism_steers_the_search_away():
@@ -147,10 +206,14 @@ def test_shared_cores_speed_up_pipeline_stages_only():
     assert Calibration().sharing_factor(pp=4, micro_batches=4, ranks_per_node=4) == 1.0  # a device per rank
     # GPipe/1F1B keep a stage busy m / (m + pp - 1) of the step: 4 ranks busy 4/7 of it share 2 cores.
     assert shared.sharing_factor(pp=4, micro_batches=4, ranks_per_node=4) == pytest.approx(4 / 7)
-    assert shared.sharing_factor(pp=4, micro_batches=1, ranks_per_node=4) == pytest.approx(0.5)  # one busy rank: a whole core
+    assert shared.sharing_factor(pp=4, micro_batches=1, ranks_per_node=4) == pytest.approx(
+        0.5
+    )  # one busy rank: a whole core
     profile = tiny_profile().with_num_blocks(8)
     plan = ParallelPlan.uniform(4, 8, S(), pp=4, micro_batches=4, schedule="gpipe", global_batch_size=16)
     busy = dataclasses.replace(TRUTH, compute_slots_per_node=None)
     idle = dataclasses.replace(TRUTH, compute_slots_per_node=2)
-    assert evaluate(profile, plan, precision=PRECISION, calibration=idle).step_time_s < evaluate(
-        profile, plan, precision=PRECISION, calibration=busy).step_time_s
+    assert (
+        evaluate(profile, plan, precision=PRECISION, calibration=idle).step_time_s
+        < evaluate(profile, plan, precision=PRECISION, calibration=busy).step_time_s
+    )

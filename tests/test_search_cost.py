@@ -42,15 +42,25 @@ BW = 1e9
 
 def tiny_profile(alpha: float = 1.0) -> Profile:
     layer = LayerTypeProfile(
-        name="block", parameters=P, hidden_size=H, num_heads=8, ffn_hidden_size=256, seq_length=S,
+        name="block",
+        parameters=P,
+        hidden_size=H,
+        num_heads=8,
+        ffn_hidden_size=256,
+        seq_length=S,
         forward_time=LinearFit(0.0, 1e-3),
         activation_bytes_per_sample=DegreeTable(((1, 1000.0), (2, 500.0), (4, 250.0), (8, 125.0))),
-        recompute_activation_bytes_per_sample=100.0, replicated_activation_bytes_per_sample=200.0,
+        recompute_activation_bytes_per_sample=100.0,
+        replicated_activation_bytes_per_sample=200.0,
     )
     vocab = VocabProfile(
-        vocab_size=1024, embedding_parameters=2000, head_parameters=3000,
-        embedding_forward_time=LinearFit(0.0, 0.0), head_forward_time=LinearFit(0.0, 1e-4),
-        embedding_activation_bytes_per_sample=DegreeTable(((1, 10.0),)), head_activation_bytes_per_sample=DegreeTable(((1, 40.0),)),
+        vocab_size=1024,
+        embedding_parameters=2000,
+        head_parameters=3000,
+        embedding_forward_time=LinearFit(0.0, 0.0),
+        head_forward_time=LinearFit(0.0, 1e-4),
+        embedding_activation_bytes_per_sample=DegreeTable(((1, 10.0),)),
+        head_activation_bytes_per_sample=DegreeTable(((1, 40.0),)),
     )
     model = ModelProfile("tiny", (layer,), (0,) * 4, vocab, hidden_size=H, seq_length=S)
     hardware = HardwareProfile("flat", 8, alpha, tuple(CollectiveFit("all_reduce", g, g, 0.0, BW) for g in (2, 4, 8)))
@@ -110,7 +120,9 @@ def test_activations_recompute_and_tp_without_sp():
     assert np.allclose(got, [2000, 200, 2000, 200, 4 * (500 + 0.5 * 200)])
     # The profile was measured in bf16; with fp32 compute the activations double.
     fp32 = CostModel(tiny_profile(), "32-true")
-    assert np.allclose(activation_bytes(fp32, arrays(LayerStrategy()), np.array([1.0]), lambda g: 1000.0, 0.0, 0.0), [2000])
+    assert np.allclose(
+        activation_bytes(fp32, arrays(LayerStrategy()), np.array([1.0]), lambda g: 1000.0, 0.0, 0.0), [2000]
+    )
 
 
 def test_overlap_and_ranks_per_node():
@@ -125,7 +137,12 @@ def test_overlap_and_ranks_per_node():
 def test_tensor_parallel_communication():
     cm = CostModel(tiny_profile())
     ctx = StageContext(world_size=2, pp=1, global_batch=4, micro_batches=1)
-    sa = arrays(LayerStrategy(tp=2, sp="none"), LayerStrategy(tp=2, sp="megatron"), LayerStrategy(tp=2, sp="ulysses"), LayerStrategy(tp=2, sp="none", recompute=True))
+    sa = arrays(
+        LayerStrategy(tp=2, sp="none"),
+        LayerStrategy(tp=2, sp="megatron"),
+        LayerStrategy(tp=2, sp="ulysses"),
+        LayerStrategy(tp=2, sp="none", recompute=True),
+    )
     b = np.full(4, 4.0)
     message = 4 * S * H * 2
     all_reduce = 2 * (1 / 2) * message / BW
@@ -188,14 +205,20 @@ def test_relocation():
 def test_evaluate_adds_up_and_checks_its_inputs():
     profile = tiny_profile()
     plan = ParallelPlan(
-        world_size=4, layers=(LayerStrategy(dp_type="zero3"),) * 2 + (LayerStrategy(tp=2, sp="megatron"),) * 2,
-        pp=2, micro_batches=4, schedule="1f1b", global_batch_size=8,
+        world_size=4,
+        layers=(LayerStrategy(dp_type="zero3"),) * 2 + (LayerStrategy(tp=2, sp="megatron"),) * 2,
+        pp=2,
+        micro_batches=4,
+        schedule="1f1b",
+        global_batch_size=8,
     )
     e = evaluate(profile, plan, memory_budget_bytes="1GB")
     assert e.fits is True and len(e.stages) == 2 and len(e.blocks) == 4
     for stage in e.stages:
         blocks = [b for b in e.blocks if b.stage == stage.stage]
-        assert stage.block_state_bytes + stage.block_activation_bytes == pytest.approx(sum(b.memory_bytes for b in blocks))
+        assert stage.block_state_bytes + stage.block_activation_bytes == pytest.approx(
+            sum(b.memory_bytes for b in blocks)
+        )
     assert e.throughput_samples_per_s == pytest.approx(8 / e.step_time_s)
     assert e.blocks[2].time_per_micro_batch_s > 0
     with pytest.raises(PlanError, match="global batch size"):
@@ -203,7 +226,9 @@ def test_evaluate_adds_up_and_checks_its_inputs():
     with pytest.raises(PlanError, match="3 layer strategies"):
         evaluate(profile, ParallelPlan.uniform(4, 3, global_batch_size=8))
     odd = ParallelPlan.uniform(6, 4, LayerStrategy(tp=3, sp="megatron"), pp=1, global_batch_size=4)
-    assert any("TP degree 3 is not executable" in w for w in evaluate(profile, odd).warnings)  # 3 does not divide 8 heads
+    assert any(
+        "TP degree 3 is not executable" in w for w in evaluate(profile, odd).warnings
+    )  # 3 does not divide 8 heads
     short = plan.replace(micro_batches=1, global_batch_size=4)
     assert any("micro_batches >= pp" in w for w in evaluate(profile, short).warnings)
 

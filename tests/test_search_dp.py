@@ -60,7 +60,10 @@ class Oracle:
         starts = np.concatenate([[0], np.cumsum(partition)])
         self.rank_blocks, self.rank_time, self.rank_memory, self.rank_choices = [], [], [], []
         self.pp, self.m, self.v = pp, m, v
-        if any(not self.candidates[t] for t in set(model.blocks)) or math.prod(len(self.candidates[t]) for t in model.blocks) > ENUMERATION_LIMIT:
+        if (
+            any(not self.candidates[t] for t in set(model.blocks))
+            or math.prod(len(self.candidates[t]) for t in model.blocks) > ENUMERATION_LIMIT
+        ):
             self.rank_time = [np.zeros(0)]
             return
         for r in range(pp):
@@ -76,7 +79,14 @@ class Oracle:
                 sa = StrategyArrays.build(self.candidates[t])
                 costs = block_costs(cm, lt, sa, ctx)
                 lay = np.array([index[layout_of(s, n)] for s in self.candidates[t]])
-                per_type.append((costs.step_share(m), costs.memory(k), lay, relocation_matrix(cm, layouts, ctx, lt.hidden_size, lt.seq_length)))
+                per_type.append(
+                    (
+                        costs.step_share(m),
+                        costs.memory(k),
+                        lay,
+                        relocation_matrix(cm, layouts, ctx, lt.hidden_size, lt.seq_length),
+                    )
+                )
             choices = np.array(list(itertools.product(*[range(len(self.candidates[model.blocks[i]])) for i in blocks])))
             time = np.zeros(len(choices))
             memory = np.zeros(len(choices))
@@ -94,7 +104,9 @@ class Oracle:
                     time += vc.step_share(m)[0]
                     memory += vc.memory(k)[0]
             time += p2p_transfers(pp, r, v) * cm.p2p_time(ctx, model.hidden_size, model.seq_length)
-            memory += working_memory_bytes(cm, [model.layer_types[t] for t in sorted({model.blocks[i] for i in blocks})], ctx)
+            memory += working_memory_bytes(
+                cm, [model.layer_types[t] for t in sorted({model.blocks[i] for i in blocks})], ctx
+            )
             memory += profile.hardware.memory_overhead_bytes
             self.rank_blocks.append(blocks)
             self.rank_time.append(time)
@@ -103,7 +115,9 @@ class Oracle:
 
     def best(self, budget: float) -> float:
         """Least step time over the product of all ranks' assignments that fit ``budget``."""
-        grids = np.meshgrid(*[np.where(mem <= budget, t, np.inf) for t, mem in zip(self.rank_time, self.rank_memory)], indexing="ij")
+        grids = np.meshgrid(
+            *[np.where(mem <= budget, t, np.inf) for t, mem in zip(self.rank_time, self.rank_memory)], indexing="ij"
+        )
         stage_times = np.stack([g.ravel() for g in grids], axis=-1)
         values = pipeline_step_time(stage_times, self.m, self.v)
         return float(values.min()) if values.size else math.inf
@@ -206,7 +220,9 @@ def test_search_without_pipeline_matches_enumeration_over_micro_batches_and_embe
         B = W * int(rng.choice([1, 2]))
         best = {}
         for config in pipeline_configs(1, B, L, options):
-            vocab = vocab_candidates(profile.model.vocab, profile.model.seq_length, W, B // config.micro_batches, options)
+            vocab = vocab_candidates(
+                profile.model.vocab, profile.model.seq_length, W, B // config.micro_batches, options
+            )
             for v in vocab:
                 best[(config, v)] = Oracle(profile, W, B, config, (L,), v, options)
         if any(o.size() > ENUMERATION_LIMIT for o in best.values()):
@@ -217,7 +233,9 @@ def test_search_without_pipeline_matches_enumeration_over_micro_batches_and_embe
         optimum = min(o.best(budget) for o in best.values())
         relaxed = min(o.best(budget - TOLERANCE * capacity) for o in best.values())
         try:
-            result = search(profile, W, budget, global_batch_size=B, max_pp=1, max_tp=2, disable=options.disable, baselines=False)
+            result = search(
+                profile, W, budget, global_batch_size=B, max_pp=1, max_tp=2, disable=options.disable, baselines=False
+            )
         except ValueError:
             assert relaxed == math.inf
             continue

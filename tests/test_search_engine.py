@@ -34,17 +34,30 @@ def test_search_modules_import_neither_torch_nor_lightning():
 
     root = pathlib.Path(lightning_galvatron.__file__).parent
     files = [
-        *sorted((root / "search").glob("*.py")), *sorted((root / "profiles").glob("*.py")), root / "units.py", root / "plan.py"
+        *sorted((root / "search").glob("*.py")),
+        *sorted((root / "profiles").glob("*.py")),
+        root / "units.py",
+        root / "plan.py",
     ]
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            assert not [n for n in names if n.split(".")[0] in ("torch", "lightning", "pytorch_lightning")], (path, names)
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            assert not [n for n in names if n.split(".")[0] in ("torch", "lightning", "pytorch_lightning")], (
+                path,
+                names,
+            )
     # And at run time: importing the search adds no torch/Lightning module to what the package itself loads.
     code = (
         "import sys, lightning_galvatron; before = set(sys.modules);"
         "import lightning_galvatron.search, lightning_galvatron.profiles;"
-        "bad = [m for m in set(sys.modules) - before if m.split('.')[0] in ('torch', 'lightning', 'pytorch_lightning')];"
+        "bad = [m for m in set(sys.modules) - before if m.split('.')[0] in ('torch', 'lightning', "
+        "'pytorch_lightning')];"
         "print(bad); sys.exit(bool(bad))"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
@@ -77,7 +90,14 @@ def test_result_is_a_valid_plan_within_budget_with_breakdown_and_baselines(llama
         if b.fits:
             assert r.throughput_samples_per_s >= b.estimate.throughput_samples_per_s
     data = json.loads(json.dumps(r.to_dict()))
-    for key in ("throughput_samples_per_s", "step_time_s", "peak_memory_bytes_per_device", "plan", "blocks", "baselines"):
+    for key in (
+        "throughput_samples_per_s",
+        "step_time_s",
+        "peak_memory_bytes_per_device",
+        "plan",
+        "blocks",
+        "baselines",
+    ):
         assert key in data
     assert ParallelPlan.from_dict(data["plan"]) == r.plan
 

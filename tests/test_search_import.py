@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
+from lightning_galvatron.producers.galvatron_import import import_galvatron
 from lightning_galvatron.profiles import Profile, ProfileError
-from lightning_galvatron.search.galvatron_import import import_galvatron
 from tests.search_profiles import A100_PROFILE, GALVATRON_DIR
 
 MIB = 2**20
@@ -59,7 +59,15 @@ def test_unknown_model_needs_its_shape(tmp_path):
         shutil.copy(path, tmp_path / path.name.replace("llama2-7b", "mymodel"))
     with pytest.raises(ProfileError, match="--num-heads, --ffn-hidden-size, --vocab-size"):
         import_galvatron(tmp_path, hidden_size=4096, seq_length=2048)
-    profile = import_galvatron(tmp_path, hidden_size=4096, seq_length=2048, num_heads=32, ffn_hidden_size=11008, vocab_size=32000, tied_embeddings=True)
+    profile = import_galvatron(
+        tmp_path,
+        hidden_size=4096,
+        seq_length=2048,
+        num_heads=32,
+        ffn_hidden_size=11008,
+        vocab_size=32000,
+        tied_embeddings=True,
+    )
     assert profile.model.name == "mymodel" and profile.model.num_blocks == 32  # layers from the plan file
     assert profile.model.vocab.tied and profile.model.vocab.head_parameters == 0
 
@@ -74,4 +82,6 @@ def test_clear_errors_for_missing_files_and_sequence_lengths(tmp_path):
     (tmp_path / "computation_profiling_bf16_x_all.json").write_text(json.dumps({"layertype_0_bsz1_seq8": 1.0}))
     (tmp_path / "memory_profiling_bf16_x_all.json").write_text("{not json")
     with pytest.raises(ProfileError, match="not valid JSON"):
-        import_galvatron(tmp_path, hidden_size=8, seq_length=8, num_layers=1, num_heads=1, ffn_hidden_size=8, vocab_size=8)
+        import_galvatron(
+            tmp_path, hidden_size=8, seq_length=8, num_layers=1, num_heads=1, ffn_hidden_size=8, vocab_size=8
+        )

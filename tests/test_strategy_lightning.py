@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,6 @@ import lightning.pytorch as L
 import pytest
 import torch
 
-import lightning_galvatron
 from lightning_galvatron import GalvatronStrategy
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
@@ -75,10 +75,13 @@ def test_bf16_true_trains_in_bf16(pools):
 
 # --------------------------------------------------------------------------- bad input, registration
 @pytest.mark.parametrize(
-    ("strategy", "precision"), [("galvatron", "16-true"), ("galvatron", "64-true"), (GalvatronStrategy(plan=MIXED_DP_PLAN), "16-true")]
+    ("strategy", "precision"),
+    [("galvatron", "16-true"), ("galvatron", "64-true"), (GalvatronStrategy(plan=MIXED_DP_PLAN), "16-true")],
 )
 def test_unsupported_precision_is_refused_before_launch(strategy, precision):
-    with pytest.raises(ValueError, match=f"does not support precision='{precision}'; choose one of 32-true, bf16-mixed, bf16-true"):
+    with pytest.raises(
+        ValueError, match=f"does not support precision='{precision}'; choose one of 32-true, bf16-mixed, bf16-true"
+    ):
         L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision)
 
 
@@ -92,7 +95,9 @@ def test_plans_the_runtime_cannot_execute_yet_are_refused(pools):
     with pytest.raises(AssertionError, match=r"vocab sp='ulysses': the embedding and head run on whole sequences"):
         pools(2).run(run_distributed, vocab_sequence_parallel)
     wrong_depth = ParallelPlan(world_size=2, layers=(S(),) * 3)
-    with pytest.raises(AssertionError, match=r"3 layer strategies but the model has 4 blocks \(model.blocks \(4 x Block\)\)"):
+    with pytest.raises(
+        AssertionError, match=r"3 layer strategies but the model has 4 blocks \(model.blocks \(4 x Block\)\)"
+    ):
         pools(2).run(run_distributed, wrong_depth)
 
 
@@ -105,15 +110,56 @@ def test_missing_plan_says_how_to_get_one(pools):
         pools(2).run(_run_without_a_plan)
 
 
-def test_registered_with_lightning_and_pytorch_lightning():
+def test_registered_with_lightning_and_refused_with_the_reason_in_pytorch_lightning():
     trainer = L.Trainer(strategy="galvatron", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, GalvatronStrategy)
-    import pytorch_lightning as pl
+    # In fresh processes, in either import order (a twin class built by rewriting source hit a circular import).
+    for first, then in (("pytorch_lightning", "lightning_galvatron"), ("lightning_galvatron", "pytorch_lightning")):
+        code = f"import {first}, {then}, pytorch_lightning; pytorch_lightning.Trainer(strategy='galvatron')"
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300, check=False
+        )
+        assert out.returncode == 1, out.stderr[-2000:]
+        assert (
+            'ValueError: strategy="galvatron" runs with the `lightning` package, not `pytorch_lightning`' in out.stderr
+        )
+        assert "`import lightning.pytorch as pl`" in out.stderr
 
-    pl_trainer = pl.Trainer(strategy="galvatron", accelerator="cpu", devices=1, logger=False)
-    assert isinstance(pl_trainer.strategy, pl.strategies.ModelParallelStrategy)
-    assert type(pl_trainer.strategy).__name__ == "GalvatronStrategy"
-    assert lightning_galvatron.__name__ in type(pl_trainer.strategy).__module__
+
+# A Lightning project without Rich: Lightning checks for it by its distribution's version and its module.
+_WITHOUT_RICH = """
+import importlib.abc, importlib.metadata, sys
+class NoRich(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "rich":
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, NoRich())
+version = importlib.metadata.version
+def version_without_rich(name):
+    if name == "rich":
+        raise importlib.metadata.PackageNotFoundError(name)
+    return version(name)
+importlib.metadata.version = version_without_rich
+"""
+_DEFAULT_CALLBACKS = """
+import lightning.pytorch as L
+def callbacks(**kwargs):
+    return sorted(type(c).__name__ for c in L.Trainer(accelerator="cpu", devices=1, logger=False, **kwargs).callbacks)
+before = callbacks()
+import lightning_galvatron
+print(json.dumps([before, callbacks(), callbacks(strategy="galvatron"), "rich" in sys.modules]))
+"""
+
+
+def test_importing_leaves_lightnings_default_progress_bar_and_model_summary():
+    """In a fresh project without Rich (this environment has it: Lightning would pick Rich's bar and summary)."""
+    code = "import json, sys\n" + _WITHOUT_RICH + _DEFAULT_CALLBACKS
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300, check=True
+    )
+    before, after, with_strategy, rich_imported = json.loads(out.stdout.strip().splitlines()[-1])
+    assert before == after == with_strategy == ["ModelCheckpoint", "ModelSummary", "TQDMProgressBar"]
+    assert not rich_imported
 
 
 def test_offline_parts_do_not_load_lightning():
@@ -125,8 +171,9 @@ def test_offline_parts_do_not_load_lightning():
 def test_lightning_cli_yaml_class_path_needs_no_import(tmp_path):
     """A project that never imports lightning_galvatron selects it from YAML by class path."""
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(
-        """
+    script.write_text(
+        textwrap.dedent(
+            """
         import sys
         import torch
         from lightning.pytorch.cli import LightningCLI
@@ -135,7 +182,10 @@ def test_lightning_cli_yaml_class_path_needs_no_import(tmp_path):
         class Blocks(BoringModel):
             def __init__(self):
                 super().__init__()
-                self.layer = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(3)), torch.nn.Linear(32, 2))
+                self.layer = torch.nn.Sequential(
+                    *(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(3)),
+                    torch.nn.Linear(32, 2),
+                )
                 self.layer = torch.nn.Sequential(torch.nn.Sequential(*list(self.layer)[:3]), list(self.layer)[3])
 
         assert "lightning_galvatron" not in sys.modules
@@ -143,10 +193,12 @@ def test_lightning_cli_yaml_class_path_needs_no_import(tmp_path):
         cli.trainer.fit(cli.model, cli.datamodule)
         print("strategy:", type(cli.trainer.strategy).__module__, type(cli.trainer.strategy).__name__)
         """
-    ))
+        )
+    )
     config = tmp_path / "train.yaml"
-    config.write_text(textwrap.dedent(
-        """
+    config.write_text(
+        textwrap.dedent(
+            """
         trainer:
           accelerator: cpu
           devices: 1
@@ -160,9 +212,14 @@ def test_lightning_cli_yaml_class_path_needs_no_import(tmp_path):
               layers: layer.0
               plan: {world_size: 1, layers: [{dp_type: zero3}, {dp_type: ddp, recompute: true}, {dp_type: zero2}]}
         """
-    ))
+        )
+    )
     out = subprocess.run(
-        [sys.executable, str(script), "--config", str(config)], capture_output=True, text=True, cwd=tmp_path, timeout=240
+        [sys.executable, str(script), "--config", str(config)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=240,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "strategy: lightning_galvatron.strategy GalvatronStrategy" in out.stdout
@@ -176,8 +233,13 @@ def _train_from_empty_init(plan: ParallelPlan) -> tuple[bool, list[float]]:
     from tests.helpers.training import TINY_GPT, dataset
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=GalvatronStrategy(plan=plan, save_plan=False), max_steps=4,
-        logger=False, enable_progress_bar=False, enable_checkpointing=False,
+        accelerator="cpu",
+        devices=4,
+        strategy=GalvatronStrategy(plan=plan, save_plan=False),
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
     )
     with trainer.init_module(empty_init=True):
         module = GPTModule(**TINY_GPT)

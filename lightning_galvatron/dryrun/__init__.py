@@ -20,11 +20,26 @@ from typing import Any
 PHASES = ("train", "validate", "checkpoint")
 
 _EXPORTS = {
-    "dry_run": "run", "DryRunReport": "run", "ModelSource": "models", "CausalLMModule": "models",
-    "check_order": "trace", "OrderCheck": "trace", "sample_ranks": "driver", "shortened_plan": "run",
+    "dry_run": "run",
+    "DryRunReport": "run",
+    "ModelSource": "models",
+    "CausalLMModule": "models",
+    "check_order": "trace",
+    "OrderCheck": "trace",
+    "sample_ranks": "driver",
+    "shortened_plan": "run",
 }
-__all__ = ["PHASES", "CausalLMModule", "DryRunReport", "ModelSource", "OrderCheck", "check_order", "dry_run", "sample_ranks",
-           "shortened_plan"]
+__all__ = [
+    "PHASES",
+    "CausalLMModule",
+    "DryRunReport",
+    "ModelSource",
+    "OrderCheck",
+    "check_order",
+    "dry_run",
+    "sample_ranks",
+    "shortened_plan",
+]
 
 
 def __getattr__(name: str) -> Any:

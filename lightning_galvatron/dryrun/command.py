@@ -8,7 +8,7 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from lightning_galvatron.cli import (
+    from lightning_galvatron.cli_options import (
         add_json_option,
         add_memory_budget_option,
         add_model_options,
@@ -18,22 +18,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from lightning_galvatron.dryrun import PHASES
 
     add_model_options(
-        p, hf_help="a Hugging Face config.json: AutoModelForCausalLM with a next-token loss (nothing is downloaded)",
+        p,
+        hf_help="a Hugging Face config.json: AutoModelForCausalLM with a next-token loss (nothing is downloaded)",
         model_help="a LightningModule class, MODULE:CLASS or module.Class (its own steps and optimizer run)",
     )
-    p.add_argument("--plan", required=True, help="plan JSON (ours or the reference system's format), or 'auto' to search one with --hardware")
+    p.add_argument(
+        "--plan",
+        required=True,
+        help="plan JSON (ours or the reference system's format), or 'auto' to search one with --hardware",
+    )
     p.add_argument("--world-size", type=int, help="number of devices (default: the plan's)")
-    p.add_argument("--ranks", default="sample", help="'sample' (first, middle and last rank of every stage; default), 'all', or ranks like 0,5,63")
+    p.add_argument(
+        "--ranks",
+        default="sample",
+        help="'sample' (first, middle and last rank of every stage; default), 'all', or ranks like 0,5,63",
+    )
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the plan's)")
     add_precision_option(p)
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES, help="what to step (default: all)")
-    p.add_argument("--hardware", help="hardware profile JSON (or a reference profile's name, a100) for the cost model's prediction (and for --plan auto)")
+    p.add_argument(
+        "--hardware",
+        help=(
+            "hardware profile JSON (or a reference profile's name, a100) for the cost model's prediction (and for "
+            "--plan auto)"
+        ),
+    )
     p.add_argument("--reference", help="profile whose measured blocks are scaled to the model (default: --hardware)")
     p.add_argument("--profile", help="instead of --hardware: a full profile of this model")
     add_memory_budget_option(p, "with --plan auto: the memory budget per device, e.g. 36GB")
     add_search_options(p, prefix="with --plan auto: ")
     p.add_argument("--gradient-clip-val", type=float, help="clip by the global norm before the optimizer step")
-    p.add_argument("--real-tensors", action="store_true", help="zero-filled CPU tensors instead of fake ones (faster; small models only)")
+    p.add_argument(
+        "--real-tensors",
+        action="store_true",
+        help="zero-filled CPU tensors instead of fake ones (faster; small models only)",
+    )
     p.add_argument("--no-memory", action="store_true", help="do not measure memory (faster)")
     p.add_argument("--workers", type=int, help="ranks simulated at a time (default: the CPU count)")
     p.add_argument("--events", action="store_true", help="with --json: include every rank's recorded operations")
@@ -43,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_dry_run(args: Any) -> int:
     import torch
 
-    from lightning_galvatron.cli import profile_path
+    from lightning_galvatron.cli_options import profile_path, search_options
     from lightning_galvatron.dryrun.models import ModelSource
     from lightning_galvatron.dryrun.run import dry_run
 
@@ -54,22 +73,32 @@ def run_dry_run(args: Any) -> int:
             ranks = [int(r) for r in str(ranks).split(",") if r.strip()]
         except ValueError:
             raise ValueError(f"--ranks {args.ranks!r}: expected 'sample', 'all' or comma-separated ranks") from None
-    source = ModelSource.from_hf_config(args.hf_config, args.layers) if args.hf_config else ModelSource.from_class(args.model, args.model_args, args.layers)
-    search_options = {
-        key: value
-        for key, value in {
-            "max_tp": args.max_tp, "max_pp": args.max_pp, "disable": args.disable, "schedules": args.schedules,
-            "search_batch_size": args.search_batch_size, "max_global_batch_size": args.max_global_batch_size,
-        }.items()
-        if value
-    }
-    hardware, reference, profile = (profile_path(p) if p else None for p in (args.hardware, args.reference, args.profile))
+    source = (
+        ModelSource.from_hf_config(args.hf_config, args.layers)
+        if args.hf_config
+        else ModelSource.from_class(args.model, args.model_args, args.layers)
+    )
+    hardware, reference, profile = (
+        profile_path(p) if p else None for p in (args.hardware, args.reference, args.profile)
+    )
     precision = args.precision or _measured_precision(profile or reference or hardware)
     report = dry_run(
-        source, args.plan, world_size=args.world_size, ranks=ranks, precision=precision, seq_length=args.seq_length,
-        global_batch_size=args.global_batch_size, phases=args.phases, hardware=hardware, reference=reference,
-        profile=profile, memory_per_device=args.memory_budget, search_options=search_options,
-        measure_memory=not args.no_memory, gradient_clip_val=args.gradient_clip_val, real_tensors=args.real_tensors,
+        source,
+        args.plan,
+        world_size=args.world_size,
+        ranks=ranks,
+        precision=precision,
+        seq_length=args.seq_length,
+        global_batch_size=args.global_batch_size,
+        phases=args.phases,
+        hardware=hardware,
+        reference=reference,
+        profile=profile,
+        memory_per_device=args.memory_budget,
+        search_options=search_options(args),
+        measure_memory=not args.no_memory,
+        gradient_clip_val=args.gradient_clip_val,
+        real_tensors=args.real_tensors,
         workers=args.workers,
     )
     print(json.dumps(report.to_dict(events=args.events), indent=2) if args.json else report.describe())

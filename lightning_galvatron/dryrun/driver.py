@@ -70,7 +70,9 @@ def run_ranks(
                 process.join()
             except EOFError:
                 process.join()
-                results[rank] = RankResult(rank, -1, error=f"the process of rank {rank} died (exit code {process.exitcode})")
+                results[rank] = RankResult(
+                    rank, -1, error=f"the process of rank {rank} died (exit code {process.exitcode})"
+                )
             if progress is not None:
                 progress(results[rank])
         for conn, (rank, process, started) in list(running.items()):

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_galvatron.search.analytic import ArchitectureShape
+from lightning_galvatron.producers.analytic import ArchitectureShape
 
 
 class CausalLMModule(L.LightningModule):
@@ -86,9 +86,11 @@ class ModelSource:
     layers: str | Sequence[str] | None = None
 
     @classmethod
-    def from_hf_config(cls, config: str | Path | Mapping[str, Any], layers: str | Sequence[str] | None = None) -> ModelSource:
+    def from_hf_config(
+        cls, config: str | Path | Mapping[str, Any], layers: str | Sequence[str] | None = None
+    ) -> ModelSource:
         from lightning_galvatron.estimator import architecture_from_config_file
-        from lightning_galvatron.search.analytic import architecture_from_hf_config
+        from lightning_galvatron.producers.analytic import architecture_from_hf_config
 
         if isinstance(config, Mapping):
             data, label = dict(config), str(config.get("_name_or_path") or config.get("model_type", "model"))
@@ -112,7 +114,9 @@ class ModelSource:
         return cls(label, build, architecture, layers)
 
     @classmethod
-    def from_class(cls, path: str, init_args: Mapping[str, Any] | None = None, layers: str | Sequence[str] | None = None) -> ModelSource:
+    def from_class(
+        cls, path: str, init_args: Mapping[str, Any] | None = None, layers: str | Sequence[str] | None = None
+    ) -> ModelSource:
         from lightning_galvatron.estimator import architecture_from_class
         from lightning_galvatron.profiler.command import load_class
 
@@ -135,7 +139,9 @@ class ModelSource:
                 "rank gets its own copy, and real weights would be copied into every one of them"
             )
         wrapped = module if isinstance(module, L.LightningModule) else CausalLMModule(module)
-        return cls(type(module).__name__, lambda: wrapped, lambda: architecture_of_module(wrapped, layers=layers), layers)
+        return cls(
+            type(module).__name__, lambda: wrapped, lambda: architecture_of_module(wrapped, layers=layers), layers
+        )
 
 
 def hf_causal_lm(config: Mapping[str, Any]) -> nn.Module:
@@ -144,7 +150,9 @@ def hf_causal_lm(config: Mapping[str, Any]) -> nn.Module:
         import transformers
     except ImportError:
         raise ValueError("a Hugging Face config needs `transformers` (pip install transformers)") from None
-    data = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype")}
+    data = {
+        k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
+    }
     model_type = data.pop("model_type", None)
     if not model_type:
         raise ValueError("the config has no 'model_type'")

@@ -94,9 +94,16 @@ class RankResult:
 
     def to_dict(self, events: bool = False) -> dict[str, Any]:
         out = {
-            "rank": self.rank, "stage": self.stage, "seconds": self.seconds, "blocks": self.blocks,
-            "outside_blocks": self.outside_blocks, "groups": self.groups, "memory": self.memory,
-            "operations": self.operations, "placeholder_reads": self.placeholders, "error": self.error,
+            "rank": self.rank,
+            "stage": self.stage,
+            "seconds": self.seconds,
+            "blocks": self.blocks,
+            "outside_blocks": self.outside_blocks,
+            "groups": self.groups,
+            "memory": self.memory,
+            "operations": self.operations,
+            "placeholder_reads": self.placeholders,
+            "error": self.error,
         }
         if events and self.events is not None:
             out["events"] = [e.to_dict() for e in self.events]
@@ -154,7 +161,11 @@ def _run(job: RankJob, rank: int, recording: Any, result: RankResult) -> None:
         broadcast_module_states(module)
         meshes = MeshCache("cpu")
         applied = apply_plan(
-            module, structure, plan, meshes, mixed_precision_policy(job.precision),
+            module,
+            structure,
+            plan,
+            meshes,
+            mixed_precision_policy(job.precision),
             entry_methods=[name for name in _STEP_METHODS if is_overridden(name, module)],
             boundary_dtype=boundary_dtype(job.precision),
             outside_layers=outside,
@@ -226,7 +237,9 @@ def _create_optimizer_states(optimizer: torch.optim.Optimizer) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- phases
-def _train_step(module: Any, applied: Any, optimizer: torch.optim.Optimizer, batch: Any, plugin: Any, clip: float | None) -> None:
+def _train_step(
+    module: Any, applied: Any, optimizer: torch.optim.Optimizer, batch: Any, plugin: Any, clip: float | None
+) -> None:
     """One optimizer step as ``GalvatronStrategy`` drives it (``training_step``/``backward``/``_run_micro_batches``)."""
     optimizer.zero_grad(set_to_none=True)
     if applied.runner is None:
@@ -288,18 +301,26 @@ def _plan_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer) -> Non
 
 
 # ---------------------------------------------------------------------------------------------- the report
-def _holdings(module: nn.Module, blocks: list[nn.Module], names: list[str], plan: Any, applied: Any) -> tuple[list[dict], list[dict]]:
+def _holdings(
+    module: nn.Module, blocks: list[nn.Module], names: list[str], plan: Any, applied: Any
+) -> tuple[list[dict], list[dict]]:
     """The blocks this rank holds (strategy, parameters with local and global shapes) and the layers outside them."""
+
     def params(owner: nn.Module, ids_to_skip: set[int] = frozenset()) -> list[dict[str, Any]]:
         out = []
         for name, p in owner.named_parameters():
             if id(p) in ids_to_skip:
                 continue
             local = local_tensor(p)
-            out.append({
-                "name": name, "local_shape": list(local.shape), "global_shape": list(p.shape),
-                "dtype": str(p.dtype).removeprefix("torch."), "placements": _placements(p),
-            })
+            out.append(
+                {
+                    "name": name,
+                    "local_shape": list(local.shape),
+                    "global_shape": list(p.shape),
+                    "dtype": str(p.dtype).removeprefix("torch."),
+                    "placements": _placements(p),
+                }
+            )
         return out
 
     local_blocks = applied.partition.local_blocks if applied.partition is not None else range(plan.num_layers)
@@ -308,10 +329,15 @@ def _holdings(module: nn.Module, blocks: list[nn.Module], names: list[str], plan
     for index in local_blocks:
         listed = params(blocks[index])
         block_param_ids.update(id(p) for p in blocks[index].parameters())
-        held.append({
-            "index": index, "name": names[index], "strategy": plan.layers[index].short(),
-            "parameters": listed, "local_elements": sum(_numel(p["local_shape"]) for p in listed),
-        })
+        held.append(
+            {
+                "index": index,
+                "name": names[index],
+                "strategy": plan.layers[index].short(),
+                "parameters": listed,
+                "local_elements": sum(_numel(p["local_shape"]) for p in listed),
+            }
+        )
     return held, params(module, block_param_ids)
 
 
@@ -333,18 +359,32 @@ def _groups(recording: Any, meshes: Any, plan: Any, rank: int) -> list[dict[str,
     purposes: dict[str, list[str]] = {}
     stage = Layout.stage(plan)
     layouts = {stage: "stage"}
-    for i, s in [(None, plan.vocab), *enumerate(plan.layers)]:
-        layouts.setdefault(Layout.of(plan, s), f"tp={s.tp} {'consecutive' if Layout.of(plan, s).consecutive else 'strided'}")
+    for s in [plan.vocab, *plan.layers]:
+        layouts.setdefault(
+            Layout.of(plan, s), f"tp={s.tp} {'consecutive' if Layout.of(plan, s).consecutive else 'strided'}"
+        )
     for layout, label in layouts.items():
         mesh = meshes.mesh(layout)  # cached: nothing is created here
         for dim in mesh.mesh_dim_names:
             if mesh.size(mesh.mesh_dim_names.index(dim)) == 1:
                 continue
             group = mesh.get_group(dim)
-            what = "pipeline" if dim == "pp" else f"{dim} of layout {label}" if layout != stage else "stage (all ranks of it)"
+            what = (
+                "pipeline"
+                if dim == "pp"
+                else f"{dim} of layout {label}"
+                if layout != stage
+                else "stage (all ranks of it)"
+            )
             purposes.setdefault(group.group_name, []).append(what)
     out = []
     for name, members in recording.members.items():
         if rank in members and len(members) > 1:
-            out.append({"name": name, "members": list(members), "used_for": purposes.get(name, ["world" if len(members) == plan.world_size else "other"])})
+            out.append(
+                {
+                    "name": name,
+                    "members": list(members),
+                    "used_for": purposes.get(name, ["world" if len(members) == plan.world_size else "other"]),
+                }
+            )
     return out

@@ -71,7 +71,11 @@ class DryRunReport:
             "ok": self.ok,
             "seconds": self.seconds,
             "ranks": [
-                {**r.to_dict(events), "predicted_memory": self.predicted_memory(r.rank), "memory_ratio": self.memory_ratio(r.rank)}
+                {
+                    **r.to_dict(events),
+                    "predicted_memory": self.predicted_memory(r.rank),
+                    "memory_ratio": self.memory_ratio(r.rank),
+                }
                 for r in self.ranks
             ],
             "collective_order": self.order.to_dict() if self.order is not None else None,
@@ -90,24 +94,50 @@ class DryRunReport:
                 f"sequence {self.seq_length}, global batch {p.global_batch_size}: {plan_summary(p)}"
             ),
         ]
-        rows = [("rank", "stage", "blocks", "local params", "groups", "measured peak", "params+grads+opt", "act", "temp",
-                 "predicted", "ratio", "s")]
+        rows = [
+            (
+                "rank",
+                "stage",
+                "blocks",
+                "local params",
+                "groups",
+                "measured peak",
+                "params+grads+opt",
+                "act",
+                "temp",
+                "predicted",
+                "ratio",
+                "s",
+            )
+        ]
         for r in self.ranks:
             if r.error is not None:
                 rows.append((str(r.rank), str(r.stage), "error", "", "", "", "", "", "", "", "", f"{r.seconds:.1f}"))
                 continue
             blocks = _ranges([b["index"] for b in r.blocks])
-            elements = sum(b["local_elements"] for b in r.blocks) + sum(_numel(q["local_shape"]) for q in r.outside_blocks)
+            elements = sum(b["local_elements"] for b in r.blocks) + sum(
+                _numel(q["local_shape"]) for q in r.outside_blocks
+            )
             m = r.memory or {}
             states = m.get("parameters", 0) + m.get("gradients", 0) + m.get("optimizer_states", 0) if m else None
             predicted = self.predicted_memory(r.rank)
             ratio = self.memory_ratio(r.rank)
-            rows.append((
-                str(r.rank), str(r.stage), blocks, f"{elements / 1e6:.1f} M", str(len(r.groups)),
-                format_bytes(m["total"]) if m else "-", format_bytes(states) if m else "-",
-                format_bytes(m["activations"]) if m else "-", format_bytes(m["temporaries"]) if m else "-",
-                format_bytes(predicted["total"]) if predicted else "-", f"{ratio:.2f}" if ratio else "-", f"{r.seconds:.1f}",
-            ))
+            rows.append(
+                (
+                    str(r.rank),
+                    str(r.stage),
+                    blocks,
+                    f"{elements / 1e6:.1f} M",
+                    str(len(r.groups)),
+                    format_bytes(m["total"]) if m else "-",
+                    format_bytes(states) if m else "-",
+                    format_bytes(m["activations"]) if m else "-",
+                    format_bytes(m["temporaries"]) if m else "-",
+                    format_bytes(predicted["total"]) if predicted else "-",
+                    f"{ratio:.2f}" if ratio else "-",
+                    f"{r.seconds:.1f}",
+                )
+            )
         lines.append(text_table(rows))
         for r in self.ranks:
             if r.error is not None:
@@ -133,7 +163,7 @@ def dry_run(
     reference: str | Any | None = None,
     profile: str | Any | None = None,
     memory_per_device: int | str | None = None,
-    search_options: dict[str, Any] | None = None,
+    search_options: Any = None,
     make_batch: Callable[[int, int], Any] = token_batch,
     measure_memory: bool = True,
     check_collective_order: bool | None = None,
@@ -184,7 +214,9 @@ def dry_run(
         architecture = source.architecture()
         if architecture is None:
             raise ValueError(f"the cost model cannot read the shape of {source.label}; pass a plan and a full profile")
-    seq = seq_length or (architecture.default_seq_length if architecture is not None else None) or _seq_length_of(module)
+    seq = (
+        seq_length or (architecture.default_seq_length if architecture is not None else None) or _seq_length_of(module)
+    )
     if not seq:
         raise ValueError("the sequence length is not known from the model: pass seq_length")
     if plan == "auto":
@@ -193,8 +225,16 @@ def dry_run(
         from lightning_galvatron.estimator import estimate_cluster
 
         found = estimate_cluster(
-            architecture, world_size, memory_per_device, hardware=hardware, reference=reference, seq_length=seq,
-            global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, **(search_options or {}),
+            architecture,
+            world_size,
+            memory_per_device,
+            hardware=hardware,
+            reference=reference,
+            seq_length=seq,
+            global_batch_size=global_batch_size,
+            precision=precision,
+            optimizer=optimizer,
+            options=search_options,
         )
         if found.result is None:
             raise PlanError(f"the search found no plan: {found.error}")
@@ -204,14 +244,24 @@ def dry_run(
         if global_batch_size is not None:
             resolved = resolved.replace(global_batch_size=global_batch_size)
         if resolved.global_batch_size is None:
-            resolved = resolved.replace(global_batch_size=resolved.batch_granularity * -(-resolved.world_size // resolved.batch_granularity))
+            resolved = resolved.replace(
+                global_batch_size=resolved.batch_granularity * -(-resolved.world_size // resolved.batch_granularity)
+            )
         estimate = _predict(resolved, architecture, seq, hardware, reference, profile, precision, optimizer)
     check_runtime_support(resolved, structure, block_tensor_parallel_plans(structure))
 
     chosen = resolve_ranks(ranks, resolved)
     job = RankJob(
-        module=module, plan=resolved, precision=precision, seq_length=seq, make_batch=make_batch, layers=source.layers,
-        phases=tuple(phases), measure_memory=measure_memory, keep_stacks=keep_stacks, gradient_clip_val=gradient_clip_val,
+        module=module,
+        plan=resolved,
+        precision=precision,
+        seq_length=seq,
+        make_batch=make_batch,
+        layers=source.layers,
+        phases=tuple(phases),
+        measure_memory=measure_memory,
+        keep_stacks=keep_stacks,
+        gradient_clip_val=gradient_clip_val,
         real_tensors=real_tensors,
     )
     results = run_ranks(job, chosen, workers)
@@ -220,9 +270,13 @@ def dry_run(
         order = check_order({r.rank: r.events or [] for r in results if r.error is None}, resolved.world_size)
     notes = [PLACEHOLDER_NOTE] if any(r.placeholders for r in results) else []
     if "checkpoint" in phases:
-        notes.append("checkpoint: sharded state dicts collected and this rank's save planned; DCP's exchange of plans "
-                     "between ranks and the writing are not simulated")
-    return DryRunReport(source.label, resolved, precision, seq, results, estimate, order, time.perf_counter() - started, notes)
+        notes.append(
+            "checkpoint: sharded state dicts collected and this rank's save planned; DCP's exchange of plans "
+            "between ranks and the writing are not simulated"
+        )
+    return DryRunReport(
+        source.label, resolved, precision, seq, results, estimate, order, time.perf_counter() - started, notes
+    )
 
 
 def shortened_plan(plan: ParallelPlan) -> ParallelPlan:
@@ -246,19 +300,31 @@ def shortened_plan(plan: ParallelPlan) -> ParallelPlan:
     return plan.replace(layers=tuple(layers), partition=tuple(partition))
 
 
-def _predict(plan: ParallelPlan, architecture: Any, seq: int, hardware: Any, reference: Any, profile: Any,
-             precision: str, optimizer: str) -> Any:
+def _predict(
+    plan: ParallelPlan,
+    architecture: Any,
+    seq: int,
+    hardware: Any,
+    reference: Any,
+    profile: Any,
+    precision: str,
+    optimizer: str,
+) -> Any:
     """The cost model's estimate of ``plan``: from a full profile, or an analytic one scaled from ``hardware``."""
+    from lightning_galvatron.producers.analytic import analytic_profile
     from lightning_galvatron.profiles import load_profile
-    from lightning_galvatron.search.analytic import analytic_profile
     from lightning_galvatron.search.estimate import evaluate
 
     if profile is not None:
         priced = load_profile(profile)
     elif hardware is not None:
         hardware_profile = load_profile(hardware)
-        priced, _ = analytic_profile(architecture, load_profile(reference) if reference is not None else hardware_profile,
-                                     seq, hardware_profile.hardware)
+        priced, _ = analytic_profile(
+            architecture,
+            load_profile(reference) if reference is not None else hardware_profile,
+            seq,
+            hardware_profile.hardware,
+        )
     else:
         return None
     return evaluate(priced, plan, precision=precision, optimizer=optimizer)

@@ -44,18 +44,37 @@ PLACEHOLDER_NOTE = (
 
 _NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
 _KINDS = {  # dispatcher op -> the collective a communication library runs for it
-    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_reduce_coalesced_": "all_reduce",
-    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
     "all_gather_into_tensor_coalesced": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_out": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_out": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "alltoall_base_": "all_to_all",
+    "alltoall_": "all_to_all",
+    "all_to_all_single": "all_to_all",
     "shard_dim_alltoall": "all_to_all",
-    "broadcast_": "broadcast", "broadcast": "broadcast", "barrier": "barrier", "monitored_barrier_": "barrier",
-    "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter", "send": "send", "recv_": "recv",
+    "broadcast_": "broadcast",
+    "broadcast": "broadcast",
+    "barrier": "barrier",
+    "monitored_barrier_": "barrier",
+    "reduce_": "reduce",
+    "gather_": "gather",
+    "scatter_": "scatter",
+    "send": "send",
+    "recv_": "recv",
     "recv_any_source_": "recv",
 }
 _NOT_OPERATIONS = {"wait_tensor"}  # completions, not operations
@@ -101,8 +120,13 @@ class Event:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "phase": self.phase, "kind": self.kind, "group": self.group, "members": list(self.members),
-            "shapes": [list(s) for s in self.shapes], "dtypes": list(self.dtypes), "root": self.root,
+            "phase": self.phase,
+            "kind": self.kind,
+            "group": self.group,
+            "members": list(self.members),
+            "shapes": [list(s) for s in self.shapes],
+            "dtypes": list(self.dtypes),
+            "root": self.root,
             "stack": list(self.stack),
         }
 
@@ -121,8 +145,14 @@ def _stack(skip_files: Sequence[str], depth: int = 12) -> tuple[str, ...]:
 
 
 _SKIPPED_FRAMES = (
-    "torch/_ops.py", "torch/utils/_python_dispatch.py", "torch/_subclasses/", "torch/utils/_stats.py",
-    "torch/_compile.py", "torch/_dynamo/", "torch/distributed/_tools/", "lightning_galvatron/dryrun/trace.py",
+    "torch/_ops.py",
+    "torch/utils/_python_dispatch.py",
+    "torch/_subclasses/",
+    "torch/utils/_stats.py",
+    "torch/_compile.py",
+    "torch/_dynamo/",
+    "torch/distributed/_tools/",
+    "lightning_galvatron/dryrun/trace.py",
     "torch/distributed/c10d_logger.py",
 )
 
@@ -151,13 +181,20 @@ class Recording(TorchDispatchMode):
             self.members[name] = tuple(dist.get_process_group_ranks(group))
         return name, self.members[name]
 
-    def _add(self, kind: str, group: dist.ProcessGroup | None, tensors: Sequence[torch.Tensor] = (), root: int | None = None) -> None:
+    def _add(
+        self, kind: str, group: dist.ProcessGroup | None, tensors: Sequence[torch.Tensor] = (), root: int | None = None
+    ) -> None:
         name, members = self._group(group)
         self.events.append(
             Event(
-                self.phase, kind, name, members,
-                tuple(tuple(t.shape) for t in tensors), tuple(str(t.dtype).removeprefix("torch.") for t in tensors),
-                root, _stack(_SKIPPED_FRAMES) if self.keep_stacks else (),
+                self.phase,
+                kind,
+                name,
+                members,
+                tuple(tuple(t.shape) for t in tensors),
+                tuple(str(t.dtype).removeprefix("torch.") for t in tensors),
+                root,
+                _stack(_SKIPPED_FRAMES) if self.keep_stacks else (),
             )
         )
 
@@ -166,7 +203,9 @@ class Recording(TorchDispatchMode):
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor lower to local ops and collectives, which come back here
         kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default and (self.read_placeholders or isinstance(args[0], FakeTensor)):
+        if func is torch.ops.aten._local_scalar_dense.default and (
+            self.read_placeholders or isinstance(args[0], FakeTensor)
+        ):
             self.placeholders += 1
             return False if args[0].dtype == torch.bool else 1.0 if args[0].is_floating_point() else 1
         if func.namespace in _NAMESPACES:
@@ -226,7 +265,9 @@ class Recording(TorchDispatchMode):
             group = original(ranks, *args, **kwargs)
             name = group.group_name if isinstance(group, dist.ProcessGroup) else f"#{len(self.events)}"
             self.members.setdefault(name, members)
-            self.events.append(Event(self.phase, "new_group", name, members, stack=_stack(_SKIPPED_FRAMES) if self.keep_stacks else ()))
+            self.events.append(
+                Event(self.phase, "new_group", name, members, stack=_stack(_SKIPPED_FRAMES) if self.keep_stacks else ())
+            )
             return group
 
         return new_group_with_tag
@@ -249,7 +290,9 @@ class Recording(TorchDispatchMode):
             if object_gather_list is not None:
                 object_gather_list[:] = [obj] * len(object_gather_list)
 
-        def scatter_object_list(scatter_object_output_list, scatter_object_input_list=None, src=None, group=None, group_src=None):
+        def scatter_object_list(
+            scatter_object_output_list, scatter_object_input_list=None, src=None, group=None, group_src=None
+        ):
             self._add("scatter_object", group, root=group_src if group_src is not None else group_rank(group, src))
             own = dist.get_rank(group or dist.group.WORLD)
             scatter_object_output_list[0] = scatter_object_input_list[own] if scatter_object_input_list else None
@@ -303,8 +346,12 @@ class Divergence:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "what": self.what, "group": self.group, "members": list(self.members), "index": self.index,
-            "ranks": list(self.ranks), "events": [e.to_dict() if e else None for e in self.events],
+            "what": self.what,
+            "group": self.group,
+            "members": list(self.members),
+            "index": self.index,
+            "ranks": list(self.ranks),
+            "events": [e.to_dict() if e else None for e in self.events],
         }
 
 
@@ -334,18 +381,30 @@ class OrderCheck:
         head = (
             f"collective order over {scope}: {self.groups_checked} groups and {self.pairs_checked} point-to-point "
             f"pairs, {self.operations} operations compared"
-            + (f" ({self.groups_unchecked} groups have members that were not simulated)" if self.groups_unchecked else "")
+            + (
+                f" ({self.groups_unchecked} groups have members that were not simulated)"
+                if self.groups_unchecked
+                else ""
+            )
         )
         if self.ok:
             return head + ": every member of every group issued the same sequence"
-        return "\n".join([head + f": {len(self.divergences)} divergence(s); the first:", self.divergences[0].describe()])
+        return "\n".join(
+            [head + f": {len(self.divergences)} divergence(s); the first:", self.divergences[0].describe()]
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "ok": self.ok, "complete": self.complete, "ranks": len(self.ranks), "world_size": self.world_size,
-            "groups_checked": self.groups_checked, "groups_unchecked": self.groups_unchecked,
-            "pairs_checked": self.pairs_checked, "operations": self.operations,
-            "divergences": [d.to_dict() for d in self.divergences], "notes": list(self.notes),
+            "ok": self.ok,
+            "complete": self.complete,
+            "ranks": len(self.ranks),
+            "world_size": self.world_size,
+            "groups_checked": self.groups_checked,
+            "groups_unchecked": self.groups_unchecked,
+            "pairs_checked": self.pairs_checked,
+            "operations": self.operations,
+            "divergences": [d.to_dict() for d in self.divergences],
+            "notes": list(self.notes),
         }
 
 
@@ -407,7 +466,9 @@ def check_order(traces: Mapping[int, Sequence[Event]], world_size: int, limit: i
             if found is not None:
                 i, a, b = found
                 when = by_rank[first][i][0] if a is not None else by_rank[r][i][0]
-                divergences.append((when, Divergence(f"group {name} {list(members)}", name, members, i, (first, r), (a, b))))
+                divergences.append(
+                    (when, Divergence(f"group {name} {list(members)}", name, members, i, (first, r), (a, b)))
+                )
                 break
 
     # 3. point-to-point pairs
@@ -422,16 +483,25 @@ def check_order(traces: Mapping[int, Sequence[Event]], world_size: int, limit: i
         if found is not None:
             i, a, b = found
             when = ops["send"][i][0] if a is not None else ops["recv"][i][0]
-            divergences.append((when, Divergence(f"point-to-point {src} -> {dst}", None, (src, dst), i, (src, dst), (a, b))))
+            divergences.append(
+                (when, Divergence(f"point-to-point {src} -> {dst}", None, (src, dst), i, (src, dst), (a, b)))
+            )
 
     divergences.sort(key=lambda item: item[0])
     return OrderCheck(
-        ranks=ranks, world_size=world_size, divergences=tuple(d for _, d in divergences[:limit]),
-        groups_checked=checked, groups_unchecked=unchecked, operations=operations, pairs_checked=pairs,
+        ranks=ranks,
+        world_size=world_size,
+        divergences=tuple(d for _, d in divergences[:limit]),
+        groups_checked=checked,
+        groups_unchecked=unchecked,
+        operations=operations,
+        pairs_checked=pairs,
     )
 
 
-def _first_difference(a: Sequence[Event], b: Sequence[Event], key: Any) -> tuple[int, Event | None, Event | None] | None:
+def _first_difference(
+    a: Sequence[Event], b: Sequence[Event], key: Any
+) -> tuple[int, Event | None, Event | None] | None:
     for i in range(max(len(a), len(b))):
         ea = a[i] if i < len(a) else None
         eb = b[i] if i < len(b) else None

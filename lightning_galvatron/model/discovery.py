@@ -48,9 +48,7 @@ def find_blocks(model: nn.Module, layers: str | Sequence[str] | None = None) -> 
         return ModelStructure(model, tuple(_named_block_list(model, path) for path in paths))
 
     candidates = [
-        BlockList(name, module)
-        for name, module in model.named_modules()
-        if name and _is_block_container(module)
+        BlockList(name, module) for name, module in model.named_modules() if name and _is_block_container(module)
     ]
     if not candidates:
         raise BlockDiscoveryError(
@@ -65,6 +63,7 @@ def find_blocks(model: nn.Module, layers: str | Sequence[str] | None = None) -> 
 
 def _is_companion(candidate: BlockList, best: BlockList, candidates: Sequence[BlockList]) -> bool:
     """Another top-level block list next to ``best`` (see the module docstring)."""
+
     def nested(inner: str, outer: str) -> bool:
         return inner.startswith(outer + ".")
 
@@ -103,7 +102,11 @@ def _is_block_container(module: nn.Module) -> bool:
     if len(children) < 2:
         return False
     first = model_class(children[0])
-    return all(model_class(c) is first for c in children) and _num_params(children[0]) > 0 and len(list(children[0].children())) > 0
+    return (
+        all(model_class(c) is first for c in children)
+        and _num_params(children[0]) > 0
+        and len(list(children[0].children())) > 0
+    )
 
 
 def _container_names(model: nn.Module) -> str:

@@ -45,7 +45,10 @@ __all__ = ["OutsideLayers", "block_output_hidden", "hidden_states_of", "paramete
 
 BEFORE, BETWEEN, INSIDE, AFTER = "before", "between", "inside", "after"
 _WHERE = {
-    BEFORE: "before the blocks", BETWEEN: "between the blocks", INSIDE: "inside a block", AFTER: "after the blocks"
+    BEFORE: "before the blocks",
+    BETWEEN: "between the blocks",
+    INSIDE: "inside a block",
+    AFTER: "after the blocks",
 }
 
 

@@ -1,4 +1,5 @@
-"""The shape of a model built on the meta device, for the analytic estimator (:mod:`lightning_galvatron.search.analytic`).
+"""The shape of a model built on the meta device, for the analytic estimator
+(:mod:`lightning_galvatron.producers.analytic`).
 
 :func:`architecture_of_module` reads what the estimator needs from a module without running it (on
 the meta device nothing is allocated): the blocks (:func:`~lightning_galvatron.model.discovery.find_blocks`,
@@ -24,7 +25,7 @@ from torch import nn
 
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks, model_class
 from lightning_galvatron.model.tensor_parallel_plans import _attention_heads, tensor_parallel_plan
-from lightning_galvatron.search.analytic import ArchitectureShape, BlockShape, VocabShape
+from lightning_galvatron.producers.analytic import ArchitectureShape, BlockShape, VocabShape
 
 #: Config attributes that count blocks in ``transformers`` models (decoder-only, encoder-only, T5, BART, ...).
 HF_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
@@ -96,7 +97,9 @@ def architecture_of_module(
         real = (block_counts or {}).get(len(members), len(members))
         if real != len(members):
             if len(set(kinds[1:])) > 1:
-                raise ValueError(f"{block_list.path} holds blocks of several shapes; build the model with all its blocks")
+                raise ValueError(
+                    f"{block_list.path} holds blocks of several shapes; build the model with all its blocks"
+                )
             # The first block may differ from the rest (T5's first block holds the relative position table).
             kinds = kinds[:1] + kinds[-1:] * (real - 1)
         blocks.extend(kinds)
@@ -108,6 +111,7 @@ def architecture_of_module(
         head_parameters=after,
         head_outputs=head.out_features if head is not None else _last_width(structure, hidden),
         tied=tied,
+        vocab_parallel=embedding is not None,
     )
     return ArchitectureShape(
         name=name or type(module).__name__,
@@ -133,7 +137,9 @@ def block_shape(block: nn.Module, hidden: int) -> BlockShape:
     widths = [int(s) for m in block.modules() if isinstance(m, nn.Linear) for s in (m.in_features, m.out_features)]
     widths += [int(s) for m in block.modules() if type(m).__name__ == "Conv1D" for s in m.weight.shape]
     ffn = max(widths, default=hidden)
-    gated = sum(isinstance(m, nn.Linear) and m.out_features == ffn and m.in_features != ffn for m in block.modules()) >= 2
+    gated = (
+        sum(isinstance(m, nn.Linear) and m.out_features == ffn and m.in_features != ffn for m in block.modules()) >= 2
+    )
     plan = tensor_parallel_plan(block)
     return BlockShape(
         name=model_class(block).__name__,
@@ -182,7 +188,9 @@ def _row_parallel_layers(plan: Any) -> int:
 
     from lightning_galvatron.runtime.tensor_parallel import ParallelMultiheadAttention, RowwiseConv1D
 
-    return sum(isinstance(s, (RowwiseParallel, RowwiseConv1D, ParallelMultiheadAttention)) for s in plan.styles(False).values())
+    return sum(
+        isinstance(s, (RowwiseParallel, RowwiseConv1D, ParallelMultiheadAttention)) for s in plan.styles(False).values()
+    )
 
 
 def _vocabulary(structure: ModelStructure) -> tuple[nn.Embedding | None, nn.Linear | None, bool]:

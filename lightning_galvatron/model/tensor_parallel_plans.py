@@ -101,7 +101,9 @@ def register_tensor_parallel_plan(
 
         def plan(block: nn.Module) -> BlockTensorParallelPlan:
             sizes = divisible(block) if callable(divisible) else dict(divisible or {})
-            return BlockTensorParallelPlan(styles_fn, dict(sizes), megatron_sp, ulysses, localize or (lambda b, tp: None))
+            return BlockTensorParallelPlan(
+                styles_fn, dict(sizes), megatron_sp, ulysses, localize or (lambda b, tp: None)
+            )
 
     add_plan(block_class, plan)
 
@@ -138,8 +140,27 @@ def tensor_parallel_plan(block: nn.Module) -> BlockTensorParallelPlan | None:
 
 # ------------------------------------------------------------------------------------ nn.Linear blocks
 COLUMN_NAMES = frozenset(
-    {"q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv", "up_proj", "gate_proj", "fc1", "w1",
-     "w3", "fc_in", "c_fc", "wi", "wi_0", "wi_1"}
+    {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "query",
+        "key",
+        "value",
+        "wq",
+        "wk",
+        "wv",
+        "up_proj",
+        "gate_proj",
+        "fc1",
+        "w1",
+        "w3",
+        "fc_in",
+        "c_fc",
+        "wi",
+        "wi_0",
+        "wi_1",
+    }
 )
 ROW_NAMES = frozenset({"out_proj", "o_proj", "down_proj", "fc2", "w2", "wo", "fc_out", "c_proj"})
 _HEAD_ATTRIBUTES = ("num_heads", "n_head", "num_attention_heads", "n_heads")
@@ -166,7 +187,9 @@ def _linear_plan(block: nn.Module) -> BlockTensorParallelPlan | None:
     heads = _attention_heads(block)
     if heads is None:
         return None
-    widths = {f"{name} width": m.out_features for name, m in columns} | {f"{name} width": m.in_features for name, m in rows}
+    widths = {f"{name} width": m.out_features for name, m in columns} | {
+        f"{name} width": m.in_features for name, m in rows
+    }
     norms = [name for name, m in block.named_children() if "norm" in type(m).__name__.lower() or name.startswith("ln")]
     single_input = _takes_only_hidden_states(block)
     megatron_sp = single_input and bool(norms) and all("." in n for n, _ in columns)
@@ -188,9 +211,13 @@ def _linear_plan(block: nn.Module) -> BlockTensorParallelPlan | None:
 def _attention_heads(block: nn.Module) -> dict[str, int] | None:
     for module in block.modules():
         for source in (module, getattr(module, "config", None)):
-            heads = next((getattr(source, a) for a in _HEAD_ATTRIBUTES if isinstance(getattr(source, a, None), int)), None)
+            heads = next(
+                (getattr(source, a) for a in _HEAD_ATTRIBUTES if isinstance(getattr(source, a, None), int)), None
+            )
             if heads:
-                kv = next((getattr(source, a) for a in _KV_HEAD_ATTRIBUTES if isinstance(getattr(source, a, None), int)), None)
+                kv = next(
+                    (getattr(source, a) for a in _KV_HEAD_ATTRIBUTES if isinstance(getattr(source, a, None), int)), None
+                )
                 return {"attention heads": heads} | ({"key/value heads": kv} if kv else {})
     return None
 
@@ -200,5 +227,7 @@ def _takes_only_hidden_states(block: nn.Module) -> bool:
         parameters = list(inspect.signature(model_class(block).forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return False
-    required = [p for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [
+        p for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     return len(parameters) == 1 and len(required) == 1

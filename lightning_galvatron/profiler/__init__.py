@@ -52,7 +52,8 @@ def profile(
     device: torch.device | str | None = None,
     hardware_budget_s: float = 3.0,
     info: dict[str, Any] | None = None,
-) -> Profile:
+    measure: bool = True,
+) -> Profile | None:
     """Profile ``module`` on the live process group; call on every rank, get the same profile on each.
 
     Args:
@@ -66,6 +67,7 @@ def profile(
             module's device).
         hardware_budget_s: time bound of the collective measurements (:func:`profile_hardware`).
         info: filled with ``cached`` (whether the profile came from the cache) and ``cache_file``.
+        measure: ``False`` only looks the profile up in the cache: ``None`` (on every rank) when it is not there.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -102,10 +104,8 @@ def profile(
         cached = store.load(key, fingerprint=measured_on)
         problem = contradiction(cached, structure, devices_per_node) if cached is not None else None
         if problem is not None:
-            warnings.warn(
-                f"ignoring the cached profile {store.path(key)}: {problem}; profiling again and overwriting it",
-                stacklevel=2,
-            )
+            again = "; profiling again and overwriting it" if measure else ""
+            warnings.warn(f"ignoring the cached profile {store.path(key)}: {problem}{again}", stacklevel=2)
             cached = None
         found = [cached.to_dict() if cached is not None else None]
         if cached is not None:
@@ -115,11 +115,20 @@ def profile(
         info.update(cached=found[0] is not None, cache_file=str(store.path(key)) if store is not None and key else None)
     if found[0] is not None:
         return Profile.from_dict(found[0])
+    if not measure:
+        return None
 
     started = time.perf_counter()
     hardware = profile_hardware(world_size, devices_per_node, device_type=device.type, budget_s=hardware_budget_s)
     model = profile_model(
-        module, structure, example_batch, step=step, precision=precision, batch_sizes=batch_sizes, degrees=degrees, device=device
+        module,
+        structure,
+        example_batch,
+        step=step,
+        precision=precision,
+        batch_sizes=batch_sizes,
+        degrees=degrees,
+        device=device,
     )
     result = Profile(
         model,
@@ -159,4 +168,12 @@ def _module_device(module: nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-__all__ = ["ProfileCache", "cache_key", "default_cache_dir", "model_signature", "profile", "profile_hardware", "profile_model"]
+__all__ = [
+    "ProfileCache",
+    "cache_key",
+    "default_cache_dir",
+    "model_signature",
+    "profile",
+    "profile_hardware",
+    "profile_model",
+]

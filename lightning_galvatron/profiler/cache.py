@@ -157,7 +157,9 @@ class ProfileCache:
             else:
                 differ = sorted(k for k in {*fingerprint, *stored} if stored.get(k) != fingerprint.get(k))
                 reason = f"it was measured on another model or cluster (its fingerprint differs in {', '.join(differ)})"
-            warnings.warn(f"ignoring the cached profile {path}: {reason}; profiling again and overwriting it", stacklevel=2)
+            warnings.warn(
+                f"ignoring the cached profile {path}: {reason}; profiling again and overwriting it", stacklevel=2
+            )
             return None
         return profile
 
@@ -176,4 +178,12 @@ class ProfileCache:
         return path
 
 
-__all__ = ["ENV_VAR", "ProfileCache", "cache_key", "contradiction", "default_cache_dir", "fingerprint", "model_signature"]
+__all__ = [
+    "ENV_VAR",
+    "ProfileCache",
+    "cache_key",
+    "contradiction",
+    "default_cache_dir",
+    "fingerprint",
+    "model_signature",
+]

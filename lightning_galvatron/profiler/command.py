@@ -48,7 +48,13 @@ def run_profile(args: argparse.Namespace) -> int:
         batch = _example_batch(datamodule)
         cache = None if args.no_cache else ProfileCache(args.cache_dir)
         result = profile(
-            module, structure, batch, precision=precision, cache=cache, batch_sizes=args.batch_sizes, hardware_budget_s=args.budget
+            module,
+            structure,
+            batch,
+            precision=precision,
+            cache=cache,
+            batch_sizes=args.batch_sizes,
+            hardware_budget_s=args.budget,
         )
         if dist.get_rank() == 0:
             result.save(args.output)
@@ -74,11 +80,16 @@ class _Inputs:
 
 
 def _resolve_inputs(args: argparse.Namespace) -> _Inputs:
-    """The model, datamodule and precision from ``--config`` (read by LightningCLI) and the command line (which wins)."""
+    """The model, datamodule and precision from ``--config`` (read by LightningCLI) and the command line (which
+    wins)."""
     if args.config:
         return _from_lightning_config(args)
-    model_cls, data_cls = (_class_of(path, flag) for path, flag in ((args.model, "--model"), (args.datamodule, "--datamodule")))
-    return _Inputs(lambda: (model_cls(**args.model_args), data_cls(**args.datamodule_args)), args.precision or "32-true")
+    model_cls, data_cls = (
+        _class_of(path, flag) for path, flag in ((args.model, "--model"), (args.datamodule, "--datamodule"))
+    )
+    return _Inputs(
+        lambda: (model_cls(**args.model_args), data_cls(**args.datamodule_args)), args.precision or "32-true"
+    )
 
 
 def _class_of(path: str | None, flag: str) -> type:
@@ -109,12 +120,22 @@ def _from_lightning_config(args: argparse.Namespace) -> _Inputs:
         with warnings.catch_warnings():  # it warns that sys.argv is ours, not the config's: on purpose
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
             reader = ConfigReader(
-                model_cls, data_cls, subclass_mode_model=model_cls is None, subclass_mode_data=data_cls is None,
-                args=argv, run=False, save_config_callback=None, auto_configure_optimizers=False,
+                model_cls,
+                data_cls,
+                subclass_mode_model=model_cls is None,
+                subclass_mode_data=data_cls is None,
+                args=argv,
+                run=False,
+                save_config_callback=None,
+                auto_configure_optimizers=False,
                 parser_kwargs={"exit_on_error": False},
             )
     except argparse.ArgumentError as err:
-        hint = "" if model_cls and data_cls else " (name the classes with --model/--datamodule when the YAML has no class_path)"
+        hint = (
+            ""
+            if model_cls and data_cls
+            else " (name the classes with --model/--datamodule when the YAML has no class_path)"
+        )
         raise ValueError(f"{args.config}: {err}{hint}") from None
     precision = args.precision or str(reader.config.get("trainer", {}).get("precision") or "32-true")
 
@@ -171,7 +192,9 @@ def _example_batch(datamodule: Any) -> Any:
     try:
         return next(iter(datamodule.train_dataloader()))
     except StopIteration:
-        raise ValueError(f"{type(datamodule).__name__}.train_dataloader() is empty: no example batch to profile with") from None
+        raise ValueError(
+            f"{type(datamodule).__name__}.train_dataloader() is empty: no example batch to profile with"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------- processes
@@ -207,29 +230,62 @@ def _summary(result: Any, output: str, precision: str, world: int, seconds: floa
     from lightning_galvatron.units import format_bytes
 
     model, hw = result.model, result.hardware
-    lines = [f"Profiled {model.name}: {model.num_blocks} blocks of {len(model.layer_types)} type(s), {precision}, on {hw.name} in {seconds:.1f} s", ""]
-    rows = [("block type", "parameters", "forward (b=1)", "per sample", "backward/forward", "activations/sample by degree", "recomputed")]
+    lines = [
+        f"Profiled {model.name}: {model.num_blocks} blocks of {len(model.layer_types)} type(s), {precision}, on "
+        f"{hw.name} in {seconds:.1f} s",
+        "",
+    ]
+    rows = [
+        (
+            "block type",
+            "parameters",
+            "forward (b=1)",
+            "per sample",
+            "backward/forward",
+            "activations/sample by degree",
+            "recomputed",
+        )
+    ]
     for t in model.layer_types:
         degrees = ", ".join(f"{g}: {format_bytes(v)}" for g, v in t.activation_bytes_per_sample.values)
-        rows.append((
-            t.name, f"{t.parameters:,}", f"{t.forward_time(1) * 1e3:.3f} ms", f"{t.forward_time.per_sample_s * 1e3:.3f} ms",
-            f"{t.backward_to_forward:.2f}", degrees, format_bytes(t.recompute_activation_bytes_per_sample),
-        ))
+        rows.append(
+            (
+                t.name,
+                f"{t.parameters:,}",
+                f"{t.forward_time(1) * 1e3:.3f} ms",
+                f"{t.forward_time.per_sample_s * 1e3:.3f} ms",
+                f"{t.backward_to_forward:.2f}",
+                degrees,
+                format_bytes(t.recompute_activation_bytes_per_sample),
+            )
+        )
     v = model.vocab
     lines += [text_table(rows), ""]
     lines.append(
         f"embedding/head: vocabulary {v.vocab_size}, {v.embedding_parameters:,} + {v.head_parameters:,} parameters"
         + (" (tied)" if v.tied else "")
         + f", forward {v.embedding_forward_time(1) * 1e3:.3f} + {v.head_forward_time(1) * 1e3:.3f} ms at b=1, "
-        f"activations {format_bytes(v.embedding_activation_bytes_per_sample.at(1))} + {format_bytes(v.head_activation_bytes_per_sample.at(1))} per sample"
+        f"activations {format_bytes(v.embedding_activation_bytes_per_sample.at(1))} + "
+        f"{format_bytes(v.head_activation_bytes_per_sample.at(1))} per sample"
     )
     lines.append("")
     rows = [("collective", "group", "ranks/node", "latency", "bandwidth")]
     for c in hw.collectives:
-        rows.append((c.kind, str(c.group_size), str(c.ranks_per_node), f"{c.latency_s * 1e6:.0f} us", f"{c.bandwidth_bytes_per_s / 1e9:.3g} GB/s"))
+        rows.append(
+            (
+                c.kind,
+                str(c.group_size),
+                str(c.ranks_per_node),
+                f"{c.latency_s * 1e6:.0f} us",
+                f"{c.bandwidth_bytes_per_s / 1e9:.3g} GB/s",
+            )
+        )
     lines += [text_table(rows), ""]
     memory = format_bytes(hw.device_memory_bytes) if hw.device_memory_bytes else "not budgeted (CPU)"
-    lines.append(f"overlap coefficient {hw.overlap_coefficient:.2f}; device memory {memory}; fixed overhead {format_bytes(hw.memory_overhead_bytes)}")
+    lines.append(
+        f"overlap coefficient {hw.overlap_coefficient:.2f}; device memory {memory}; fixed overhead "
+        f"{format_bytes(hw.memory_overhead_bytes)}"
+    )
     budget = "" if hw.device_memory_bytes else " --memory-budget 4GB"
     lines.append(f"\nWrote {output}. Next: lightning-galvatron search {output} --world-size {world}{budget}")
     return "\n".join(lines)

@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_galvatron.layout import Layout, p2p_ranks_per_node, ranks_per_node
+from lightning_galvatron.plan import divisors
 from lightning_galvatron.profiles import COLLECTIVE_KINDS, CollectiveFit, HardwareProfile, bus_volume
 from lightning_galvatron.runtime.mesh import MeshCache
-from lightning_galvatron.search.space import divisors
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,9 @@ class GroupLayout:
         return self.layout(world_size).tp_groups()
 
 
-def measured_layouts(world_size: int, devices_per_node: int, group_sizes: Sequence[int] | None = None) -> list[GroupLayout]:
+def measured_layouts(
+    world_size: int, devices_per_node: int, group_sizes: Sequence[int] | None = None
+) -> list[GroupLayout]:
     """The layouts whose timings the search can ask for, one per distinct ``(group_size, ranks_per_node)``.
 
     A stage of ``n = W/pp`` devices splits into ``d = n/g`` groups of ``g``: model-parallel groups
@@ -364,11 +366,16 @@ def _fit(kind: str, layout: GroupLayout, sizes: Sequence[int], times: Sequence[f
         latency = max(times[0] - volume * sizes[0] / bandwidth, 0.0)
     else:
         bandwidth, latency = volume * sizes[-1] / times[-1], min(times)
-    first_rank = not dist.is_initialized() or dist.get_rank() == 0
-    (log.warning if first_rank else log.debug)(
+    # A diagnostic of the measurement, not something a user can act on: shown with DEBUG logging of this package.
+    log.debug(
         "%s over %d ranks: the least-squares fit does not explain the largest message (%.3g s measured, %.3g s "
         "fitted, %.3g s of it transfer): using %.3g GB/s from the smallest and largest message",
-        kind, layout.group_size, times[-1], fit.time(sizes[-1]), transfer, bandwidth / 1e9,
+        kind,
+        layout.group_size,
+        times[-1],
+        fit.time(sizes[-1]),
+        transfer,
+        bandwidth / 1e9,
     )
     return CollectiveFit(kind, layout.group_size, layout.ranks_per_node, latency, bandwidth)
 

@@ -78,7 +78,9 @@ class RuntimeProfiler:
         self._handles: list[Any] = []
         self._parameters = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
         for index, block in self.blocks.items():
-            self._handles.append(block.register_forward_pre_hook(self._pre_forward(index), prepend=True, with_kwargs=True))
+            self._handles.append(
+                block.register_forward_pre_hook(self._pre_forward(index), prepend=True, with_kwargs=True)
+            )
             self._handles.append(block.register_forward_hook(self._post_forward(index), prepend=True))
         for opt in optimizers:
             self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))

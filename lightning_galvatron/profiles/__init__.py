@@ -105,14 +105,18 @@ class Profile:
         if data.get("format") != PROFILE_FORMAT:
             hint = ""
             if any(str(k).startswith(("layertype_", "layernum", "allreduce_size_")) for k in data):
-                hint = " (this looks like a Hetu-Galvatron profile file: convert the directory with `lightning-galvatron import-galvatron`)"
+                hint = (
+                    " (this looks like a Hetu-Galvatron profile file: convert the directory with "
+                    "`lightning-galvatron import-galvatron`)"
+                )
             raise ProfileError(f"not a lightning_galvatron profile: format={data.get('format')!r}{hint}")
         version = data.get("version")
         if not isinstance(version, int) or version < 1:
             raise ProfileError(f"profile version must be a positive integer, got {version!r}")
         if version > PROFILE_VERSION:
             raise ProfileError(
-                f"profile format version {version} is newer than this lightning_galvatron understands ({PROFILE_VERSION}); upgrade the package"
+                f"profile format version {version} is newer than this lightning_galvatron understands "
+                f"({PROFILE_VERSION}); upgrade the package"
             )
         unknown = set(data) - {"format", "version", "source", "model", "hardware", "fingerprint"}
         if unknown:

@@ -207,7 +207,7 @@ def lookup_collective(
                 return e
         side = [e for e in same if e.intra_node == intra] or same
 
-        def distance(e: CollectiveFit) -> tuple[float, float]:
+        def distance(e: CollectiveFit, g: int = g, k: int = k, intra: bool = intra) -> tuple[float, float]:
             dg = abs(math.log(e.group_size) - math.log(g))
             dk = abs(math.log(e.ranks_per_node) - math.log(k))
             return (dg, dk) if intra else (dk, dg)

@@ -1,16 +1,18 @@
 """Execute a plan on a model: the recipe, one ``apply_*`` call per concern and block.
 
-Reading order: check that the runtime can execute the plan exactly; keep this rank's pipeline
+Reading order: check that the runtime can execute the plan exactly (:func:`check_runtime_support`,
+called once by the strategy before the plan is printed); keep this rank's pipeline
 stage only; then for every local block, the relocation of its input from the previous block's
-layout, tensor or sequence parallelism on the block's group, recomputation and data parallelism on
-the block's dp group; then the relocation of the last block's output back to the vocabulary
-layout, vocabulary parallelism, the layers outside the blocks as the FSDP root, and the runner
-that drives micro-batches and the pipeline schedule. Parameter names never change.
+layout, tensor or sequence parallelism on the block's group, compilation (if asked),
+recomputation and data parallelism on the block's dp group; then the relocation of the last
+block's output back to the vocabulary layout, vocabulary parallelism, the layers outside the
+blocks as the FSDP root, and the runner that drives micro-batches and the pipeline schedule.
+Parameter names never change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +23,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fs
 
 from lightning_galvatron.layout import ActivationLayout, Layout
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
+from lightning_galvatron.rules import pipeline_problem, schedule_problem, sequence_problem, vocab_problem
+from lightning_galvatron.runtime.compile import apply_compile, check_compile_support
 from lightning_galvatron.runtime.gradient_sync import GradientReducer
 from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.runtime.pipeline import PipelineRunner, StagePartition
@@ -38,9 +42,13 @@ class NotSupportedYet(PlanError):
 
 
 def check_runtime_support(
-    plan: ParallelPlan, structure: ModelStructure, tp_plans: Sequence[BlockTensorParallelPlan | str]
+    plan: ParallelPlan,
+    structure: ModelStructure,
+    tp_plans: Sequence[BlockTensorParallelPlan | str],
+    seq_length: int | None = None,
 ) -> None:
-    """Refuse, with the reason, any plan the runtime would not execute exactly.
+    """Refuse, with the reason, any plan the runtime would not execute exactly (the first of
+    :func:`runtime_problems`). The caller checks once, before the plan is printed or applied.
 
     ``tp_plans``: each block's tensor-parallel plan, or why it has none (resolved by the caller: see
     :func:`~lightning_galvatron.model.tensor_parallel_plans.block_tensor_parallel_plans`).
@@ -51,45 +59,63 @@ def check_runtime_support(
             f"the plan has {plan.num_layers} layer strategies but the model has {structure.num_blocks} blocks "
             f"({lists}); give one strategy per block"
         )
-    _check_schedule(plan)
-    if plan.pp > 1 and len(structure.block_lists) > 1:
-        lists = ", ".join(bl.path for bl in structure.block_lists)
-        raise PlanError(
-            f"pipeline parallelism over several block lists ({lists}) is not supported: the decoder's stages would "
-            "need the encoder's output; use pp=1 (every other kind of parallelism works per block)"
+    problems = runtime_problems(plan, structure, tp_plans, seq_length)
+    if problems:
+        raise PlanError(problems[0])
+
+
+def runtime_problems(
+    plan: ParallelPlan,
+    structure: ModelStructure,
+    tp_plans: Sequence[BlockTensorParallelPlan | str],
+    seq_length: int | None = None,
+) -> list[str]:
+    """Why the runtime would refuse ``plan`` for this model, each with where (empty: it executes it exactly).
+
+    The rules of :mod:`lightning_galvatron.rules` with the model's facts: its block lists, whether it has a
+    token embedding to split by vocabulary, each block's tensor-parallel plan (``tp_plans``, or why it has none)
+    and, when given, the sequence length sequence-parallel degrees must divide. Pure: nothing is changed or
+    communicated.
+    """
+    out = [
+        p
+        for p in (
+            schedule_problem(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages),
+            pipeline_problem(plan.pp, [bl.path for bl in structure.block_lists]),
         )
-    if plan.vocab.sp != "none":
-        raise PlanError(
-            f"vocab sp={plan.vocab.sp!r}: the embedding and head run on whole sequences (your training_step computes "
-            "the loss on them); use vocab sp='none' (vocabulary tensor parallelism is fine)"
-        )
+        if p is not None
+    ]
+    problem = vocab_problem(plan.vocab, plan.vocab.tp == 1 or _has_token_embedding(structure))
+    if problem is not None:
+        out.append(f"vocab {problem}")
     for index, (block, strategy, tp_plan) in enumerate(zip(structure.blocks, plan.layers, tp_plans)):
         if strategy.tp == 1:
             continue
         if isinstance(tp_plan, str):
-            if strategy.sp == "ulysses":
-                continue  # Ulysses keeps the weights whole; the block must call F.scaled_dot_product_attention
-            raise PlanError(
-                f"layers[{index}]: {type(block).__name__} has no tensor-parallel plan, so tp={strategy.tp} cannot run "
-                f"({tp_plan}); use tp=1 for it or register a plan with lightning_galvatron.register_tensor_parallel_plan"
+            # Without a plan nothing says which sizes a degree must divide, nor (for Ulysses) that the block
+            # takes only per-position inputs: the profile offers no degree > 1 there, and the runtime agrees.
+            kind = f"tp={strategy.tp}" if strategy.sp != "ulysses" else f"Ulysses of degree {strategy.tp}"
+            out.append(
+                f"layers[{index}]: {type(block).__name__} has no tensor-parallel plan, so {kind} cannot run "
+                f"({tp_plan}); use tp=1 for it or register a plan with "
+                "lightning_galvatron.register_tensor_parallel_plan"
             )
+            continue
         reason = tp_plan.unsupported(strategy.tp, strategy.sp)
+        if reason is None and seq_length is not None:
+            reason = sequence_problem(strategy.tp, strategy.sp, seq_length)
         if reason is not None:
-            raise PlanError(f"layers[{index}] ({structure.block_names[index]}): tp={strategy.tp}, sp={strategy.sp!r}: {reason}")
+            where = f"layers[{index}] ({structure.block_names[index]})"
+            out.append(f"{where}: tp={strategy.tp}, sp={strategy.sp!r}: {reason}")
+    return out
 
 
-def _check_schedule(plan: ParallelPlan) -> None:
-    """The micro-batch counts ``torch.distributed.pipelining`` accepts for each schedule."""
-    if plan.pp == 1:
-        return
-    m, pp = plan.micro_batches, plan.pp
-    if plan.schedule == "1f1b" and m < pp:
-        raise PlanError(f"schedule '1f1b' with pp={pp} needs at least {pp} micro-batches, got micro_batches={m}")
-    if plan.schedule == "interleaved_1f1b" and m % max(1, m // pp):
-        raise PlanError(
-            f"schedule 'interleaved_1f1b' with pp={pp} runs rounds of {max(1, m // pp)} micro-batches; "
-            f"micro_batches={m} is not a multiple of that, use a multiple of {pp}"
-        )
+def _has_token_embedding(structure: ModelStructure) -> bool:
+    try:
+        find_vocabulary_layers(structure)
+    except PlanError:
+        return False
+    return True
 
 
 @dataclass
@@ -116,8 +142,9 @@ def apply_plan(
     boundary_dtype: torch.dtype = torch.float32,
     outside_layers: OutsideLayers | None = None,
     tp_plans: Sequence[BlockTensorParallelPlan | str] = (),
+    compile_options: Mapping[str, Any] | None = None,
 ) -> AppliedPlan:
-    """Parallelise ``model`` in place as ``plan`` says.
+    """Parallelise ``model`` in place as ``plan`` says (checked first with :func:`check_runtime_support`).
 
     Args:
         model: the root module; it becomes the FSDP root holding the vocabulary layers.
@@ -128,12 +155,14 @@ def apply_plan(
         boundary_dtype: dtype of the activations sent between pipeline stages.
         outside_layers: with ``pp > 1``, which layers outside the blocks run before them and which after
             (:func:`~lightning_galvatron.model.outside_layers.trace_outside_layers` on the user's step).
+        compile_options: ``torch.compile`` arguments to compile each block with (see :mod:`.compile`).
         tp_plans: each block's tensor-parallel plan or why it has none (one per block; needed where tp > 1).
     """
     tp_plans = list(tp_plans) or ["no tensor-parallel plans were given"] * structure.num_blocks
     if len(tp_plans) != structure.num_blocks:
         raise ValueError(f"tp_plans has {len(tp_plans)} entries for {structure.num_blocks} blocks")
-    check_runtime_support(plan, structure, tp_plans)
+    if compile_options is not None:
+        check_compile_support(plan, compile_options)
     rank = dist.get_rank()
     stage = Layout.stage(plan)
     # Creating a mesh is collective over all ranks; a pipeline stage only uses its own blocks' layouts,
@@ -186,17 +215,23 @@ def apply_plan(
         applied.hooks.append(outputs.record(block, index))
         layout = Layout.of(plan, strategy)
         if strategy.sp == "ulysses":
-            apply_ulysses(block, meshes.tp_mesh(layout).get_group(), tp_plan.position_inputs if tp_plan is not None else None)
+            apply_ulysses(
+                block, meshes.tp_mesh(layout).get_group(), tp_plan.position_inputs if tp_plan is not None else None
+            )
         elif strategy.tp > 1:
             assert tp_plan is not None  # checked above
             apply_tensor_parallel(block, tp_plan.styles(strategy.sp == "megatron"), meshes.tp_mesh(layout))
             tp_plan.localize(block, strategy.tp)
+        if compile_options is not None:
+            apply_compile(block, compile_options)
         if strategy.recompute:
             apply_recompute(block)
         apply_data_parallel(block, strategy, _gradient_mesh(meshes, plan, strategy), mp_policy, applied.gradients)
     for end in ends:
         if end in local_blocks:
-            applied.hooks.append(relocate_output(all_blocks[end], layouts[end], vocab_layout, micro_batch, position, stage_group))
+            applied.hooks.append(
+                relocate_output(all_blocks[end], layouts[end], vocab_layout, micro_batch, position, stage_group)
+            )
 
     if vocabulary is not None and plan.vocab.tp > 1:
         vocab_tp_mesh = meshes.tp_mesh(Layout.of(plan, plan.vocab))
@@ -259,7 +294,9 @@ def _block_list_bounds(structure: ModelStructure) -> tuple[set[int], set[int]]:
     return starts, ends
 
 
-def _tied_weights_group(plan: ParallelPlan, partition: StagePartition | None, position: int) -> dist.ProcessGroup | None:
+def _tied_weights_group(
+    plan: ParallelPlan, partition: StagePartition | None, position: int
+) -> dist.ProcessGroup | None:
     """First and last stage ranks at this position, when they share weights (created on every rank)."""
     if partition is None or not partition.has_tied_weights:
         return None

@@ -72,14 +72,14 @@ class _Bucket:
             # Only a rank missing a gradient needs to know whether another rank had one (reading the counts
             # would otherwise synchronise the host with the device for every bucket).
             if any(p.grad is None for p in self.params):
-                present = flat[-len(self.params):].tolist()
+                present = flat[-len(self.params) :].tolist()
             else:
                 present = [1] * len(self.params)
             for p, count in zip(self.params, present):
                 local = local_tensor(p)
                 n = local.numel()
                 if count > 0:
-                    summed = flat[offset:offset + n].view_as(local)
+                    summed = flat[offset : offset + n].view_as(local)
                     if p.grad is None:
                         p.grad = _like(p, summed.clone())
                     else:
@@ -103,7 +103,9 @@ def match_parameter_layout(param: nn.Parameter) -> None:
 def _like(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
     """A gradient for ``param`` from its local values (a DTensor with the parameter's layout where needed)."""
     if isinstance(param, DTensor):
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
     return local
 
 
@@ -142,7 +144,9 @@ class GradientReducer:
     def build(self) -> None:
         """Bucket the registered parameters in backward order and hook them; call once, after every ``add``."""
         assert not self._buckets, "GradientReducer.build() was called twice"
-        in_order = [unit for unit in reversed(self._pending) if not unit[2]] + [unit for unit in self._pending if unit[2]]
+        in_order = [unit for unit in reversed(self._pending) if not unit[2]] + [
+            unit for unit in self._pending if unit[2]
+        ]
         # Consecutive layers on the same group share buckets: one collective per ~bucket_bytes, not per layer.
         current: list[nn.Parameter] = []
         current_group: dist.ProcessGroup | None = None

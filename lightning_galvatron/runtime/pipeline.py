@@ -165,7 +165,9 @@ class PipelineRunner:
 
     def _run_schedule(self, loss_scale: float, train: bool) -> None:
         m = len(self._micro_batches)
-        schedule = self._schedule(m, train, loss_scale, _leading_size(self._micro_batches[0]), _sequence_length(self._micro_batches[0]))
+        schedule = self._schedule(
+            m, train, loss_scale, _leading_size(self._micro_batches[0]), _sequence_length(self._micro_batches[0])
+        )
         kwargs: dict[str, Any] = {}
         if self.partition.is_last:
             kwargs["target"] = torch.zeros(m, device=self.device)
@@ -202,7 +204,9 @@ class PipelineRunner:
                         chunk.index,
                         num_chunks,
                         self.device,
-                        input_args=received if received is not None else torch.empty(1, dtype=torch.long, device="meta"),
+                        input_args=received
+                        if received is not None
+                        else torch.empty(1, dtype=torch.long, device="meta"),
                         output_args=sent if sent is not None else torch.empty((), device="meta"),
                         input_grads=received,  # gradients have their activation's shape and dtype
                         output_grads=sent,

@@ -2,8 +2,8 @@
 
 Between blocks, an activation ``X`` of shape ``[batch, seq, ...]`` (one micro-batch of a stage) is a
 set of plain local tensors: in an :class:`~lightning_galvatron.layout.ActivationLayout` with ``dp``
-data shards and a group of ``tp`` ranks, rank ``r`` holds the batch rows of its dp shard and -- when the block shards the
-sequence (Megatron-SP, Ulysses) -- only its group rank's part of the sequence; otherwise the
+data shards and a group of ``tp`` ranks, rank ``r`` holds the batch rows of its dp shard and -- when the block shards
+the sequence (Megatron-SP, Ulysses) -- only its group rank's part of the sequence; otherwise the
 ``tp`` ranks of a group hold identical copies.
 
 When consecutive blocks lay ``X`` out differently, every rank needs the rectangle of
@@ -114,8 +114,7 @@ def relocate_tensor(
     for t in receives:
         recv_sizes[t.source] += _area(t.region) * row
     send_buffer = torch.cat(
-        [_piece(x, t.region, mine).reshape(-1) for t in sorted(sends, key=lambda t: t.target)]
-        or [x.new_empty(0)]
+        [_piece(x, t.region, mine).reshape(-1) for t in sorted(sends, key=lambda t: t.target)] or [x.new_empty(0)]
     )
     recv_buffer = x.new_empty(sum(recv_sizes))
     dist.all_to_all_single(recv_buffer, send_buffer, recv_sizes, send_sizes, group=group)
@@ -195,7 +194,10 @@ def _same_tensor(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     if a is None or a is b:
         return a is b
     return (
-        a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
         and a.data_ptr() == b.data_ptr()
     )
 
@@ -246,23 +248,35 @@ def relocate_inputs(
         seq = source.global_seq(hidden.shape[1])
         slots = [*((i, a) for i, a in enumerate(args) if i != hidden_index), *kwargs.items()]
         slots = [(name, v) for name, v in slots if not (hidden_index is None and name == "hidden_states")]
-        from_previous = {name for name, v in slots if carried is not None and isinstance(v, torch.Tensor) and carried(v)}
+        from_previous = {
+            name for name, v in slots if carried is not None and isinstance(v, torch.Tensor) and carried(v)
+        }
         if batch_only_previous != batch_only_target:
             # A tensor the previous block returned for every sample at once ([1, ...], T5's position bias without a
             # mask) is used by other samples here: its gradient must flow back per sample, so it travels per sample.
             slots = [
-                (name, v.expand(previous_batch, *v.shape[1:]) if name in from_previous and v.requires_grad
-                 and v.shape[0] == 1 < previous_batch else v)
+                (
+                    name,
+                    v.expand(previous_batch, *v.shape[1:])
+                    if name in from_previous and v.requires_grad and v.shape[0] == 1 < previous_batch
+                    else v,
+                )
                 for name, v in slots
             ]
             args = tuple(dict(slots).get(i, a) for i, a in enumerate(args))
             kwargs = {k: dict(slots).get(k, v) for k, v in kwargs.items()}
         moves = {name: batch_only_previous if name in from_previous else batch_only_source for name, _ in slots}
         per_sample = {  # only where something moves: an input that stays where it is needs no reading
-            name for name, v in slots
-            if moves[name] != batch_only_target and _is_per_sample(
-                name, _unfolded(v, folded.get(name)), previous_batch if name in from_previous else extras_batch, seq,
-                module, batch_major=name in positions,
+            name
+            for name, v in slots
+            if moves[name] != batch_only_target
+            and _is_per_sample(
+                name,
+                _unfolded(v, folded.get(name)),
+                previous_batch if name in from_previous else extras_batch,
+                seq,
+                module,
+                batch_major=name in positions,
             )
         }
         if _extras_cross_ranks(batch_only_source, batch_only_target, micro_batch.size) or from_previous & per_sample:
@@ -272,12 +286,21 @@ def relocate_inputs(
             if name == "hidden":
                 return relocate(value, source, target, micro_batch.size, position, group)
             if name in per_sample:
-                moved = relocate(_unfolded(value, folded.get(name)), moves[name], batch_only_target, micro_batch.size, position, group)
+                moved = relocate(
+                    _unfolded(value, folded.get(name)),
+                    moves[name],
+                    batch_only_target,
+                    micro_batch.size,
+                    position,
+                    group,
+                )
                 return moved.flatten(0, 1) if name in folded else moved
             return value
 
         new_args = tuple(move("hidden" if i == hidden_index else i, a) for i, a in enumerate(args))
-        new_kwargs = {k: move("hidden" if hidden_index is None and k == "hidden_states" else k, v) for k, v in kwargs.items()}
+        new_kwargs = {
+            k: move("hidden" if hidden_index is None and k == "hidden_states" else k, v) for k, v in kwargs.items()
+        }
         return new_args, new_kwargs
 
     return [block.register_forward_pre_hook(hook, with_kwargs=True)]

@@ -43,7 +43,11 @@ def apply_data_parallel(
     """
     modules = module if isinstance(module, list) else [module]
     if strategy.dp_type == "ddp":
-        reducer.add((p for m in modules for p in _unclaimed_parameters(m, reducer)), dp_mesh.get_group(), reduce_last=outside_blocks)
+        reducer.add(
+            (p for m in modules for p in _unclaimed_parameters(m, reducer)),
+            dp_mesh.get_group(),
+            reduce_last=outside_blocks,
+        )
         return
     ignored = {p for m in modules for p in m.parameters() if reducer.owns(p)}
     fully_shard(

@@ -17,7 +17,6 @@ before training (:class:`~lightning_galvatron.runtime.structure.OutsideLayers`, 
 side). Weights shared between the two sides (a tied embedding and head) live on both end stages.
 """
 
-
 from __future__ import annotations
 
 import copy
@@ -106,8 +105,11 @@ class _FirstStageOnly(_StandIn):
             raise PipelineUsageError(
                 f"{self._name} runs before the Transformer blocks (as traced on the step before training), so with "
                 f"pipeline parallelism it lives on the first stage only; on stage {self._stage} it was called "
-                + ("outside the Lightning steps" if chunk is None else "after the blocks (does this step use it "
-                   "differently from the traced one?)")
+                + (
+                    "outside the Lightning steps"
+                    if chunk is None
+                    else "after the blocks (does this step use it differently from the traced one?)"
+                )
             )
         device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
         to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
@@ -268,7 +270,9 @@ class StagePartition:
         outside: OutsideLayers,
     ) -> None:
         if structure.num_blocks != plan.num_layers:
-            raise PlanError(f"the plan has {plan.num_layers} layer strategies but the model has {structure.num_blocks} blocks")
+            raise PlanError(
+                f"the plan has {plan.num_layers} layer strategies but the model has {structure.num_blocks} blocks"
+            )
         self.plan = plan
         self.stage = rank // plan.devices_per_stage
         last = plan.pp * plan.virtual_stages - 1

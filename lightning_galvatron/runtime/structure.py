@@ -83,8 +83,7 @@ def model_class(module: nn.Module) -> type:
     return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
 
 
-
-# ---------------------------------------------------------------------------------------------- layers outside the blocks
+# -------------------------------------------------------------------------------------------- layers outside the blocks
 @dataclass(frozen=True)
 class OutsideLayers:
     """Modules holding parameters outside the blocks (names relative to the root), by where the step runs them.
@@ -126,7 +125,6 @@ def parameter_holders(structure: ModelStructure) -> dict[str, nn.Module]:
         for name, module in structure.root.named_modules()
         if id(module) not in in_blocks and any(True for _ in module.parameters(recurse=False))
     }
-
 
 
 # ---------------------------------------------------------------------------------------------- per-call state

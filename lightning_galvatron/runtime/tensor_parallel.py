@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_galvatron.rules import degree_problem
 from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
 
 # ---------------------------------------------------------------------------------------------- block plans
@@ -104,20 +105,20 @@ class BlockTensorParallelPlan:
         return heads or dict(self.divisible)
 
     def unsupported(self, tp: int, sp: str) -> str | None:
-        """Why ``(tp, sp)`` cannot run exactly on this block, or ``None`` if it can."""
-        if sp == "ulysses":
-            if not self.ulysses:
-                return self.why_not_ulysses
-            sizes = self.ulysses_sizes
-        else:
-            sizes = self.divisible
-        bad = [f"{size} {what}" for what, size in sizes.items() if size % tp]
-        if bad:
-            return f"degree {tp} does not divide the {', '.join(bad)}"
+        """Why ``(tp, sp)`` cannot run exactly on this block, or ``None`` if it can.
+
+        The block's half of the rules of :mod:`lightning_galvatron.rules`: which styles it has and which sizes
+        they split; the arithmetic is :func:`~lightning_galvatron.rules.degree_problem`. The sequence a
+        sequence-parallel degree must divide is the data's (:func:`~lightning_galvatron.rules.sequence_problem`).
+        """
+        if sp == "ulysses" and not self.ulysses:
+            return self.why_not_ulysses
+        problem = degree_problem(tp, self.ulysses_sizes if sp == "ulysses" else self.divisible)
+        if problem is not None:
+            return problem
         if sp == "megatron" and not self.megatron_sp:
             return self.why_not_megatron_sp
         return None
-
 
 
 # ---------------------------------------------------------------------------------------------- Megatron collectives
@@ -177,7 +178,9 @@ def fused_rows(sections: Sequence[int], split: Sequence[bool], tp: int, tp_rank:
     for size, divided in zip(sections, split):
         if divided:
             if size % tp:
-                raise ValueError(f"tensor-parallel degree {tp} does not divide a fused projection section of {size} features")
+                raise ValueError(
+                    f"tensor-parallel degree {tp} does not divide a fused projection section of {size} features"
+                )
             part = size // tp
             rows += range(offset + tp_rank * part, offset + (tp_rank + 1) * part)
         else:
@@ -258,7 +261,11 @@ class RowwiseConv1D(ParallelStyle):
                 bias = _CopyToGroup.apply(module.bias.to_local(), group)
             else:
                 bias = module.bias.to_local()
-            out = reduce_scatter_sequence(partial, device_mesh) if self.sequence_parallel else _ReduceFromGroup.apply(partial, group)
+            out = (
+                reduce_scatter_sequence(partial, device_mesh)
+                if self.sequence_parallel
+                else _ReduceFromGroup.apply(partial, group)
+            )
             return out + bias if bias is not None else out
 
         module.forward = forward  # type: ignore[method-assign]
@@ -362,8 +369,15 @@ class ColwiseEmbedding(ParallelStyle):
         _distribute_parameter(module, "weight", device_mesh, Shard(1))
 
         def forward(indices: torch.Tensor) -> torch.Tensor:
-            return F.embedding(indices, module.weight.to_local(), module.padding_idx, module.max_norm,
-                               module.norm_type, module.scale_grad_by_freq, module.sparse)
+            return F.embedding(
+                indices,
+                module.weight.to_local(),
+                module.padding_idx,
+                module.max_norm,
+                module.norm_type,
+                module.scale_grad_by_freq,
+                module.sparse,
+            )
 
         module.forward = forward  # type: ignore[method-assign]
         return module
@@ -423,8 +437,11 @@ class ParallelMultiheadAttention(ParallelStyle):
             batch, tgt_len, src_len = query.shape[0], query.shape[1], key.shape[1]
 
             key_padding_mask = F._canonical_mask(
-                mask=key_padding_mask, mask_name="key_padding_mask", other_type=F._none_or_dtype(attn_mask),
-                other_name="attn_mask", target_type=query.dtype,
+                mask=key_padding_mask,
+                mask_name="key_padding_mask",
+                other_type=F._none_or_dtype(attn_mask),
+                other_name="attn_mask",
+                target_type=query.dtype,
             )
             if is_causal and attn_mask is None:
                 raise RuntimeError("Need attn_mask if specifying the is_causal hint (as nn.MultiheadAttention)")
@@ -432,7 +449,11 @@ class ParallelMultiheadAttention(ParallelStyle):
                 attn_mask = None  # the hint stands for the mask, as in F.multi_head_attention_forward
             else:
                 attn_mask = F._canonical_mask(
-                    mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="", target_type=query.dtype,
+                    mask=attn_mask,
+                    mask_name="attn_mask",
+                    other_type=None,
+                    other_name="",
+                    target_type=query.dtype,
                     check_other=False,
                 )
                 if key_padding_mask is not None:

@@ -87,7 +87,8 @@ def _local_heads(x: torch.Tensor, g: int, rank: int) -> torch.Tensor:
 
 
 def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Key/value heads repeated to ``heads`` query heads (query head ``i`` uses key/value head ``i // (heads / kv)``)."""
+    """Key/value heads repeated to ``heads`` query heads (query head ``i`` uses key/value head
+    ``i // (heads / kv)``)."""
     return x if x.shape[-3] == heads else x.repeat_interleave(heads // x.shape[-3], dim=-3)
 
 
@@ -133,8 +134,9 @@ class _UlyssesAttention(TorchFunctionMode):
     def _whole_mask(self, mask: torch.Tensor, heads: int, queries: int, keys: int) -> torch.Tensor:
         if mask.shape[-1] != keys or mask.shape[-2] not in (1, queries):
             raise RuntimeError(
-                f"Ulysses needs the attention mask over the whole sequence ({queries} queries x {keys} keys), got one of "
-                f"shape {tuple(mask.shape)}: the block built or cut it from its local positions. Pass the mask to the "
+                f"Ulysses needs the attention mask over the whole sequence ({queries} queries x {keys} keys), got "
+                f"one of shape {tuple(mask.shape)}: the block built or cut it from its local positions. Pass the "
+                "mask to the "
                 "block whole (as Hugging Face models do), or use sp='none' or 'megatron' for this block"
             )
         if mask.dim() >= 3 and mask.shape[-3] not in (1, heads):
@@ -168,13 +170,16 @@ def _cut(value: Any, dim: int, local: int, g: int, rank: int, name: Any) -> Any:
         return value  # broadcast over positions, or already this rank's part
     if size != local * g:
         raise RuntimeError(
-            f"block input {name!r} has {size} entries along dimension {dim}, neither the sequence length {local * g} nor "
-            f"this rank's {local} positions; say which inputs are per position in the block's tensor-parallel plan"
+            f"block input {name!r} has {size} entries along dimension {dim}, neither the sequence length "
+            f"{local * g} nor this rank's {local} positions; say which inputs are per position in the block's "
+            "tensor-parallel plan"
         )
     return value.narrow(dim, rank * local, local)
 
 
-def apply_ulysses(block: nn.Module, group: dist.ProcessGroup, position_inputs: Mapping[str | int, int] | None = None) -> None:
+def apply_ulysses(
+    block: nn.Module, group: dist.ProcessGroup, position_inputs: Mapping[str | int, int] | None = None
+) -> None:
     """Run ``block`` with its sequence split over ``group`` (weights stay whole).
 
     ``position_inputs`` names the inputs with one entry per sequence position (names, or indices of
@@ -196,12 +201,24 @@ def apply_ulysses(block: nn.Module, group: dist.ProcessGroup, position_inputs: M
             )
         names = _argument_names(signature, len(args))
         args = tuple(
-            _cut(a, positions[key], local, g, rank, key) if a is not hidden and (key := _key(i, names, positions)) is not None else a
+            _cut(a, positions[key], local, g, rank, key)
+            if a is not hidden and (key := _key(i, names, positions)) is not None
+            else a
             for i, a in enumerate(args)
         )
-        kwargs = {k: _cut(v, positions[k], local, g, rank, k) if k in positions and v is not hidden else v for k, v in kwargs.items()}
+        kwargs = {
+            k: _cut(v, positions[k], local, g, rank, k) if k in positions and v is not hidden else v
+            for k, v in kwargs.items()
+        }
+
         def is_memory(t: Any) -> bool:  # an encoder's output: whole on every rank of the group
-            return isinstance(t, torch.Tensor) and t is not hidden and t.dim() == 3 and t.is_floating_point() and t.shape[-1] == width
+            return (
+                isinstance(t, torch.Tensor)
+                and t is not hidden
+                and t.dim() == 3
+                and t.is_floating_point()
+                and t.shape[-1] == width
+            )
 
         # Each rank's cross-attention uses its heads of the memory's keys and values, so its gradient for the
         # memory is its heads' part: summed over the group, every rank holds the whole (as for any replicated input).
@@ -213,8 +230,8 @@ def apply_ulysses(block: nn.Module, group: dist.ProcessGroup, position_inputs: M
             out = forward(*args, **kwargs)
         if mode.calls == 0:
             raise RuntimeError(
-                f"{model_class(block).__name__} ran without calling F.scaled_dot_product_attention, so Ulysses sequence "
-                "parallelism cannot split its attention; choose sp='megatron' or 'none' for this block"
+                f"{model_class(block).__name__} ran without calling F.scaled_dot_product_attention, so Ulysses "
+                "sequence parallelism cannot split its attention; choose sp='megatron' or 'none' for this block"
             )
         return out
 
@@ -224,7 +241,11 @@ def apply_ulysses(block: nn.Module, group: dist.ProcessGroup, position_inputs: M
 def _argument_names(signature: inspect.Signature | None, count: int) -> list[str | None]:
     if signature is None:
         return [None] * count
-    params = [p.name for p in list(signature.parameters.values())[1:] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    params = [
+        p.name
+        for p in list(signature.parameters.values())[1:]
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     return (params + [None] * count)[:count]
 
 

@@ -93,7 +93,9 @@ def apply_vocab_parallel(
 
     if layers.embedding is not None:
         table = layers.embedding.weight
-        sharing = [m for m in (root.modules() if root is not None else ()) if isinstance(m, nn.Embedding) and m.weight is table]
+        sharing = [
+            m for m in (root.modules() if root is not None else ()) if isinstance(m, nn.Embedding) and m.weight is table
+        ]
         for embedding in dict.fromkeys([layers.embedding, *sharing]):
             parallelize(embedding, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if layers.head is not None:

@@ -90,7 +90,16 @@ class _Record:
     host: str
 
     def encode(self) -> str:
-        fields = (self.beat, self.progress, int(self.in_step), self.limit_s, self.state, self.where, self.pid, self.host)
+        fields = (
+            self.beat,
+            self.progress,
+            int(self.in_step),
+            self.limit_s,
+            self.state,
+            self.where,
+            self.pid,
+            self.host,
+        )
         return _SEPARATOR.join(map(str, fields))
 
     @classmethod
@@ -113,7 +122,9 @@ class RankMonitor:
 
     _generation = 0  # monitors made in this process so far: the same on every rank, so it names the run
 
-    def __init__(self, rank: int, world_size: int, settings: WatchdogSettings, store: Any, run: int | None = None) -> None:
+    def __init__(
+        self, rank: int, world_size: int, settings: WatchdogSettings, store: Any, run: int | None = None
+    ) -> None:
         """``run`` names the job's run in the store (default: how many monitors this process has made, which every
         rank counts alike)."""
         RankMonitor._generation += 1
@@ -150,7 +161,11 @@ class RankMonitor:
 
         try:
             store = dist.TCPStore(
-                host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=_store_timeout(settings))
+                host,
+                int(port),
+                is_master=False,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=_store_timeout(settings)),
             )
         except Exception:  # noqa: BLE001 - no side channel: train without a watchdog rather than not at all
             return None
@@ -242,10 +257,14 @@ class RankMonitor:
             self._read_all()
         except Exception:  # noqa: BLE001, S110 - the store is gone: what was seen last still names the processes
             pass
-        dead = {r for r, seen in enumerate(self._seen) if seen.record is not None and _process_gone(seen.record, self._host)}
+        dead = {
+            r for r, seen in enumerate(self._seen) if seen.record is not None and _process_gone(seen.record, self._host)
+        }
         if dead or wait_s <= 0 or self._beat_interval() >= wait_s:
             return dead
-        before = {r: seen.record.beat for r, seen in enumerate(self._seen) if seen.record is not None and r != self.rank}
+        before = {
+            r: seen.record.beat for r, seen in enumerate(self._seen) if seen.record is not None and r != self.rank
+        }
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             time.sleep(0.2)
@@ -253,7 +272,11 @@ class RankMonitor:
                 self._read_all()
             except Exception:  # noqa: BLE001
                 break
-        return {r for r, beat in before.items() if self._seen[r].record.beat == beat and self._seen[r].record.state == "running"}
+        return {
+            r
+            for r, beat in before.items()
+            if self._seen[r].record.beat == beat and self._seen[r].record.state == "running"
+        }
 
     def failure_report(self, exception: BaseException) -> str | None:
         """A message naming the ranks that died, if that is why this rank failed; else ``None``."""

@@ -88,7 +88,12 @@ def diverse_candidates(
     """
     best = result.plan
     # Every candidate trains the best plan's global batch, so that step times compare.
-    arguments = {**search_arguments, "baselines": False, "search_batch_size": False, "global_batch_size": best.global_batch_size}
+    arguments = {
+        **search_arguments,
+        "baselines": False,
+        "search_batch_size": False,
+        "global_batch_size": best.global_batch_size,
+    }
     world_size = arguments.pop("world_size")
     budget = arguments.pop("memory_budget_bytes")
     disable = frozenset(arguments.get("disable") or ())
@@ -151,8 +156,19 @@ def unmeasured(plans: Iterable[ParallelPlan]) -> frozenset[str]:
         used.add("strided")
     if any(p.pp > 1 for p in plans):
         used.add("pipeline")
-    names = {"ddp", "zero2", "zero3", "recompute", "tensor_parallel", "tp_without_sp", "megatron_sp", "ulysses",
-             "vocab_parallel", "strided", "pipeline"}
+    names = {
+        "ddp",
+        "zero2",
+        "zero3",
+        "recompute",
+        "tensor_parallel",
+        "tp_without_sp",
+        "megatron_sp",
+        "ulysses",
+        "vocab_parallel",
+        "strided",
+        "pipeline",
+    }
     return frozenset(names - used)
 
 
@@ -193,11 +209,10 @@ def _pricer(profile: Profile, arguments: Mapping[str, Any], budget: Any):
 
 
 def _other_uniform_plans(
-    result: SearchResult, world_size: int, disable: frozenset[str], arguments: Mapping[str, Any]
+    result: SearchResult, world_size: int, disable: frozenset[str]
 ) -> dict[str, list[ParallelPlan]]:
-    """Uniform plans the search's baselines leave out: ZeRO-2 (from the DDP baseline), pipelines of DDP blocks of
-    every degree (each schedule, a few micro-batch counts), and on one device -- where the only choices are
-    recomputation and micro-batches -- every combination of the two."""
+    """Uniform plans the search's baselines leave out: ZeRO-2 (from the DDP baseline), and on one device -- where
+    the only choices are recomputation and micro-batches -- every combination of the two."""
     out: dict[str, list[ParallelPlan]] = {}
     best = result.plan
     batch = best.global_batch_size or world_size
@@ -231,11 +246,18 @@ def _other_uniform_plans(
             if recompute and "recompute" in disable:
                 continue
             for many in (False, True):
-                label = f"uniform {'recompute' if recompute else 'no recompute'}, {'micro-batches' if many else 'one micro-batch'}"
+                label = (
+                    f"uniform {'recompute' if recompute else 'no recompute'}, "
+                    f"{'micro-batches' if many else 'one micro-batch'}"
+                )
                 out[label] = [
                     ParallelPlan.uniform(
-                        1, best.num_layers, LayerStrategy(recompute=recompute), vocab=LayerStrategy(),
-                        micro_batches=m, global_batch_size=batch,
+                        1,
+                        best.num_layers,
+                        LayerStrategy(recompute=recompute),
+                        vocab=LayerStrategy(),
+                        micro_batches=m,
+                        global_batch_size=batch,
                     )
                     for m in micro
                     if (m > 1) == many

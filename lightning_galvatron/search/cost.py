@@ -4,8 +4,8 @@ Every term is a named function; each takes numpy arrays over candidate strategie
 :class:`~lightning_galvatron.search.space.StrategyArrays`) so the search prices all candidates in one
 go, and the evaluator prices a given plan with the very same code.
 
-Notation (DESIGN.md): a stage has ``n = W/pp`` devices; a block with model-parallel group ``g``
-has ``d = n/g`` data-parallel replicas; with global batch ``B`` and ``m`` micro-batches its local
+Notation (see :mod:`.solver` for the full legend): a stage has ``n = W/pp`` devices; a block with model-parallel
+group ``g`` has ``d = n/g`` data-parallel replicas; with global batch ``B`` and ``m`` micro-batches its local
 micro-batch is ``b = B/(m*d)`` samples (shared by the ``g`` ranks of its group). Times are seconds,
 memory bytes per device.
 
@@ -26,7 +26,7 @@ What a block costs per micro-batch (what the runtime executes):
 Overlap of ``x`` and ``y`` costs ``max(x, y) + (alpha - 1) * min(x, y)`` with the profile's overlap
 coefficient ``alpha``.
 
-With a :class:`~lightning_galvatron.search.calibration.Calibration` (fitted from measured steps), a
+With a :class:`~lightning_galvatron.search.coefficients.Calibration` (fitted from measured steps), a
 block's time per micro-batch is the calibrated combination of these terms plus fixed costs per call of
 each mechanism, the optimizer step is priced per parameter tensor and element, and a step and each
 pipeline micro-batch add fixed overheads (see :mod:`.calibration`).
@@ -44,7 +44,7 @@ import numpy as np
 from lightning_galvatron.layout import p2p_ranks_per_node, ranks_per_node
 from lightning_galvatron.plan import LayerStrategy
 from lightning_galvatron.profiles import LayerTypeProfile, LinearFit, Profile, bus_volume
-from lightning_galvatron.search.calibration import Calibration, block_features, load_calibration, vocab_time
+from lightning_galvatron.search.coefficients import Calibration, block_features, load_calibration, vocab_time
 from lightning_galvatron.search.space import Layout, StrategyArrays
 
 
@@ -91,7 +91,8 @@ def resolve_precision(precision: str | Precision) -> Precision:
 
 
 def optimizer_state_bytes(optimizer: str | float, precision: Precision) -> float:
-    """Optimizer-state bytes per parameter: AdamW 2 states, SGD with momentum 1, plain SGD 0; or a number given as is."""
+    """Optimizer-state bytes per parameter: AdamW 2 states, SGD with momentum 1, plain SGD 0; or a number given as
+    is."""
     if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
         if optimizer < 0:
             raise ValueError(f"optimizer state bytes per parameter cannot be negative, got {optimizer}")
@@ -99,7 +100,8 @@ def optimizer_state_bytes(optimizer: str | float, precision: Precision) -> float
     key = str(optimizer).lower().replace("-", "_")
     if key not in OPTIMIZER_STATES:
         raise ValueError(
-            f"unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZER_STATES)} or give its state bytes per parameter"
+            f"unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZER_STATES)} or give its state bytes per "
+            "parameter"
         )
     return float(OPTIMIZER_STATES[key] * precision.param_bytes)
 
@@ -176,7 +178,9 @@ class CostModel:
         latency, bandwidth = self._fits[key]
         return latency + bus_volume(kind, group_size) * np.asarray(nbytes, dtype=float) / bandwidth
 
-    def collective_times(self, kind: str, nbytes, group_sizes: np.ndarray, strides: np.ndarray, world_size: int) -> np.ndarray:
+    def collective_times(
+        self, kind: str, nbytes, group_sizes: np.ndarray, strides: np.ndarray, world_size: int
+    ) -> np.ndarray:
         """:meth:`collective_time` per candidate (arrays of group sizes, strides and bytes)."""
         group_sizes = np.asarray(group_sizes)
         nbytes = np.broadcast_to(np.asarray(nbytes, dtype=float), group_sizes.shape)
@@ -249,7 +253,9 @@ def tensor_parallel_comm_time(
     megatron_calls = forward_calls + calls_backward
     W = ctx.world_size
     ar = cm.collective_times("all_reduce", message, g, stride, W)
-    ag_rs = cm.collective_times("all_gather", message, g, stride, W) + cm.collective_times("reduce_scatter", message, g, stride, W)
+    ag_rs = cm.collective_times("all_gather", message, g, stride, W) + cm.collective_times(
+        "reduce_scatter", message, g, stride, W
+    )
     a2a = cm.collective_times("all_to_all", message / g, g, stride, W)
     return np.where(
         sa.ulysses,
@@ -303,9 +309,9 @@ def model_state_bytes(cm: CostModel, sa: StrategyArrays, ctx: StageContext, para
     ``S = P * (param + grad + optimizer bytes)``: DDP holds ``S`` plus, when it computes in another dtype than
     it stores, the compute-dtype copy of its weights (autocast's cache, kept for backward); its gradient
     buckets are transient, at most two of ``runtime.gradient_sync.DEFAULT_BUCKET_BYTES`` in flight; ZeRO-2 ``S/d``
-    plus the unsharded compute-dtype weights it keeps from forward through backward; ZeRO-3 ``S/d`` (its gathered weights are transient, see
-    :func:`working_memory_bytes`). ZeRO blocks add unsharded gradients in the reduce dtype when
-    they accumulate across micro-batches (:func:`accumulates_unsharded_gradients`).
+    plus the unsharded compute-dtype weights it keeps from forward through backward; ZeRO-3 ``S/d`` (its gathered
+    weights are transient, see :func:`working_memory_bytes`). ZeRO blocks add unsharded gradients in the reduce dtype
+    when they accumulate across micro-batches (:func:`accumulates_unsharded_gradients`).
     """
     pr = cm.precision
     n = ctx.devices_per_stage
@@ -459,7 +465,11 @@ def vocab_costs(cm: CostModel, sa: StrategyArrays, ctx: StageContext, part: str)
     vocab = model.vocab
     tensors = cm.calibration.vocab_tensors if cm.calibration is not None else 0
     if part == "embedding":
-        parameters, fit, table = vocab.embedding_parameters, vocab.embedding_forward_time, vocab.embedding_activation_bytes_per_sample
+        parameters, fit, table = (
+            vocab.embedding_parameters,
+            vocab.embedding_forward_time,
+            vocab.embedding_activation_bytes_per_sample,
+        )
         tensors = (tensors + 1) // 2
     elif part == "head":
         tensors //= 2
@@ -503,7 +513,8 @@ def working_memory_bytes(cm: CostModel, layers: Sequence[LayerTypeProfile], ctx:
 def plan_working_memory_bytes(
     cm: CostModel, blocks: Sequence[tuple[LayerTypeProfile, LayerStrategy]], ctx: StageContext
 ) -> float:
-    """Transient memory of a given plan's stage: what :func:`working_memory_bytes` reserves, for the blocks that need it.
+    """Transient memory of a given plan's stage: what :func:`working_memory_bytes` reserves, for the blocks that need
+    it.
 
     Only a recomputed block re-materialises a micro-batch of its activations during backward, and only a
     ZeRO-3 block gathers its weights again for backward; other blocks' activations and weights are already
@@ -515,7 +526,11 @@ def plan_working_memory_bytes(
     need = 0.0
     for t, s in blocks:
         recompute = cm.activation_scale * samples * t.activation_bytes_per_sample.at(1) if s.recompute else 0.0
-        gathered = t.parameters / (s.tp if s.splits_weights else 1) * cm.precision.compute_bytes if s.dp_type == "zero3" else 0.0
+        gathered = (
+            t.parameters / (s.tp if s.splits_weights else 1) * cm.precision.compute_bytes
+            if s.dp_type == "zero3"
+            else 0.0
+        )
         need = max(need, recompute + gathered)
     return need
 

@@ -10,7 +10,8 @@ import numpy as np
 from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 from lightning_galvatron.profiles import Profile, load_profile
-from lightning_galvatron.search.calibration import Calibration
+from lightning_galvatron.rules import plan_problems
+from lightning_galvatron.search.coefficients import Calibration
 from lightning_galvatron.search.cost import (
     CostModel,
     Precision,
@@ -21,7 +22,7 @@ from lightning_galvatron.search.cost import (
     vocab_costs,
 )
 from lightning_galvatron.search.pipeline import in_flight_micro_batches, p2p_transfers, pipeline_step_time
-from lightning_galvatron.search.space import StrategyArrays, layout_of, megatron_degree_ok, ulysses_degree_ok
+from lightning_galvatron.search.space import StrategyArrays, layout_of
 from lightning_galvatron.units import parse_bytes
 
 
@@ -74,7 +75,13 @@ class StageEstimate:
 
     @property
     def peak_memory_bytes(self) -> float:
-        return self.block_state_bytes + self.block_activation_bytes + self.vocab_bytes + self.working_bytes + self.overhead_bytes
+        return (
+            self.block_state_bytes
+            + self.block_activation_bytes
+            + self.vocab_bytes
+            + self.working_bytes
+            + self.overhead_bytes
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -155,13 +162,15 @@ def evaluate(
     cm = cost_model or CostModel(profile, precision, optimizer, calibration)
     model = profile.model
     if plan.num_layers != model.num_blocks:
-        raise PlanError(f"the plan has {plan.num_layers} layer strategies but the profiled model has {model.num_blocks} blocks")
+        raise PlanError(
+            f"the plan has {plan.num_layers} layer strategies but the profiled model has {model.num_blocks} blocks"
+        )
     B = global_batch_size or plan.global_batch_size
     if B is None:
         raise PlanError("the plan does not fix its global batch size: pass global_batch_size")
     plan.check_batch_size(B)
     budget = None if memory_budget_bytes is None else parse_bytes(memory_budget_bytes)
-    warnings = _executability_warnings(profile, plan)
+    warnings = plan_problems(plan, model)  # what the runtime would refuse: still priced, as a what-if
     W, pp, m, v = plan.world_size, plan.pp, plan.micro_batches, plan.virtual_stages
     hw = profile.hardware
     stages, blocks = [], []
@@ -182,11 +191,29 @@ def evaluate(
                 lt = model.layer_types[t]
                 move = 0.0
                 if previous is not None:
-                    move = relocation_time(cm, layout_of(previous, ctx.devices_per_stage), layout_of(s, ctx.devices_per_stage), ctx, lt.hidden_size, lt.seq_length)
+                    move = relocation_time(
+                        cm,
+                        layout_of(previous, ctx.devices_per_stage),
+                        layout_of(s, ctx.devices_per_stage),
+                        ctx,
+                        lt.hidden_size,
+                        lt.seq_length,
+                    )
                 block_time = float(c.time[0]) + move
                 extra = float(c.last_extra[0])
                 time += block_time + extra / m
-                blocks.append(BlockEstimate(i, rank, lt.name, s, block_time, extra, float(c.state_bytes[0]), k * float(c.activation_bytes[0])))
+                blocks.append(
+                    BlockEstimate(
+                        i,
+                        rank,
+                        lt.name,
+                        s,
+                        block_time,
+                        extra,
+                        float(c.state_bytes[0]),
+                        k * float(c.activation_bytes[0]),
+                    )
+                )
                 states += float(c.state_bytes[0])
                 acts += k * float(c.activation_bytes[0])
                 previous = s
@@ -197,10 +224,16 @@ def evaluate(
                 c = vocab_costs(cm, vocab_arrays, ctx, part)
                 time += float(c.step_share(m)[0])
                 vocab_bytes += float(c.memory(k)[0])
-        time += p2p_transfers(pp, rank, v) * cm.p2p_time(ctx, model.hidden_size, model.seq_length) + cm.pipeline_overhead(pp)
+        time += p2p_transfers(pp, rank, v) * cm.p2p_time(
+            ctx, model.hidden_size, model.seq_length
+        ) + cm.pipeline_overhead(pp)
         layers = plan.stage_layers(rank)
-        working = plan_working_memory_bytes(cm, [(model.layer_types[model.blocks[i]], plan.layers[i]) for i in layers], ctx)
-        stages.append(StageEstimate(rank, tuple(layers), k, time, states, acts, vocab_bytes, working, hw.memory_overhead_bytes))
+        working = plan_working_memory_bytes(
+            cm, [(model.layer_types[model.blocks[i]], plan.layers[i]) for i in layers], ctx
+        )
+        stages.append(
+            StageEstimate(rank, tuple(layers), k, time, states, acts, vocab_bytes, working, hw.memory_overhead_bytes)
+        )
     step = float(pipeline_step_time(np.array([s.time_per_micro_batch_s for s in stages]), m, v)) + cm.step_overhead()
     blocks.sort(key=lambda b: b.index)
     return Estimate(
@@ -213,34 +246,3 @@ def evaluate(
         memory_budget_bytes=budget,
         warnings=tuple(warnings),
     )
-
-
-def _executability_warnings(profile: Profile, plan: ParallelPlan) -> list[str]:
-    """What the runtime could not execute for this model (evaluate still predicts it, as a what-if)."""
-    out = []
-    model = profile.model
-    for i, s in enumerate(plan.layers):
-        lt = model.block_type(i)
-        if s.tp == 1:
-            continue
-        if s.sp == "ulysses":
-            if not lt.supports_ulysses or not ulysses_degree_ok(lt, s.tp):
-                out.append(f"layers[{i}]: Ulysses degree {s.tp} is not executable for {lt.name} (heads {lt.num_heads}, sequence {lt.seq_length})")
-        elif not lt.supports_tensor_parallel or not megatron_degree_ok(lt, s.tp):
-            out.append(f"layers[{i}]: TP degree {s.tp} is not executable for {lt.name} (heads {lt.num_heads}, hidden {lt.hidden_size}, FFN {lt.ffn_hidden_size})")
-        elif s.sp == "megatron" and not lt.supports_megatron_sp:
-            out.append(f"layers[{i}]: {lt.name} has no Megatron sequence parallelism")
-        elif s.sp == "megatron" and not megatron_degree_ok(lt, s.tp, True):
-            out.append(f"layers[{i}]: Megatron-SP degree {s.tp} does not divide the sequence of {lt.seq_length}")
-    vocab, v = model.vocab, plan.vocab
-    if v.sp != "none":
-        out.append(f"vocab: sp={v.sp!r} is not executable: the embedding and head run on whole sequences (use sp='none')")
-    elif v.tp > 1 and not vocab.supports_tensor_parallel:
-        out.append(f"vocab: the model has no vocabulary-parallel embedding/head, so degree {v.tp} is not executable")
-    if plan.pp > 1 and model.block_lists > 1:
-        out.append(f"pp={plan.pp} is not executable: the blocks sit in {model.block_lists} lists (encoder and decoder); use pp=1")
-    if plan.schedule in ("1f1b", "interleaved_1f1b") and plan.pp > 1 and plan.micro_batches < plan.pp:
-        out.append(f"schedule {plan.schedule} needs micro_batches >= pp ({plan.micro_batches} < {plan.pp}) in torch.distributed.pipelining")
-    if plan.schedule == "interleaved_1f1b" and plan.micro_batches % plan.pp:
-        out.append("interleaved_1f1b needs micro_batches to be a multiple of pp in torch.distributed.pipelining")
-    return out

@@ -5,8 +5,13 @@ backward, the embedding/head on the end stages, its point-to-point transfers, an
 once-per-step gradient reduction spread over the ``m`` micro-batches), GPipe and 1F1B take
 ``sum_s T_s + (m - 1) * max_s T_s``: one micro-batch crosses every stage, the other ``m - 1`` follow
 at the pace of the slowest. Interleaving ``v`` chunks per rank shrinks the fill and drain ``v``
-times: ``sum_s T_s / v + (m - 1/v) * max_s T_s``. The formula is monotone in every ``T_s``, so
-minimising each stage on its own minimises the step: the per-stage DP is exact for it.
+times: ``sum_s T_s / v + (m - 1/v) * max_s T_s`` for ``m >= pp``. With fewer micro-batches than
+stages (torch's interleaved schedule runs them: one round of ``m``) a rank waits for its micro-batches
+to come round the ring before each next chunk, so one micro-batch crosses all ``pp * v`` chunks and the
+others follow one chunk apart: ``sum_s T_s + (m - 1)/v * max_s T_s``. Both equal the length of torch's
+own action order run with its dependencies at uniform stage times (checked for ``pp <= 4, v <= 3``,
+``m <= 3 pp``). The formulas are monotone in every ``T_s``, so minimising each stage on its own
+minimises the step: the per-stage DP is exact for them.
 
 Partitions. ``even``; ``time-balanced`` and ``memory-balanced`` (exact min-max contiguous
 partitions of per-block weights that may differ per stage, e.g. more micro-batches in flight on
@@ -22,14 +27,16 @@ import numpy as np
 
 from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import even_partition
+from lightning_galvatron.rules import interleaved_rounds
 
 
 def in_flight_micro_batches(schedule: str, pp: int, micro_batches: int, stage: int, virtual_stages: int = 1) -> float:
     """Micro-batches whose activations a stage holds at its peak (per chunk when interleaved).
 
     No pipeline: 1 (accumulation runs micro-batches one after another). GPipe: all ``m``. 1F1B:
-    ``min(m, pp - stage)``. Interleaved 1F1B (Megatron's warm-up of ``2(pp - stage - 1) + (v - 1) pp``
-    chunk forwards, plus the one in progress), spread evenly over the rank's ``v`` chunks.
+    ``min(m, pp - stage)``. Interleaved 1F1B: torch's warm-up of ``2(pp - stage - 1) + (v - 1) r``
+    chunk forwards (``r`` micro-batches per round, ``pp`` when ``m`` is a multiple of ``pp``, as in
+    Megatron), plus the one in progress, at most all ``m v``, spread evenly over the rank's ``v`` chunks.
     """
     if pp == 1:
         return 1.0
@@ -39,7 +46,8 @@ def in_flight_micro_batches(schedule: str, pp: int, micro_batches: int, stage: i
         return float(min(micro_batches, pp - stage))
     if schedule == "interleaved_1f1b":
         v = virtual_stages
-        chunks_in_flight = min(micro_batches * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
+        per_round = micro_batches // interleaved_rounds(pp, micro_batches)
+        chunks_in_flight = min(micro_batches * v, 2 * (pp - stage - 1) + (v - 1) * per_round + 1)
         return chunks_in_flight / v
     raise ValueError(f"unknown schedule {schedule!r}")
 
@@ -53,10 +61,13 @@ def p2p_transfers(pp: int, stage: int, virtual_stages: int = 1) -> int:
 def pipeline_step_time(stage_times: np.ndarray, micro_batches: int, virtual_stages: int = 1) -> np.ndarray:
     """Step time from per-stage times per micro-batch (last axis = stages); see the module docstring."""
     t = np.asarray(stage_times, dtype=float)
-    v = virtual_stages
+    v, m = virtual_stages, micro_batches
     slowest = t.max(axis=-1)
     with np.errstate(invalid="ignore"):  # inf (a stage that does not fit) times 0 when m = v = 1
-        step = t.sum(axis=-1) / v + (micro_batches - 1.0 / v) * slowest
+        if v > 1 and m < t.shape[-1]:
+            step = t.sum(axis=-1) + (m - 1.0) / v * slowest
+        else:
+            step = t.sum(axis=-1) / v + (m - 1.0 / v) * slowest
     return np.where(np.isinf(slowest), np.inf, step)
 
 

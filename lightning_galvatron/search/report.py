@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lightning_galvatron.units import format_bytes
@@ -10,7 +11,12 @@ from lightning_galvatron.units import format_bytes
 
 def describe_search(result: Any, title: str) -> str:
     """The best plan's per-block table and stage breakdown, the uniform baselines and the search's cost."""
-    lines = [title, describe_estimate(result.estimate)]
+    return "\n".join([title, describe_estimate(result.estimate), describe_alternatives(result)])
+
+
+def describe_alternatives(result: Any) -> str:
+    """What the search compared its plan with (the uniform baselines), its notes and its cost."""
+    lines = []
     if result.baselines:
         lines.append("\nUniform baselines (same cost model):")
         rows = [("baseline", "samples/s", "step", "peak memory", "plan")]
@@ -20,7 +26,9 @@ def describe_search(result: Any, title: str) -> str:
                 rows.append((b.name, "-", "-", "-", "not executable here"))
                 continue
             speed = f"{e.throughput_samples_per_s:.2f}" if b.fits else "does not fit"
-            rows.append((b.name, speed, f"{e.step_time_s:.3f} s", format_bytes(e.peak_memory_bytes), plan_summary(e.plan)))
+            rows.append(
+                (b.name, speed, f"{e.step_time_s:.3f} s", format_bytes(e.peak_memory_bytes), plan_summary(e.plan))
+            )
         lines.append(text_table(rows))
     lines.extend(f"note: {note}" for note in result.notes)
     lines.append(
@@ -38,6 +46,24 @@ def plan_summary(plan: Any) -> str:
     return f"{head} m{plan.micro_batches} [{', '.join(kinds)}] vocab {plan.vocab.short()}"
 
 
+LABEL_PARTS = {
+    "tpN": "tensor parallel over N devices (tp1: none)",
+    "spN": "Ulysses sequence parallel over N devices",
+    "msp": "with Megatron sequence parallelism",
+    "strided": "tensor-parallel ranks strided, not consecutive",
+    "ddp": "data parallel, whole weights on every device",
+    "zero2": "data parallel, gradients and optimizer states sharded",
+    "zero3": "data parallel, weights, gradients and optimizer states sharded",
+    "rc": "activations recomputed in backward",
+}
+
+
+def legend(labels: Iterable[str]) -> str:
+    """What the parts of strategy labels such as ``tp2-msp-zero3-rc`` mean, for the parts that occur in ``labels``."""
+    present = {re.sub(r"^(tp|sp)\d+$", r"\1N", part) for label in labels for part in label.split("-")}
+    return "Labels: " + "; ".join(f"{part} = {meaning}" for part, meaning in LABEL_PARTS.items() if part in present)
+
+
 def describe_estimate(estimate: Any) -> str:
     plan = estimate.plan
     lines = [
@@ -52,23 +78,61 @@ def describe_estimate(estimate: Any) -> str:
     i = 0
     while i < len(blocks):
         j = i
-        while j + 1 < len(blocks) and blocks[j + 1].strategy == blocks[i].strategy and blocks[j + 1].stage == blocks[i].stage and blocks[j + 1].index == blocks[j].index + 1:
+        while (
+            j + 1 < len(blocks)
+            and blocks[j + 1].strategy == blocks[i].strategy
+            and blocks[j + 1].stage == blocks[i].stage
+            and blocks[j + 1].index == blocks[j].index + 1
+        ):
             j += 1
         group = blocks[i : j + 1]
         label = str(group[0].index) if i == j else f"{group[0].index}-{group[-1].index}"
         per = " each" if i != j else ""
-        rows.append((label, str(group[0].stage), group[0].strategy.short(), format_bytes(group[0].memory_bytes) + per, f"{group[0].time_per_micro_batch_s * 1e3:.2f} ms" + per))
+        rows.append(
+            (
+                label,
+                str(group[0].stage),
+                group[0].strategy.short(),
+                format_bytes(group[0].memory_bytes) + per,
+                f"{group[0].time_per_micro_batch_s * 1e3:.2f} ms" + per,
+            )
+        )
         i = j + 1
     lines.append(text_table(rows))
     lines.append("")
-    rows = [("stage", "peak memory", "block states", "activations", "embedding/head", "working", "overhead", "time/micro-batch")]
+    rows = [
+        (
+            "stage",
+            "peak memory",
+            "block states",
+            "activations",
+            "embedding/head",
+            "working",
+            "overhead",
+            "time/micro-batch",
+        )
+    ]
     for s in estimate.stages:
-        rows.append((
-            str(s.stage), format_bytes(s.peak_memory_bytes), format_bytes(s.block_state_bytes), format_bytes(s.block_activation_bytes),
-            format_bytes(s.vocab_bytes), format_bytes(s.working_bytes), format_bytes(s.overhead_bytes), f"{s.time_per_micro_batch_s * 1e3:.1f} ms",
-        ))
+        rows.append(
+            (
+                str(s.stage),
+                format_bytes(s.peak_memory_bytes),
+                format_bytes(s.block_state_bytes),
+                format_bytes(s.block_activation_bytes),
+                format_bytes(s.vocab_bytes),
+                format_bytes(s.working_bytes),
+                format_bytes(s.overhead_bytes),
+                f"{s.time_per_micro_batch_s * 1e3:.1f} ms",
+            )
+        )
     lines.append(text_table(rows))
-    fits = "" if estimate.fits is None else ("  (fits the budget)" if estimate.fits else f"  (DOES NOT FIT {format_bytes(estimate.memory_budget_bytes)})")
+    fits = (
+        ""
+        if estimate.fits is None
+        else (
+            "  (fits the budget)" if estimate.fits else f"  (DOES NOT FIT {format_bytes(estimate.memory_budget_bytes)})"
+        )
+    )
     lines.append("")
     lines.append(
         f"Predicted: step {estimate.step_time_s:.3f} s, {estimate.throughput_samples_per_s:.2f} samples/s, "

@@ -6,86 +6,28 @@ world size, at most the number of blocks), then per block the size of its model-
 sequence parallelism, or Ulysses), the data-parallel degree ``d = n/g`` takes the rest, then how the
 ``d`` replicas hold their states (DDP, ZeRO-2, ZeRO-3), recomputation, and the rank layout.
 
-Everything offered is executable by the runtime: degrees divide what the block's tensor-parallel
-plan splits (Megatron; and the sequence with Megatron-SP) or heads/sequence (Ulysses), the global batch divides by ``d * micro_batches`` for every block, layer
-types that have no TP or Ulysses support only get ``g = 1``, and schedules respect what
-``torch.distributed.pipelining`` accepts (1F1B and interleaved need ``m >= pp``; interleaved
-``m % pp == 0``). Pruned because they cannot help: ZeRO at ``d = 1`` (identical to DDP), strided
-layouts where every group stays inside one node (identical costs), GPipe with ``m >= pp`` when 1F1B
-is allowed (same time, never less memory).
+A candidate is offered if and only if it is a valid plan (the global batch divides by
+``d * micro_batches`` for every block, chunks hold at least one block) and no rule of
+:mod:`lightning_galvatron.rules` objects (degrees, sequence splits, styles a layer type has,
+schedules ``torch.distributed.pipelining`` accepts, pipelines over one block list) -- unless the
+user's options leave it out or it is pruned because it cannot help: ZeRO at ``d = 1`` (identical to
+DDP), strided layouts where every group stays inside one node (identical costs), GPipe with
+``m >= pp`` when 1F1B is allowed (same time, never less memory), any schedule but 1F1B without a
+pipeline (the schedule is moot).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from lightning_galvatron.layout import ActivationForm, activation_form
-from lightning_galvatron.plan import DP_TYPES, SCHEDULES, LayerStrategy
+from lightning_galvatron.plan import DP_TYPES, LayerStrategy, divisors
 from lightning_galvatron.profiles import LayerTypeProfile, VocabProfile
-
-DISABLE_CHOICES = {
-    "ddp": "data parallelism with replicated states",
-    "zero2": "ZeRO-2 (sharded gradients and optimizer states)",
-    "zero3": "ZeRO-3 (everything sharded)",
-    "recompute": "activation recomputation",
-    "tensor_parallel": "Megatron tensor parallelism (with or without sequence parallelism)",
-    "tp_without_sp": "Megatron tensor parallelism without sequence parallelism",
-    "megatron_sp": "Megatron sequence parallelism",
-    "ulysses": "Ulysses sequence parallelism",
-    "vocab_parallel": "vocabulary-parallel embedding and head",
-    "strided": "strided tensor-parallel rank layouts",
-    "pipeline": "pipeline parallelism (pp > 1)",
-}
-
-
-@dataclass(frozen=True)
-class SearchOptions:
-    """User limits and knobs of the search.
-
-    Attributes:
-        max_tp: largest model-parallel group (TP or Ulysses degree) to consider.
-        max_pp: largest pipeline degree.
-        disable: names from :data:`DISABLE_CHOICES` to leave out.
-        schedules: pipeline schedules allowed.
-        virtual_stages: model chunks per rank tried with ``interleaved_1f1b``.
-        memory_tolerance: ``eps`` of the DP's guarantee: its plan is at least as fast as the best
-            plan under a budget smaller by ``eps * (budget - fixed memory)``, and never over budget.
-        max_stage_imbalance: a stage holds at most this many times the even share of blocks.
-    """
-
-    max_tp: int | None = None
-    max_pp: int | None = None
-    disable: frozenset[str] = field(default_factory=frozenset)
-    schedules: tuple[str, ...] = SCHEDULES
-    virtual_stages: tuple[int, ...] = (2,)
-    memory_tolerance: float = 0.01
-    max_stage_imbalance: float = 2.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "disable", frozenset(self.disable))
-        object.__setattr__(self, "schedules", tuple(self.schedules))
-        object.__setattr__(self, "virtual_stages", tuple(self.virtual_stages))
-        unknown = self.disable - set(DISABLE_CHOICES)
-        if unknown:
-            raise ValueError(f"cannot disable {sorted(unknown)}; choose from {sorted(DISABLE_CHOICES)}")
-        bad = [s for s in self.schedules if s not in SCHEDULES]
-        if bad or not self.schedules:
-            raise ValueError(f"schedules must be a non-empty subset of {SCHEDULES}, got {list(self.schedules)}")
-        if any(not isinstance(v, int) or v < 2 for v in self.virtual_stages):
-            raise ValueError(f"virtual_stages must be integers >= 2, got {list(self.virtual_stages)}")
-        for name in ("max_tp", "max_pp"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if not 0 < self.memory_tolerance < 1:
-            raise ValueError(f"memory_tolerance must be in (0, 1), got {self.memory_tolerance!r}")
-        if self.max_stage_imbalance < 1:
-            raise ValueError(f"max_stage_imbalance must be >= 1, got {self.max_stage_imbalance!r}")
-        if {"ddp", "zero2", "zero3"} <= self.disable:
-            raise ValueError("disabling ddp, zero2 and zero3 leaves no way to hold the model states")
+from lightning_galvatron.rules import layer_problem, pipeline_problem, schedule_problem, vocab_problem
+from lightning_galvatron.search.options import SearchOptions
 
 
 @dataclass(frozen=True)
@@ -98,20 +40,16 @@ class PipelineConfig:
     virtual_stages: int = 1
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def pipeline_degrees(world_size: int, num_blocks: int, options: SearchOptions, block_lists: int = 1) -> list[int]:
     """Pipeline degrees: divisors of the world size, at most one stage per block and ``max_pp``.
 
     A model whose blocks sit in several lists (encoder and decoder) gets no pipeline: the runtime
     cuts one list only (see :attr:`~lightning_galvatron.profiles.ModelProfile.block_lists`).
     """
-    if "pipeline" in options.disable or block_lists > 1:
+    if "pipeline" in options.disable:
         return [1]
     limit = min(num_blocks, options.max_pp or world_size)
-    return [p for p in divisors(world_size) if p <= limit]
+    return [p for p in divisors(world_size) if p <= limit and pipeline_problem(p, block_lists) is None]
 
 
 def pipeline_configs(pp: int, global_batch: int, num_blocks: int, options: SearchOptions) -> list[PipelineConfig]:
@@ -126,12 +64,12 @@ def pipeline_configs(pp: int, global_batch: int, num_blocks: int, options: Searc
             dominated = "1f1b" in options.schedules
             configs += [PipelineConfig(pp, "gpipe", m) for m in counts if not (dominated and m >= pp)]
         elif schedule == "1f1b":
-            configs += [PipelineConfig(pp, "1f1b", m) for m in counts if m >= pp]
+            configs += [PipelineConfig(pp, "1f1b", m) for m in counts]
         else:
             for v in options.virtual_stages:
                 if pp * v <= num_blocks:
-                    configs += [PipelineConfig(pp, schedule, m, v) for m in counts if m >= pp and m % pp == 0]
-    return configs
+                    configs += [PipelineConfig(pp, schedule, m, v) for m in counts]
+    return [c for c in configs if schedule_problem(c.schedule, c.pp, c.micro_batches, c.virtual_stages) is None]
 
 
 def _dp_types(d: int, options: SearchOptions) -> list[str]:
@@ -150,19 +88,19 @@ def _layouts(g: int, n: int, stage_spans_nodes: bool, options: SearchOptions) ->
     return [True]
 
 
-def megatron_degree_ok(layer: LayerTypeProfile, g: int, sequence_parallel: bool = False) -> bool:
-    """Megatron TP splits what the block's plan splits (heads, key/value heads, widths: the profile's
-    ``tensor_parallel_divisors``; heads, hidden and FFN for older profiles); with sequence parallelism
-    the sequence too."""
-    sizes = layer.tensor_parallel_divisors or (layer.num_heads, layer.hidden_size, layer.ffn_hidden_size)
-    return all(size % g == 0 for size in sizes) and (not sequence_parallel or layer.seq_length % g == 0)
-
-
-def ulysses_degree_ok(layer: LayerTypeProfile, g: int) -> bool:
-    """Ulysses splits the sequence and then the (query) heads: the degree must divide both, and leave each rank
-    at least two positions (attention code tells a causal pass from a one-token decoding step by that)."""
-    heads = layer.ulysses_divisors or (layer.num_heads,)
-    return all(size % g == 0 for size in heads) and layer.seq_length % g == 0 and layer.seq_length // g >= 2
+def _kinds(g: int, options: SearchOptions) -> list[str]:
+    """Model-parallel kinds the options allow for a group of ``g`` (``none``: Megatron TP without SP)."""
+    if g == 1:
+        return ["none"]
+    kinds = []
+    if "tensor_parallel" not in options.disable:
+        if "megatron_sp" not in options.disable:
+            kinds.append("megatron")
+        if "tp_without_sp" not in options.disable:
+            kinds.append("none")
+    if "ulysses" not in options.disable:
+        kinds.append("ulysses")
+    return kinds
 
 
 def layer_candidates(
@@ -184,19 +122,14 @@ def layer_candidates(
         d = n // g
         if batch_per_micro_batch % d:
             continue
-        kinds = ["none"] if g == 1 else []
-        if g > 1 and layer.supports_tensor_parallel and "tensor_parallel" not in options.disable and megatron_degree_ok(layer, g):
-            if layer.supports_megatron_sp and "megatron_sp" not in options.disable and megatron_degree_ok(layer, g, True):
-                kinds.append("megatron")
-            if "tp_without_sp" not in options.disable:
-                kinds.append("none")
-        if g > 1 and layer.supports_ulysses and "ulysses" not in options.disable and ulysses_degree_ok(layer, g):
-            kinds.append("ulysses")
+        kinds = [sp for sp in _kinds(g, options) if layer_problem(LayerStrategy(tp=g, sp=sp), layer) is None]
         for sp in kinds:
             for dp_type in _dp_types(d, options):
                 for recompute in _recompute(options):
                     for consecutive in _layouts(g, n, stage_spans_nodes, options):
-                        out.append(LayerStrategy(tp=g, sp=sp, dp_type=dp_type, recompute=recompute, tp_consecutive=consecutive))
+                        out.append(
+                            LayerStrategy(tp=g, sp=sp, dp_type=dp_type, recompute=recompute, tp_consecutive=consecutive)
+                        )
     return out
 
 
@@ -222,10 +155,9 @@ def vocab_candidates(
         d = n // g
         if batch_per_micro_batch % d:
             continue
-        if g > 1 and not (
-            vocab.supports_tensor_parallel  # any degree: uneven vocabularies are sharded unevenly
-            and not {"vocab_parallel", "tensor_parallel"} & options.disable
-        ):
+        if g > 1 and {"vocab_parallel", "tensor_parallel"} & options.disable:
+            continue
+        if vocab_problem(LayerStrategy(tp=g), vocab.supports_tensor_parallel) is not None:
             continue
         for dp_type in _dp_types(d, options):
             out.append(LayerStrategy(tp=g, sp="none", dp_type=dp_type))

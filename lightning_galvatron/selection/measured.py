@@ -99,22 +99,30 @@ class Selection:
         return min(others, key=lambda t: t.step_s) if others else None
 
     def report(self) -> str:
-        source = f"from the cache {self.cache_file}" if self.from_cache else f"{len(self.trials)} plans tried in {self.seconds:.1f} s"
+        source = (
+            f"from the cache {self.cache_file}"
+            if self.from_cache
+            else f"{len(self.trials)} plans tried in {self.seconds:.1f} s"
+        )
         lines = [f"Galvatron: measured selection ({source})"]
         rows = [("candidate", "plan", "predicted", "calibrated", "measured", "peak/rank", "")]
         for t in self.trials:
-            status = "chosen" if t.plan == self.plan else (
-                "failed" if t.step_s is None else "stopped" if t.stopped_early else "" if t.fits(self.memory_budget_bytes) else "does not fit"
+            status = (
+                "chosen"
+                if t.plan == self.plan
+                else ("" if t.fits(self.memory_budget_bytes) else "does not fit" if t.step_s is not None else "failed")
             )
-            rows.append((
-                t.name,
-                plan_summary(t.plan),
-                f"{t.predicted_step_s * 1e3:.1f} ms",
-                "-" if t.calibrated_step_s is None else f"{t.calibrated_step_s * 1e3:.1f} ms",
-                "-" if t.step_s is None else f"{t.step_s * 1e3:.1f} ms",
-                "-" if t.peak_bytes is None else format_bytes(t.peak_bytes),
-                status,
-            ))
+            rows.append(
+                (
+                    t.name,
+                    plan_summary(t.plan),
+                    f"{t.predicted_step_s * 1e3:.1f} ms",
+                    "-" if t.calibrated_step_s is None else f"{t.calibrated_step_s * 1e3:.1f} ms",
+                    "-" if t.step_s is None else f"{t.step_s * 1e3:.1f} ms",
+                    "-" if t.peak_bytes is None else format_bytes(t.peak_bytes),
+                    status,
+                )
+            )
         lines.append(text_table(rows))
         for t in self.trials:
             if t.error:
@@ -268,7 +276,9 @@ def _select(auto, runner, settings, check, report, progress, started) -> Selecti
     budget = auto.memory_budget_bytes
     proposals: list[Any] = [None]
     if rank == 0:
-        candidates = diverse_candidates(auto.profile, auto.search_result, auto.search_arguments, max_candidates=settings.max_candidates)
+        candidates = diverse_candidates(
+            auto.profile, auto.search_result, auto.search_arguments, max_candidates=settings.max_candidates
+        )
         executable = []
         for c in candidates:
             try:
@@ -290,7 +300,11 @@ def _select(auto, runner, settings, check, report, progress, started) -> Selecti
         measurement, seen = runner.run(plan, settings, stop_above=stop_above)
         observations.extend(seen)
         records.append(_record(name, plan, predicted_step, predicted_peak, measurement))
-        report(_progress_line(f"{index}/{len(candidates)}" if index <= len(candidates) else str(index), records[-1], budget))
+        report(
+            _progress_line(
+                f"{index}/{len(candidates)}" if index <= len(candidates) else str(index), records[-1], budget
+            )
+        )
 
     for index, (name, plan, step, peak) in enumerate(candidates, 1):
         # The next trial while the budget lasts.
@@ -342,10 +356,15 @@ def _confirm_close_call(records, runner, settings, budget, started, report, prog
         if again.step_s is not None:
             peaks = [p for p in (first.peak_bytes, again.peak_bytes) if p is not None]
             records[index] = dataclasses.replace(
-                first, step_s=min(first.step_s, again.step_s), seconds=first.seconds + again.seconds,
+                first,
+                step_s=min(first.step_s, again.step_s),
+                seconds=first.seconds + again.seconds,
                 peak_bytes=max(peaks) if peaks else None,
             )
-        report(f"Galvatron: trial of {first.name} again: {'failed' if again.step_s is None else f'{again.step_s * 1e3:.1f} ms per step'}")
+        report(
+            f"Galvatron: trial of {first.name} again: "
+            f"{'failed' if again.step_s is None else f'{again.step_s * 1e3:.1f} ms per step'}"
+        )
 
 
 def _record(name: str, plan: ParallelPlan, step: float, peak: float, m: Measurement) -> TrialRecord:
@@ -376,10 +395,13 @@ def _calibrate_and_search(auto, observations, records, started, settings):
     arguments.update(search_batch_size=False, global_batch_size=measured[0].global_batch_size)
     try:
         calibration = fit_calibration(
-            auto.profile, observations, precision=arguments["precision"], optimizer=arguments["optimizer"],
+            auto.profile,
+            observations,
+            precision=arguments["precision"],
+            optimizer=arguments["optimizer"],
             source="measured selection trials",
         )
-        result = search(auto.profile, **{**arguments, "calibration": calibration}, baselines=False)
+        result = search(auto.profile, **{**arguments, "calibration": calibration, "baselines": False})
     except ValueError as err:
         return None, None, f"the calibrated search failed: {err}"
     tried = {t.plan for t in records}
@@ -391,7 +413,11 @@ def _calibrate_and_search(auto, observations, records, started, settings):
     from lightning_galvatron.search.estimate import evaluate
 
     uncalibrated = evaluate(auto.profile, plan, optimizer=arguments["optimizer"], precision=arguments["precision"])
-    return calibration, ("calibrated search", plan.to_dict(), uncalibrated.step_time_s, uncalibrated.peak_memory_bytes), ""
+    return (
+        calibration,
+        ("calibrated search", plan.to_dict(), uncalibrated.step_time_s, uncalibrated.peak_memory_bytes),
+        "",
+    )
 
 
 def _decide(auto, records, calibration, budget, note, seconds) -> Selection:
@@ -403,7 +429,13 @@ def _decide(auto, records, calibration, budget, note, seconds) -> Selection:
         priced = []
         for t in records:
             try:
-                estimate = evaluate(auto.profile, t.plan, optimizer=arguments["optimizer"], precision=arguments["precision"], calibration=calibration)
+                estimate = evaluate(
+                    auto.profile,
+                    t.plan,
+                    optimizer=arguments["optimizer"],
+                    precision=arguments["precision"],
+                    calibration=calibration,
+                )
                 priced.append(dataclasses.replace(t, calibrated_step_s=estimate.step_time_s))
             except ValueError:
                 priced.append(t)
@@ -416,7 +448,8 @@ def _decide(auto, records, calibration, budget, note, seconds) -> Selection:
         least = min(measured, key=lambda t: t.peak_bytes if t.peak_bytes is not None else float("inf"))
         plan = least.plan
         note = (note + "; " if note else "") + (
-            f"no tried plan's measured peak fits the budget of {format_bytes(budget)}: training the one that needed the least"
+            f"no tried plan's measured peak fits the budget of {format_bytes(budget)}: training the one that "
+            "needed the least"
         )
     else:
         plan = auto.plan
@@ -428,10 +461,15 @@ def _progress_line(index: str, t: TrialRecord, budget: int) -> str:
     head = f"Galvatron: trial {index} {t.name} ({plan_summary(t.plan)}): "
     if t.step_s is None:
         return head + f"failed ({t.error}) [{t.seconds:.1f} s]"
-    if t.stopped_early:
-        return head + f"{t.step_s * 1e3:.1f} ms per step, over {SLOWER_THAN_FASTEST:g}x the fastest: stopped [{t.seconds:.1f} s]"
-    peak = "" if t.peak_bytes is None else f", peak {format_bytes(t.peak_bytes)}" + ("" if t.peak_bytes <= budget else " (over the budget)")
-    return head + f"{t.step_s * 1e3:.1f} ms per step (predicted {t.predicted_step_s * 1e3:.1f} ms){peak} [{t.seconds:.1f} s]"
+    peak = (
+        ""
+        if t.peak_bytes is None
+        else f", peak {format_bytes(t.peak_bytes)}" + ("" if t.peak_bytes <= budget else " (over the budget)")
+    )
+    return (
+        head
+        + f"{t.step_s * 1e3:.1f} ms per step (predicted {t.predicted_step_s * 1e3:.1f} ms){peak} [{t.seconds:.1f} s]"
+    )
 
 
 __all__ = ["Selection", "SelectionCache", "TrialRecord", "select_by_measurement", "selection_key"]

@@ -21,7 +21,9 @@ from torch import nn
 _MARKER_BYTES = 7_777_773  # an allocation of this odd size marks the start of the measured step
 
 
-def step_peak_bytes(step: Callable[[], None], module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], device: torch.device) -> int:
+def step_peak_bytes(
+    step: Callable[[], None], module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], device: torch.device
+) -> int:
     """Run ``step`` once and return the peak bytes it needed on this rank."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -38,7 +40,11 @@ def step_peak_bytes(step: Callable[[], None], module: nn.Module, optimizers: Seq
         marker = torch.empty(_MARKER_BYTES, dtype=torch.uint8)
         del marker
         step()
-    events = [e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")]
+    events = [
+        e
+        for e in profiler.profiler.kineto_results.events()
+        if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+    ]
     events.sort(key=lambda e: e.start_ns())
     start = next((i for i, e in enumerate(events) if e.nbytes() == _MARKER_BYTES), None)
     if start is None:

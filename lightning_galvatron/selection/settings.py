@@ -32,7 +32,11 @@ class TrialSettings:
     measure_memory: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.budget_s, bool) or not isinstance(self.budget_s, (int, float)) or not 0 < self.budget_s < math.inf:
+        if (
+            isinstance(self.budget_s, bool)
+            or not isinstance(self.budget_s, (int, float))
+            or not 0 < self.budget_s < math.inf
+        ):
             raise ValueError(f"trials budget_s must be a positive number of seconds, got {self.budget_s!r}")
         for name, least in (("warmup_steps", 0), ("timed_steps", 1), ("max_candidates", 1)):
             value = getattr(self, name)

@@ -13,22 +13,41 @@ import torch.nn.functional as F
 class HFCausalLM(L.LightningModule):
     """A ``transformers`` causal LM trained with the same next-token loss as the example GPT."""
 
-    def __init__(self, family: str = "gpt2", vocab_size: int = 16, seq_length: int = 8, hidden: int = 32,
-                 layers: int = 4, heads: int = 4, learning_rate: float = 1e-2) -> None:
+    def __init__(
+        self,
+        family: str = "gpt2",
+        vocab_size: int = 16,
+        seq_length: int = 8,
+        hidden: int = 32,
+        layers: int = 4,
+        heads: int = 4,
+        learning_rate: float = 1e-2,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         import transformers
 
         if family == "gpt2":
             config = transformers.GPT2Config(
-                vocab_size=vocab_size, n_positions=seq_length, n_embd=hidden, n_layer=layers, n_head=heads,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                vocab_size=vocab_size,
+                n_positions=seq_length,
+                n_embd=hidden,
+                n_layer=layers,
+                n_head=heads,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
             )
             self.model = transformers.GPT2LMHeadModel(config)
         elif family == "llama":
             config = transformers.LlamaConfig(
-                vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=seq_length,
+                vocab_size=vocab_size,
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=heads // 2,
+                max_position_embeddings=seq_length,
                 tie_word_embeddings=False,
             )
             self.model = transformers.LlamaForCausalLM(config)

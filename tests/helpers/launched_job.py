@@ -45,8 +45,15 @@ def main() -> None:
     plan = {"world_size": args.devices, "layers": [{}] * 4} if args.plan == "ddp" else args.plan
     strategy = GalvatronStrategy(plan=plan, watchdog=args.watchdog, save_plan=False, profile_cache=str(out / "cache"))
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[_WritePid(out)],
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[_WritePid(out)],
         default_root_dir=str(out),
     )
     loader = DataLoader(dataset(64), batch_size=2, shuffle=True)

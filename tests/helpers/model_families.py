@@ -77,8 +77,15 @@ class BertClassifier(_Trainable):
         import transformers
 
         config = transformers.BertConfig(
-            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=4, num_attention_heads=HEADS, intermediate_size=FFN,
-            max_position_embeddings=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2,
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=4,
+            num_attention_heads=HEADS,
+            intermediate_size=FFN,
+            max_position_embeddings=8,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            num_labels=2,
         )
         config._attn_implementation = "sdpa"
         self.model = transformers.BertForSequenceClassification(config)
@@ -98,7 +105,9 @@ def hf_bert() -> BertClassifier:
 def _encoder_layer() -> nn.TransformerEncoderLayer:
     # GELU rather than the default ReLU: at ReLU's kink a pre-activation rounded differently in another
     # process flips a gate, and that token's whole gradient contribution with it.
-    return nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, dropout=0.0, activation="gelu", batch_first=True, norm_first=True)
+    return nn.TransformerEncoderLayer(
+        HIDDEN, HEADS, FFN, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+    )
 
 
 class TorchEncoderLM(_Trainable):
@@ -153,7 +162,9 @@ class TorchSeq2Seq(_Trainable):
         memory = self.encoder(self.embed(inputs), src_key_padding_mask=padding)
         shifted = torch.cat([torch.zeros_like(targets[:, :1]), targets[:, :-1]], dim=1)
         causal = nn.Transformer.generate_square_subsequent_mask(seq, device=inputs.device)
-        x = self.decoder(self.embed(shifted), memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=padding)
+        x = self.decoder(
+            self.embed(shifted), memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=padding
+        )
         logits = self.head(self.norm(x))
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
@@ -236,9 +247,20 @@ def _litgpt():  # noqa: ANN202
     from litgpt import GPT, Config
 
     config = Config(
-        name="tiny-llama", block_size=8, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=4, n_head=HEADS,
-        n_query_groups=2, n_embd=HIDDEN, rotary_percentage=1.0, parallel_residual=False, bias=False,
-        norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=FFN,
+        name="tiny-llama",
+        block_size=8,
+        vocab_size=VOCAB,
+        padded_vocab_size=VOCAB,
+        n_layer=4,
+        n_head=HEADS,
+        n_query_groups=2,
+        n_embd=HIDDEN,
+        rotary_percentage=1.0,
+        parallel_residual=False,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        intermediate_size=FFN,
     )
     return "litgpt", GPT(config)
 
@@ -248,43 +270,135 @@ _ROTARY = dict(_SIZES, num_hidden_layers=4, intermediate_size=FFN)
 #: family -> factory of (kind, model): small configs, every setting at its default except the sizes and dropout.
 FAMILY_MODELS = {
     # decoder-only, learned positions, fused q/k/v (Conv1D), sequential residual
-    "gpt2": _hf("causal", "GPT2LMHeadModel", "GPT2Config", n_embd=HIDDEN, n_layer=4, n_head=HEADS, n_positions=8,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "gpt2": _hf(
+        "causal",
+        "GPT2LMHeadModel",
+        "GPT2Config",
+        n_embd=HIDDEN,
+        n_layer=4,
+        n_head=HEADS,
+        n_positions=8,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
     # rotary (partial), fused q/k/v per head, parallel residual
-    "gpt_neox": _hf("causal", "GPTNeoXForCausalLM", "GPTNeoXConfig", **_ROTARY, hidden_dropout=0.0, attention_dropout=0.0),
+    "gpt_neox": _hf(
+        "causal", "GPTNeoXForCausalLM", "GPTNeoXConfig", **_ROTARY, hidden_dropout=0.0, attention_dropout=0.0
+    ),
     # rotary, grouped-query attention (2 key/value heads), gated MLP
     "llama": _hf("causal", "LlamaForCausalLM", "LlamaConfig", **_ROTARY, num_key_value_heads=2),
     "qwen2": _hf("causal", "Qwen2ForCausalLM", "Qwen2Config", **_ROTARY, num_key_value_heads=2),
     "mistral": _hf("causal", "MistralForCausalLM", "MistralConfig", **_ROTARY, num_key_value_heads=2),
     # multi-query attention with separate projections (as Gemma-2B)
-    "gemma": _hf("causal", "GemmaForCausalLM", "GemmaConfig", **_ROTARY, num_key_value_heads=1, head_dim=HIDDEN // HEADS),
+    "gemma": _hf(
+        "causal", "GemmaForCausalLM", "GemmaConfig", **_ROTARY, num_key_value_heads=1, head_dim=HIDDEN // HEADS
+    ),
     # learned positions, separate q/k/v, fc1/fc2 on the layer
-    "opt": _hf("causal", "OPTForCausalLM", "OPTConfig", **_SIZES, num_hidden_layers=4, ffn_dim=FFN,
-               word_embed_proj_dim=HIDDEN, dropout=0.0, attention_dropout=0.0),
+    "opt": _hf(
+        "causal",
+        "OPTForCausalLM",
+        "OPTConfig",
+        **_SIZES,
+        num_hidden_layers=4,
+        ffn_dim=FFN,
+        word_embed_proj_dim=HIDDEN,
+        dropout=0.0,
+        attention_dropout=0.0,
+    ),
     # multi-query attention fused [q | k | v], rotary, parallel attention and MLP
-    "falcon": _hf("causal", "FalconForCausalLM", "FalconConfig", hidden_size=HIDDEN, num_attention_heads=HEADS,
-                  num_hidden_layers=4, hidden_dropout=0.0, attention_dropout=0.0),
+    "falcon": _hf(
+        "causal",
+        "FalconForCausalLM",
+        "FalconConfig",
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_hidden_layers=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    ),
     # ALiBi, fused q/k/v per head (eager attention)
-    "bloom": _hf("causal", "BloomForCausalLM", "BloomConfig", hidden_size=HIDDEN, n_head=HEADS, n_layer=4,
-                 hidden_dropout=0.0, attention_dropout=0.0),
+    "bloom": _hf(
+        "causal",
+        "BloomForCausalLM",
+        "BloomConfig",
+        hidden_size=HIDDEN,
+        n_head=HEADS,
+        n_layer=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    ),
     # rotary inside the attention (eager), parallel residual
-    "gptj": _hf("causal", "GPTJForCausalLM", "GPTJConfig", n_embd=HIDDEN, n_head=HEADS, n_layer=4, n_positions=8,
-                rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "gptj": _hf(
+        "causal",
+        "GPTJForCausalLM",
+        "GPTJConfig",
+        n_embd=HIDDEN,
+        n_head=HEADS,
+        n_layer=4,
+        n_positions=8,
+        rotary_dim=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
     # partial rotary, parallel residual, dense output projection
-    "phi": _hf("causal", "PhiForCausalLM", "PhiConfig", **_ROTARY, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+    "phi": _hf(
+        "causal", "PhiForCausalLM", "PhiConfig", **_ROTARY, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0
+    ),
     # multi-query attention fused [q | k | v], learned positions
-    "gpt_bigcode": _hf("causal", "GPTBigCodeForCausalLM", "GPTBigCodeConfig", n_embd=HIDDEN, n_head=HEADS, n_layer=4,
-                       n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "gpt_bigcode": _hf(
+        "causal",
+        "GPTBigCodeForCausalLM",
+        "GPTBigCodeConfig",
+        n_embd=HIDDEN,
+        n_head=HEADS,
+        n_layer=4,
+        n_positions=8,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
     # encoder-only (post-norm, padding mask)
-    "bert": _hf("masked", "BertForMaskedLM", "BertConfig", **_SIZES, num_hidden_layers=4, intermediate_size=FFN,
-                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "bert": _hf(
+        "masked",
+        "BertForMaskedLM",
+        "BertConfig",
+        **_SIZES,
+        num_hidden_layers=4,
+        intermediate_size=FFN,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    ),
     # encoder-decoder with a relative position bias per head (eager attention)
-    "t5": _hf("seq2seq", "T5ForConditionalGeneration", "T5Config", d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=FFN,
-              num_layers=2, num_heads=HEADS, dropout_rate=0.0),
+    "t5": _hf(
+        "seq2seq",
+        "T5ForConditionalGeneration",
+        "T5Config",
+        d_model=HIDDEN,
+        d_kv=HIDDEN // HEADS,
+        d_ff=FFN,
+        num_layers=2,
+        num_heads=HEADS,
+        dropout_rate=0.0,
+    ),
     # encoder-decoder, post-norm, learned positions
-    "bart": _hf("seq2seq", "BartForConditionalGeneration", "BartConfig", d_model=HIDDEN, encoder_layers=2, decoder_layers=2,
-                encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN,
-                max_position_embeddings=8, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0),
+    "bart": _hf(
+        "seq2seq",
+        "BartForConditionalGeneration",
+        "BartConfig",
+        d_model=HIDDEN,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS,
+        encoder_ffn_dim=FFN,
+        decoder_ffn_dim=FFN,
+        max_position_embeddings=8,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+    ),
     # LitGPT's GPT: fused [q | k | v] with grouped queries, RMSNorm, LLaMA MLP
     "litgpt": _litgpt,
 }

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch import nn
 from torch.distributed._composable import checkpoint
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -35,10 +35,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_galvatron.model.discovery import find_blocks
+from lightning_galvatron.model.families._common import Compose
 from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan
 from lightning_galvatron.runtime.mesh import local_tensor
-from lightning_galvatron.model.families._common import Compose
 from lightning_galvatron.runtime.tensor_parallel import (
     ColwiseEmbedding,
     ColwiseFused,
@@ -70,7 +70,10 @@ def describe_rank(strategy: Any) -> dict[str, Any]:
                 (replicated if isinstance(placement, Replicate) else sharded)[dim] = ranks
         group = applied.gradients.group_of(p)
         params[name] = dict(
-            shape=tuple(p.shape), local_numel=local_tensor(p).numel(), sharded=sharded, replicated=replicated,
+            shape=tuple(p.shape),
+            local_numel=local_tensor(p).numel(),
+            sharded=sharded,
+            replicated=replicated,
             ddp=tuple(dist.get_process_group_ranks(group)) if group is not None else None,
         )
     blocks = {}

@@ -44,7 +44,9 @@ class RunResult:
     param_dtypes: set[torch.dtype] = field(default_factory=set)  # as trained, before gathering
     val_loss: float | None = None
     test_loss: float | None = None  # with evaluate=True: trainer.test after training
-    predictions: dict[tuple, torch.Tensor] | torch.Tensor | None = None  # with evaluate=True: keyed by input tokens where
+    predictions: dict[tuple, torch.Tensor] | torch.Tensor | None = (
+        None  # with evaluate=True: keyed by input tokens where
+    )
     # predict_step returns (inputs, predictions), else predict_step's outputs joined
     plan: Any = None  # the plan the strategy ran (distributed runs)
 
@@ -168,7 +170,9 @@ def run_distributed(
         assert_plan_applied(trainer.strategy, factory)
     if save_path is not None:
         trainer.save_checkpoint(save_path)
-    result = RunResult(losses=_mean_over_ranks(recorder.losses), grads=_merge_over_ranks(recorder.grads), initial=initial)
+    result = RunResult(
+        losses=_mean_over_ranks(recorder.losses), grads=_merge_over_ranks(recorder.grads), initial=initial
+    )
     result.param_dtypes = {p.dtype for p in trainer.lightning_module.parameters()}
     result.state = gather_full_state(trainer.lightning_module)
     if validate:
@@ -186,11 +190,15 @@ def _evaluation_data(global_batch: int, batch_size: int) -> DataLoader:
     return DataLoader(ArithmeticText(2 * global_batch, SEQ, seed=1), batch_size=batch_size)
 
 
-def _evaluate(trainer: L.Trainer, module: L.LightningModule, global_batch: int, batch_size: int, result: RunResult) -> None:
+def _evaluate(
+    trainer: L.Trainer, module: L.LightningModule, global_batch: int, batch_size: int, result: RunResult
+) -> None:
     """Validation loss of the fit, then ``trainer.test`` and ``trainer.predict``: predictions keyed by their input
     where ``predict_step`` returns ``(inputs, predictions)`` (comparable over data shards), else joined."""
     result.val_loss = float(trainer.callback_metrics["val_loss"])
-    result.test_loss = float(trainer.test(module, _evaluation_data(global_batch, batch_size), verbose=False)[0]["test_loss"])
+    result.test_loss = float(
+        trainer.test(module, _evaluation_data(global_batch, batch_size), verbose=False)[0]["test_loss"]
+    )
     outputs = trainer.predict(module, _evaluation_data(global_batch, batch_size))
     if outputs and isinstance(outputs[0], tuple):
         result.predictions = {
@@ -201,7 +209,9 @@ def _evaluate(trainer: L.Trainer, module: L.LightningModule, global_batch: int, 
 
 
 def _validation_loss(trainer: L.Trainer, module: GPTModule, batch_size: int) -> float:
-    metrics = trainer.validate(module, DataLoader(ArithmeticText(16, SEQ, seed=1), batch_size=batch_size), verbose=False)
+    metrics = trainer.validate(
+        module, DataLoader(ArithmeticText(16, SEQ, seed=1), batch_size=batch_size), verbose=False
+    )
     return float(metrics[0]["val_loss"])
 
 
@@ -265,7 +275,9 @@ def assert_close_runs(
     assert actual.state.keys() == expected.state.keys()
     assert actual.grads is not None and expected.grads is not None
     noise = rounding_noise_gradients(expected.grads)
-    assert_parameters_moved_alike(actual.state, expected.state, expected.initial, param_rtol, param_mean_rtol, skip=noise)
+    assert_parameters_moved_alike(
+        actual.state, expected.state, expected.initial, param_rtol, param_mean_rtol, skip=noise
+    )
     # A pipeline's last stage names a tied weight after the head; one process names it once.
     assert expected.grads.keys() <= actual.grads.keys(), expected.grads.keys() - actual.grads.keys()
     all_grads = torch.cat([g.flatten() for g in expected.grads.values()])
@@ -316,8 +328,16 @@ def assert_parameters_moved_alike(
 
 def assert_same_evaluation(actual: RunResult, expected: RunResult, loss_tol: float, prediction_tol: float) -> None:
     """Same validation and test losses, and the same predictions for every held-out sample."""
-    assert actual.val_loss == pytest_approx(expected.val_loss, loss_tol), ("val_loss", actual.val_loss, expected.val_loss)
-    assert actual.test_loss == pytest_approx(expected.test_loss, loss_tol), ("test_loss", actual.test_loss, expected.test_loss)
+    assert actual.val_loss == pytest_approx(expected.val_loss, loss_tol), (
+        "val_loss",
+        actual.val_loss,
+        expected.val_loss,
+    )
+    assert actual.test_loss == pytest_approx(expected.test_loss, loss_tol), (
+        "test_loss",
+        actual.test_loss,
+        expected.test_loss,
+    )
     assert actual.predictions is not None and expected.predictions is not None
     if isinstance(expected.predictions, torch.Tensor):
         torch.testing.assert_close(actual.predictions, expected.predictions, atol=prediction_tol, rtol=0)
@@ -331,8 +351,13 @@ def pytest_approx(value: float | None, tol: float) -> Any:
     return pytest.approx(value, abs=tol, rel=0)
 
 
-def run_cases(cases: dict[str, dict[str, Any]], model: Callable[[], L.LightningModule], global_batch: int,
-              cache_dir: str, **common: Any) -> dict[str, RunResult | str]:
+def run_cases(
+    cases: dict[str, dict[str, Any]],
+    model: Callable[[], L.LightningModule],
+    global_batch: int,
+    cache_dir: str,
+    **common: Any,
+) -> dict[str, RunResult | str]:
     """Several distributed runs of one model in one pool call, each ``run_distributed(**common, **case)``.
 
     A case ``{"auto": "ample"}`` trains with ``plan="auto"`` and the default memory budget, ``{"auto": "tight"}``
@@ -371,12 +396,21 @@ def budget_between_zero3_and_ddp(model: Callable[[], L.LightningModule], batch: 
     world = dist.get_world_size()
     module = model()
     measured = profile(
-        module, find_blocks(module), dataset(batch)[0 : batch // world], precision="32-true", devices_per_node=world,
+        module,
+        find_blocks(module),
+        dataset(batch)[0 : batch // world],
+        precision="32-true",
+        devices_per_node=world,
         cache=cache_dir,
     )
     peaks = [
-        evaluate(measured, ParallelPlan.uniform(world, measured.model.num_blocks, LayerStrategy(dp_type=name)),
-                 global_batch_size=batch, precision="32-true", optimizer="adamw").peak_memory_bytes
+        evaluate(
+            measured,
+            ParallelPlan.uniform(world, measured.model.num_blocks, LayerStrategy(dp_type=name)),
+            global_batch_size=batch,
+            precision="32-true",
+            optimizer="adamw",
+        ).peak_memory_bytes
         for name in ("ddp", "zero3")
     ]
     return int(sum(peaks) / 2)

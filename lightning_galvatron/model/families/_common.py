@@ -82,7 +82,9 @@ def megatron_plan(
             if conv1d:
                 out[name] = RowwiseConv1D(sequence_parallel=sequence_parallel)
             else:
-                out[name] = RowwiseParallel(output_layouts=Shard(dims.get(name, 1))) if sequence_parallel else RowwiseParallel()
+                out[name] = (
+                    RowwiseParallel(output_layouts=Shard(dims.get(name, 1))) if sequence_parallel else RowwiseParallel()
+                )
         if sequence_parallel:
             for name in norms:
                 out[name] = SequenceParallel(sequence_dim=dims.get(name, 1), use_local_output=True)
@@ -109,7 +111,9 @@ def megatron_plan(
 
 def hf_sdpa(module: nn.Module) -> bool | str:
     """``True`` if a Hugging Face block's attention calls ``F.scaled_dot_product_attention``, else why not."""
-    config = next((m.config for m in module.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")), None)
+    config = next(
+        (m.config for m in module.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")), None
+    )
     implementation = getattr(config, "_attn_implementation", None)
     if implementation == "sdpa":
         return True

@@ -15,8 +15,14 @@ from torch import nn
 from lightning_galvatron.model.families._common import hf_sdpa, local_heads, megatron_plan
 from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan
 
-_BERT_LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-                 "intermediate.dense", "output.dense")
+_BERT_LINEARS = (
+    "attention.self.query",
+    "attention.self.key",
+    "attention.self.value",
+    "attention.output.dense",
+    "intermediate.dense",
+    "output.dense",
+)
 
 
 def is_bert_style_layer(block: nn.Module) -> bool:
@@ -35,16 +41,25 @@ def bert_style_plan(block: nn.Module) -> BlockTensorParallelPlan:
     attention = block.attention.self
 
     def localize(module: nn.Module, tp: int) -> None:
-        local_heads(module.attention.self, tp, "num_attention_heads", "all_head_size")  # the code reshapes with -1 heads
+        local_heads(
+            module.attention.self, tp, "num_attention_heads", "all_head_size"
+        )  # the code reshapes with -1 heads
 
     return megatron_plan(
         block,
-        columns={"attention.self.query": None, "attention.self.key": None, "attention.self.value": None,
-                 "intermediate.dense": None},
+        columns={
+            "attention.self.query": None,
+            "attention.self.key": None,
+            "attention.self.value": None,
+            "intermediate.dense": None,
+        },
         rows=["attention.output.dense", "output.dense"],
         norms=["attention.output.LayerNorm", "output.LayerNorm"],
         gathers=["attention.self", "intermediate"],
-        divisible={"attention heads": attention.num_attention_heads, "MLP width": block.intermediate.dense.out_features},
+        divisible={
+            "attention heads": attention.num_attention_heads,
+            "MLP width": block.intermediate.dense.out_features,
+        },
         localize=localize,
         ulysses=hf_sdpa(block),
     )

@@ -77,7 +77,9 @@ def bloom_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
         divisible={"attention heads": attn.num_heads, "MLP width": block.mlp.dense_h_to_4h.out_features},
         extra={"self_attention": alibi_heads(attn.num_heads)},
         localize=lambda module, tp: local_heads(module.self_attention, tp, "num_heads"),
-        ulysses="BLOOM's attention computes its scores itself (baddbmm with ALiBi), not with F.scaled_dot_product_attention",
+        ulysses=(
+            "BLOOM's attention computes its scores itself (baddbmm with ALiBi), not with F.scaled_dot_product_attention"
+        ),
         folded_inputs={"alibi": attn.num_heads},
     )
 

@@ -19,7 +19,10 @@ def gpt2_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
 
     return megatron_plan(
         block,
-        columns={"attn.c_attn": ColwiseFused((hidden,) * 3, conv1d=True), "mlp.c_fc": ColwiseFused((ffn,), conv1d=True)},
+        columns={
+            "attn.c_attn": ColwiseFused((hidden,) * 3, conv1d=True),
+            "mlp.c_fc": ColwiseFused((ffn,), conv1d=True),
+        },
         rows=["attn.c_proj", "mlp.c_proj"],
         norms=["ln_1", "ln_2"],
         gathers=["attn", "mlp"],

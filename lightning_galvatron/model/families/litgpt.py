@@ -52,8 +52,11 @@ def litgpt_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
         divisible=sizes,
         localize=localize,
         ulysses=(
-            "LitGPT computes its attention scores itself with logit softcapping" if softcapping
-            else "LitGPT builds the sliding-window mask from the block's own (local) positions" if sliding else True
+            "LitGPT computes its attention scores itself with logit softcapping"
+            if softcapping
+            else "LitGPT builds the sliding-window mask from the block's own (local) positions"
+            if sliding
+            else True
         ),
         position_inputs={1: -2, 2: -2, "cos": -2, "sin": -2},
     )

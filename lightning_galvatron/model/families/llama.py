@@ -47,7 +47,12 @@ def llama_plan(block: nn.Module) -> BlockTensorParallelPlan:
         block,
         columns=columns,
         rows=["self_attn.o_proj", "mlp.down_proj"],
-        norms=["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"],
+        norms=[
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ],
         gathers=["self_attn", "mlp"],
         divisible=sizes | {"MLP width": block.mlp.up_proj.out_features},
         localize=lambda module, tp: localize_groups(module.self_attn, tp, heads, kv_heads),

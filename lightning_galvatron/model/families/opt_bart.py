@@ -27,7 +27,8 @@ def opt_plan(block: nn.Module) -> BlockTensorParallelPlan:
         rows=["self_attn.out_proj", "fc2"],
         norms=["self_attn_layer_norm", "final_layer_norm"],
         gathers=["self_attn", "fc1"],
-        # Pre-norm OPT normalises the flattened [batch x seq, hidden] view before fc1; post-norm OPT after the view back.
+        # Pre-norm OPT normalises the flattened [batch x seq, hidden] view before fc1; post-norm OPT after the view
+        # back.
         sequence_dims={"fc1": 0, "fc2": 0, "final_layer_norm": 0 if pre_norm else 1},
         divisible={"attention heads": block.self_attn.num_heads, "MLP width": block.fc1.out_features},
         localize=lambda module, tp: local_heads(module.self_attn, tp, "num_heads"),

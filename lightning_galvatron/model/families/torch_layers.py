@@ -26,7 +26,10 @@ _NO_SEQUENCE_PARALLEL = (
 def torch_transformer_layer_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     attentions = ["self_attn"] + (["multihead_attn"] if isinstance(block, nn.TransformerDecoderLayer) else [])
     if not all(getattr(block, name).batch_first for name in attentions):
-        return f"{type(block).__name__} with batch_first=False has no tensor-parallel plan (the runtime moves the batch along dim 0)"
+        return (
+            f"{type(block).__name__} with batch_first=False has no tensor-parallel plan (the runtime moves the "
+            "batch along dim 0)"
+        )
     for name in attentions:
         reason = multihead_attention_unsupported(getattr(block, name))
         if reason is not None:

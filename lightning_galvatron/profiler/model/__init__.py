@@ -50,13 +50,13 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_galvatron.model.discovery import ModelStructure
+from lightning_galvatron.plan import divisors
 from lightning_galvatron.profiler.model.blocks import _BlockProfiler
 from lightning_galvatron.profiler.model.capture import _capture
 from lightning_galvatron.profiler.model.saved import SavedTensorCounter
 from lightning_galvatron.profiler.model.setup import (
     Step,
     _block_types,
-    _divisors,
     _module_device,
     _no_op,
     _PrecisionConfig,
@@ -106,7 +106,7 @@ def profile_model(
     precision_cfg = _PrecisionConfig.of(precision)
     device = torch.device(device) if device is not None else _module_device(module)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    degrees = sorted({1, *(degrees or _divisors(world))})
+    degrees = sorted({1, *(degrees or divisors(world))})
     step = step or default_step
     blocks = structure.blocks
     types = _block_types(blocks)

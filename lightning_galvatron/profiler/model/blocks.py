@@ -216,7 +216,8 @@ class _BlockProfiler(_DegreeMeasurement):
         )
         split, replicated = self.per_degree(per_sample, roles, degrees, world, count_sizes, styles)
         log.info(
-            "%s: forward %s s at batch %s; backward/forward %.2f; recompute adds %.2f forwards; %.0f activation bytes/sample",
+            "%s: forward %s s at batch %s; backward/forward %.2f; recompute adds %.2f forwards; %.0f activation "
+            "bytes/sample",
             self.name,
             [f"{t:.2e}" for t in forward],
             list(sizes),

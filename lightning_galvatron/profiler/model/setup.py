@@ -136,10 +136,6 @@ def _module_device(module: nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _batch_size(batch: Any) -> int:
     leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() >= 1]
     if not leaves:

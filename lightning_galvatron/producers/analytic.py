@@ -111,6 +111,7 @@ class VocabShape:
         head_outputs: outputs per position of the head (the vocabulary for a language model, the
             classes of a classifier).
         tied: the head's weight is the token embedding.
+        vocab_parallel: there is a token embedding (an ``nn.Embedding`` outside the blocks) to split by vocabulary.
     """
 
     vocab_size: int
@@ -118,6 +119,7 @@ class VocabShape:
     head_parameters: int
     head_outputs: int
     tied: bool = False
+    vocab_parallel: bool = True
 
 
 @dataclass(frozen=True)
@@ -185,19 +187,33 @@ def _gated_decoder(config: Mapping[str, Any], model_type: str) -> ArchitectureSh
     biases = (q + 2 * kv if qkv_bias else 0) + (h if out_bias else 0) + (2 * ffn + h if mlp_bias else 0)
     norms = 2 * h + (2 * head_dim if model_type == "qwen3" else 0)  # qwen3 adds q/k norms
     block = BlockShape(
-        name=f"{model_type} decoder layer", parameters=matmul + biases + norms, matmul_parameters=matmul,
-        hidden_size=h, num_heads=heads, head_dim=head_dim, num_key_value_heads=kv_heads, ffn_hidden_size=ffn,
+        name=f"{model_type} decoder layer",
+        parameters=matmul + biases + norms,
+        matmul_parameters=matmul,
+        hidden_size=h,
+        num_heads=heads,
+        head_dim=head_dim,
+        num_key_value_heads=kv_heads,
+        ffn_hidden_size=ffn,
         gated_mlp=True,
         # As the built-in Llama-family plan splits them (key/value heads kept whole under multi-query attention).
-        tensor_parallel_divisors=(heads, *((kv_heads,) if kv_heads > 1 else ()), ffn), ulysses_divisors=(heads,),
+        tensor_parallel_divisors=(heads, *((kv_heads,) if kv_heads > 1 else ()), ffn),
+        ulysses_divisors=(heads,),
     )
     tied = bool(config.get("tie_word_embeddings", False))
     vocab_shape = VocabShape(
-        vocab_size=vocab, embedding_parameters=vocab * h, head_parameters=h + (0 if tied else vocab * h),
-        head_outputs=vocab, tied=tied,
+        vocab_size=vocab,
+        embedding_parameters=vocab * h,
+        head_parameters=h + (0 if tied else vocab * h),
+        head_outputs=vocab,
+        tied=tied,
     )
     return ArchitectureShape(
-        name=_name(config, model_type), layer_types=(block,), blocks=(0,) * layers, vocab=vocab_shape, hidden_size=h,
+        name=_name(config, model_type),
+        layer_types=(block,),
+        blocks=(0,) * layers,
+        vocab=vocab_shape,
+        hidden_size=h,
         default_seq_length=_positions(config, "max_position_embeddings"),
     )
 
@@ -208,16 +224,30 @@ def _gpt2(config: Mapping[str, Any]) -> ArchitectureShape:
     positions = int(config.get("n_positions", 1024))
     matmul = h * 3 * h + h * h + 2 * h * ffn
     block = BlockShape(
-        name="GPT2Block", parameters=matmul + 3 * h + h + ffn + h + 4 * h, matmul_parameters=matmul, hidden_size=h,
-        num_heads=heads, head_dim=h // heads, num_key_value_heads=heads, ffn_hidden_size=ffn,
-        tensor_parallel_divisors=(heads, ffn), ulysses_divisors=(heads,),
+        name="GPT2Block",
+        parameters=matmul + 3 * h + h + ffn + h + 4 * h,
+        matmul_parameters=matmul,
+        hidden_size=h,
+        num_heads=heads,
+        head_dim=h // heads,
+        num_key_value_heads=heads,
+        ffn_hidden_size=ffn,
+        tensor_parallel_divisors=(heads, ffn),
+        ulysses_divisors=(heads,),
     )
     vocab_shape = VocabShape(
-        vocab_size=vocab, embedding_parameters=vocab * h + positions * h, head_parameters=2 * h, head_outputs=vocab,
+        vocab_size=vocab,
+        embedding_parameters=vocab * h + positions * h,
+        head_parameters=2 * h,
+        head_outputs=vocab,
         tied=True,
     )
     return ArchitectureShape(
-        name=_name(config, "gpt2"), layer_types=(block,), blocks=(0,) * layers, vocab=vocab_shape, hidden_size=h,
+        name=_name(config, "gpt2"),
+        layer_types=(block,),
+        blocks=(0,) * layers,
+        vocab=vocab_shape,
+        hidden_size=h,
         default_seq_length=positions,
     )
 
@@ -230,9 +260,16 @@ def _bert_style(config: Mapping[str, Any], model_type: str) -> ArchitectureShape
     token_types = int(config.get("type_vocab_size", 2))
     matmul = 4 * h * h + 2 * h * ffn
     block = BlockShape(
-        name=f"{model_type} layer", parameters=matmul + 4 * h + ffn + h + 4 * h, matmul_parameters=matmul,
-        hidden_size=h, num_heads=heads, head_dim=h // heads, num_key_value_heads=heads, ffn_hidden_size=ffn,
-        tensor_parallel_divisors=(heads, ffn), ulysses_divisors=(heads,),
+        name=f"{model_type} layer",
+        parameters=matmul + 4 * h + ffn + h + 4 * h,
+        matmul_parameters=matmul,
+        hidden_size=h,
+        num_heads=heads,
+        head_dim=h // heads,
+        num_key_value_heads=heads,
+        ffn_hidden_size=ffn,
+        tensor_parallel_divisors=(heads, ffn),
+        ulysses_divisors=(heads,),
     )
     architectures = " ".join(config.get("architectures") or [])
     if "MaskedLM" in architectures or not architectures:
@@ -241,11 +278,18 @@ def _bert_style(config: Mapping[str, Any], model_type: str) -> ArchitectureShape
         labels = int(config.get("num_labels") or len(config.get("id2label") or {}) or 2)
         head_parameters, outputs, tied = h * h + h + h * labels + labels, labels, False  # pooler and classifier
     vocab_shape = VocabShape(
-        vocab_size=vocab, embedding_parameters=(vocab + positions + token_types) * h + 2 * h,
-        head_parameters=head_parameters, head_outputs=outputs, tied=tied,
+        vocab_size=vocab,
+        embedding_parameters=(vocab + positions + token_types) * h + 2 * h,
+        head_parameters=head_parameters,
+        head_outputs=outputs,
+        tied=tied,
     )
     return ArchitectureShape(
-        name=_name(config, model_type), layer_types=(block,), blocks=(0,) * layers, vocab=vocab_shape, hidden_size=h,
+        name=_name(config, model_type),
+        layer_types=(block,),
+        blocks=(0,) * layers,
+        vocab=vocab_shape,
+        hidden_size=h,
         default_seq_length=positions,
     )
 
@@ -285,9 +329,14 @@ def reference_block_shape(layer: LayerTypeProfile) -> BlockShape:
     parameters as matmul weights, attention as wide as the hidden size, the MLP gated when its FFN
     is narrower than 4 x hidden (the usual sign of SwiGLU widths)."""
     return BlockShape(
-        name=layer.name, parameters=layer.parameters, matmul_parameters=layer.parameters,
-        hidden_size=layer.hidden_size, num_heads=layer.num_heads, head_dim=max(layer.hidden_size // layer.num_heads, 1),
-        num_key_value_heads=layer.num_heads, ffn_hidden_size=layer.ffn_hidden_size,
+        name=layer.name,
+        parameters=layer.parameters,
+        matmul_parameters=layer.parameters,
+        hidden_size=layer.hidden_size,
+        num_heads=layer.num_heads,
+        head_dim=max(layer.hidden_size // layer.num_heads, 1),
+        num_key_value_heads=layer.num_heads,
+        ffn_hidden_size=layer.ffn_hidden_size,
         gated_mlp=layer.ffn_hidden_size < 4 * layer.hidden_size,
     )
 
@@ -329,12 +378,16 @@ def scaled_model_profile(
                 num_heads=math.gcd(block.num_heads, block.num_key_value_heads),  # what a TP degree must divide
                 ffn_hidden_size=block.ffn_hidden_size,
                 seq_length=s,
-                forward_time=LinearFit(ref_layer.forward_time.intercept_s, ref_layer.forward_time.per_sample_s * time_ratio),
+                forward_time=LinearFit(
+                    ref_layer.forward_time.intercept_s, ref_layer.forward_time.per_sample_s * time_ratio
+                ),
                 activation_bytes_per_sample=DegreeTable(tuple((g, table.at(g) * activation_ratio) for g in degrees)),
                 recompute_activation_bytes_per_sample=ref_layer.recompute_activation_bytes_per_sample
-                * (s * block.hidden_size) / (ref_s * ref_layer.hidden_size),
+                * (s * block.hidden_size)
+                / (ref_s * ref_layer.hidden_size),
                 replicated_activation_bytes_per_sample=ref_layer.replicated_activation_bytes_per_sample
-                * (s * block.hidden_size) / (ref_s * ref_layer.hidden_size),
+                * (s * block.hidden_size)
+                / (ref_s * ref_layer.hidden_size),
                 backward_to_forward=ref_layer.backward_to_forward,
                 supports_tensor_parallel=block.supports_tensor_parallel,
                 supports_megatron_sp=block.supports_megatron_sp,
@@ -369,7 +422,7 @@ def scaled_model_profile(
         head_activation_bytes_per_sample=scaled_table(ref_vocab.head_activation_bytes_per_sample, head_bytes),
         tied=vocab.tied,
         backward_to_forward=ref_vocab.backward_to_forward,
-        supports_tensor_parallel=True,
+        supports_tensor_parallel=vocab.vocab_parallel,
         supports_sequence_split=False,
     )
     model = ModelProfile(

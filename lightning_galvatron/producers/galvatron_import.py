@@ -63,10 +63,28 @@ DTYPE_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
 
 # Published shapes of models the reference ships profiles for; any of them can be overridden.
 KNOWN_MODELS: dict[str, dict[str, int]] = {
-    "llama2-7b": {"hidden_size": 4096, "num_layers": 32, "num_heads": 32, "ffn_hidden_size": 11008, "vocab_size": 32000},
+    "llama2-7b": {
+        "hidden_size": 4096,
+        "num_layers": 32,
+        "num_heads": 32,
+        "ffn_hidden_size": 11008,
+        "vocab_size": 32000,
+    },
     "llama-7b": {"hidden_size": 4096, "num_layers": 32, "num_heads": 32, "ffn_hidden_size": 11008, "vocab_size": 32000},
-    "llama2-13b": {"hidden_size": 5120, "num_layers": 40, "num_heads": 40, "ffn_hidden_size": 13824, "vocab_size": 32000},
-    "llama-13b": {"hidden_size": 5120, "num_layers": 40, "num_heads": 40, "ffn_hidden_size": 13824, "vocab_size": 32000},
+    "llama2-13b": {
+        "hidden_size": 5120,
+        "num_layers": 40,
+        "num_heads": 40,
+        "ffn_hidden_size": 13824,
+        "vocab_size": 32000,
+    },
+    "llama-13b": {
+        "hidden_size": 5120,
+        "num_layers": 40,
+        "num_heads": 40,
+        "ffn_hidden_size": 13824,
+        "vocab_size": 32000,
+    },
 }
 
 _CLUSTER = re.compile(r"_(\d+)nodes_(\d+)gpus_per_node\.json$")
@@ -126,16 +144,28 @@ def import_galvatron(
     counts = shape["num_layers"] if isinstance(shape["num_layers"], list) else [shape["num_layers"]]
     if len(counts) != len(type_ids):
         raise ProfileError(
-            f"the profiles describe {len(type_ids)} layer type(s); pass --num-layers as {len(type_ids)} comma-separated counts"
+            f"the profiles describe {len(type_ids)} layer type(s); pass --num-layers as {len(type_ids)} "
+            "comma-separated counts"
         )
     layer_types = tuple(
         _layer_type(
-            t, compute, memory, seq_length, hidden_size, shape["num_heads"], shape["ffn_hidden_size"], dtype_bytes, compute_path, memory_path
+            t,
+            compute,
+            memory,
+            seq_length,
+            hidden_size,
+            shape["num_heads"],
+            shape["ffn_hidden_size"],
+            dtype_bytes,
+            compute_path,
+            memory_path,
         )
         for t in type_ids
     )
     blocks = tuple(i for i, count in enumerate(counts) for _ in range(int(count)))
-    vocab = _vocab(compute, memory, seq_length, hidden_size, shape["vocab_size"], tied_embeddings, compute_path, memory_path)
+    vocab = _vocab(
+        compute, memory, seq_length, hidden_size, shape["vocab_size"], tied_embeddings, compute_path, memory_path
+    )
     model = ModelProfile(
         name=model_name,
         layer_types=layer_types,
@@ -152,11 +182,11 @@ def import_galvatron(
 
 
 # ---------------------------------------------------------------------------------------------- model
-def _layer_type(t, compute, memory, seq, hidden, heads, ffn, dtype_bytes, compute_path, memory_path) -> LayerTypeProfile:
+def _layer_type(
+    t, compute, memory, seq, hidden, heads, ffn, dtype_bytes, compute_path, memory_path
+) -> LayerTypeProfile:
     points = sorted(
-        (int(m.group(1)), v)
-        for k, v in compute.items()
-        if (m := re.fullmatch(rf"layertype_{t}_bsz(\d+)_seq{seq}", k))
+        (int(m.group(1)), v) for k, v in compute.items() if (m := re.fullmatch(rf"layertype_{t}_bsz(\d+)_seq{seq}", k))
     )
     if not points:
         raise ProfileError(f"{compute_path.name} has no times for layer type {t} at sequence length {seq}")
@@ -164,7 +194,9 @@ def _layer_type(t, compute, memory, seq, hidden, heads, ffn, dtype_bytes, comput
     entry = _seq_entry(memory, f"layertype_{t}", seq, memory_path)
     acts = entry.get("tp_activation_per_bsz_dict")
     if not isinstance(acts, dict) or "checkpoint" not in acts:
-        raise ProfileError(f"{memory_path.name}: layertype_{t} lacks tp_activation_per_bsz_dict with a 'checkpoint' entry")
+        raise ProfileError(
+            f"{memory_path.name}: layertype_{t} lacks tp_activation_per_bsz_dict with a 'checkpoint' entry"
+        )
     split = DegreeTable(tuple((int(g), v * MIB) for g, v in acts.items() if g != "checkpoint"))
     replicated = 2.0 * seq * hidden * dtype_bytes
     plain = memory.get(f"layertype_{t}", {}).get(str(seq)) if f"layertype_{t}_sp" in memory else None
@@ -193,7 +225,9 @@ def _layer_type(t, compute, memory, seq, hidden, heads, ffn, dtype_bytes, comput
 
 def _vocab(compute, memory, seq, hidden, vocab_size, tied, compute_path, memory_path) -> VocabProfile:
     points = sorted(
-        (int(m.group(1)), v) for k, v in compute.items() if (m := re.fullmatch(rf"layertype_other_bsz(\d+)_seq{seq}", k))
+        (int(m.group(1)), v)
+        for k, v in compute.items()
+        if (m := re.fullmatch(rf"layertype_other_bsz(\d+)_seq{seq}", k))
     )
     if not points:
         raise ProfileError(f"{compute_path.name} has no embedding/head times (layertype_other_bsz<b>_seq{seq})")
@@ -280,7 +314,9 @@ def _hardware(
                 if m := re.fullmatch(r"allreduce_size_(\d+)_consec_([01])", key):
                     g, consec = int(m.group(1)), m.group(2) == "1"
                     k = ranks_per_node(g, 1 if consec else world // g, per_node, world)
-                    candidates[("all_reduce", g, k)].append((world, CollectiveFit("all_reduce", g, k, latency_for(g), bw * MIB / MS)))
+                    candidates[("all_reduce", g, k)].append(
+                        (world, CollectiveFit("all_reduce", g, k, latency_for(g), bw * MIB / MS))
+                    )
         elif name.startswith("p2p_bandwidth_"):
             for key, bw in _read_json(directory / name).items():
                 if m := re.fullmatch(r"pp_size_(\d+)", key):
@@ -293,7 +329,9 @@ def _hardware(
         chosen = [f for w, f in found if w == largest]
         collectives.append(
             CollectiveFit(
-                kind, g, k,
+                kind,
+                g,
+                k,
                 sum(f.latency_s for f in chosen) / len(chosen),
                 sum(f.bandwidth_bytes_per_s for f in chosen) / len(chosen),
             )

@@ -1,0 +1,515 @@
+"""The solver: the fastest plan of one global batch size, by pricing shapes, a block DP and partitions.
+
+Notation (here, in :mod:`.dp`, :mod:`.pipeline` and :mod:`.cost`):
+
+=============  =====================================================================================
+``W``          world size: devices of the cluster
+``pp``         pipeline degree; ``n = W / pp`` devices per stage
+``B``          global batch size: samples per optimizer step
+``m``          micro-batches per step
+``v``          model chunks per pipeline rank (``virtual_stages``; > 1 only for interleaved 1F1B)
+``k``          micro-batches whose activations a stage holds at its peak (``in_flight``)
+``g``, ``d``   a block's model-parallel group (TP or Ulysses degree) and data-parallel degree ``n / g``
+``L``          blocks of the model; ``types[i]`` the layer type of block ``i``
+``J``          the most blocks one pipeline rank may hold (``max_blocks``)
+``S``          candidate strategies of one layer type; ``K`` their activation layouts
+``V``          candidate embedding/head strategies
+``M``          memory cells of the DP (``capacity / cell + 1``); ``cell`` its bytes per cell
+``T_s``        time of stage ``s`` per micro-batch (its blocks, embedding/head share, p2p)
+=============  =====================================================================================
+
+One :class:`FixedBatchSolver` per global batch size: :meth:`~FixedBatchSolver.price` prices every
+pipeline shape (``pp``, schedule, ``m``, ``v``) into a :class:`Shape` and drops those that cannot fit;
+:meth:`~FixedBatchSolver.run` solves them in order of their lower bound (the block DP of :mod:`.dp` once
+per ``k``, partitions of :mod:`.pipeline`, embedding/head strategies by table look-ups) and
+:meth:`~FixedBatchSolver.solve_blocks` rebuilds the winner's per-block strategies by backtracking.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from lightning_galvatron.layout import rank_chunks
+from lightning_galvatron.plan import LayerStrategy, ParallelPlan, even_partition
+from lightning_galvatron.search.cost import (
+    CostModel,
+    LayerCosts,
+    StageContext,
+    block_costs,
+    relocation_matrix,
+    vocab_costs,
+    working_memory_bytes,
+)
+from lightning_galvatron.search.dp import LayerDP, Step, cap_cells, cell_bytes
+from lightning_galvatron.search.pipeline import (
+    balanced_partition,
+    in_flight_micro_batches,
+    interpolate_partitions,
+    p2p_transfers,
+    pipeline_step_time,
+    refine_partition,
+)
+from lightning_galvatron.search.space import (
+    PipelineConfig,
+    SearchOptions,
+    StrategyArrays,
+    layer_candidates,
+    layout_of,
+    pipeline_configs,
+    pipeline_degrees,
+    vocab_candidates,
+)
+
+__all__ = ["Choice", "FixedBatchSolver", "NoAssignment", "Shape", "rank_blocks"]
+
+
+@dataclass
+class Choice:
+    """The best plan of one batch size and its predicted step."""
+
+    throughput: float
+    step_time: float
+    batch: int
+    plan: ParallelPlan
+
+
+@dataclass
+class Shape:
+    """Everything priced for one pipeline shape, shared by its DP runs and partition search."""
+
+    config: PipelineConfig
+    in_flight: list[float]
+    strategies: list[StrategyArrays]  # per layer type
+    costs: list[LayerCosts]
+    layouts: list  # union of layouts
+    layout_index: list[np.ndarray]  # per layer type, per candidate
+    relocation: list[np.ndarray]  # per layer type (into that type)
+    vocab: StrategyArrays
+    vocab_time: np.ndarray  # (pp, V): embedding/head time share per stage
+    vocab_memory: np.ndarray  # (pp, V)
+    p2p: np.ndarray  # (pp,)
+    working: np.ndarray  # (L+1, J+1) reserve of a stage starting at a with j blocks
+    lower_bound: float
+    max_blocks: int
+
+
+class FixedBatchSolver:
+    """The search at one global batch size ``B`` on ``W`` devices with ``budget`` bytes per device.
+
+    ``considered`` / ``solved`` count the shapes priced and solved; ``executable`` says whether any shape
+    has executable strategies at all; ``smallest_budget`` is the least budget any shape needs.
+    """
+
+    def __init__(self, cm: CostModel, world_size: int, budget: int, global_batch: int, options: SearchOptions):
+        self.cm = cm
+        self.model = cm.profile.model
+        self.W = world_size
+        self.budget = budget
+        self.B = global_batch
+        self.options = options
+        self.overhead = cm.profile.hardware.memory_overhead_bytes
+        self.capacity = budget - self.overhead
+        self.types = np.asarray(self.model.blocks)
+        self.L = len(self.types)
+        self.single_type = len(set(self.model.blocks)) == 1
+        self.considered = self.solved = 0
+        self.executable = False
+        self.smallest_budget: float | None = None
+
+    # ------------------------------------------------------------------ pricing
+    def shape(self, config: PipelineConfig, max_blocks: int | None = None) -> Shape | None:
+        cm, model, W, B = self.cm, self.model, self.W, self.B
+        pp, m, v = config.pp, config.micro_batches, config.virtual_stages
+        n = W // pp
+        spans = n > cm.profile.hardware.devices_per_node
+        per_micro = B // m
+        strategies, costs = [], []
+        ctx = StageContext(W, pp, B, m, 1.0)
+        for lt in model.layer_types:
+            cands = layer_candidates(lt, n, per_micro, spans, self.options)
+            if not cands:
+                return None
+            sa = StrategyArrays.build(cands)
+            strategies.append(sa)
+            costs.append(block_costs(cm, lt, sa, ctx))
+        vocab = vocab_candidates(model.vocab, model.seq_length, n, per_micro, self.options)
+        if not vocab:
+            return None
+        layouts = sorted(
+            {layout_of(s, n) for sa in strategies for s in sa.strategies},
+            key=lambda x: (x.group, x.replicated, not x.consecutive),
+        )
+        index = {x: i for i, x in enumerate(layouts)}
+        layout_index = [np.array([index[layout_of(s, n)] for s in sa.strategies]) for sa in strategies]
+        relocation = [relocation_matrix(cm, layouts, ctx, lt.hidden_size, lt.seq_length) for lt in model.layer_types]
+        in_flight = [in_flight_micro_batches(config.schedule, pp, m, r, v) for r in range(pp)]
+        vsa = StrategyArrays.build(vocab)
+        emb = vocab_costs(cm, vsa, StageContext(W, pp, B, m, in_flight[0]), "embedding")
+        head = vocab_costs(cm, vsa, StageContext(W, pp, B, m, in_flight[-1]), "head")
+        vocab_time = np.zeros((pp, len(vocab)))
+        vocab_memory = np.zeros((pp, len(vocab)))
+        vocab_time[0] += emb.step_share(m)
+        vocab_memory[0] += emb.memory(in_flight[0])
+        vocab_time[-1] += head.step_share(m)
+        vocab_memory[-1] += head.memory(in_flight[-1])
+        p2p = np.array([p2p_transfers(pp, r, v) for r in range(pp)]) * cm.p2p_time(
+            ctx, model.hidden_size, model.seq_length
+        )
+        p2p = p2p + cm.pipeline_overhead(pp)
+        # Working-memory reserve of a stage [a, a+j): the largest over the block types it holds.
+        per_type = np.array([working_memory_bytes(cm, [lt], ctx) for lt in model.layer_types])
+        max_blocks_override = max_blocks
+        if v == 1:
+            max_blocks = (
+                self.L if pp == 1 else min(self.L - pp + 1, math.ceil(self.options.max_stage_imbalance * self.L / pp))
+            )
+        else:
+            max_blocks = max(len(rank_blocks(even_partition(self.L, pp * v), pp, r)[0]) for r in range(pp))
+        max_blocks = max(max_blocks, max_blocks_override or 0)
+        last = np.arange(self.L + 1)[:, None] + np.arange(max_blocks + 1)[None, :] - 1  # last block of [a, a+j)
+        valid = (last >= np.arange(self.L + 1)[:, None]) & (last < self.L)
+        working = np.maximum.accumulate(
+            np.where(valid, per_type[self.types[np.clip(last, 0, self.L - 1)]], 0.0), axis=1
+        )
+        # Lower bound on the step: every block at its fastest, perfectly balanced stages (max >= mean).
+        fastest = np.array([c.step_share(m).min() for c in costs])
+        total = fastest[self.types].sum() + vocab_time.sum(axis=0).min() + p2p.sum()
+        lower_bound = float(pipeline_step_time(np.full(pp, total / pp), m, v))
+        return Shape(
+            config,
+            in_flight,
+            strategies,
+            costs,
+            layouts,
+            layout_index,
+            relocation,
+            vsa,
+            vocab_time,
+            vocab_memory,
+            p2p,
+            working,
+            lower_bound,
+            max_blocks,
+        )
+
+    def steps(self, shape: Shape, k: float) -> list[Step]:
+        """One DP step per layer type at ``k`` micro-batches in flight, dominated candidates removed."""
+        out = []
+        for t, c in enumerate(shape.costs):
+            time = c.step_share(shape.config.micro_batches)
+            memory = c.memory(k)
+            keep = _undominated(time, memory, shape.layout_index[t], [shape.relocation[t], *shape.relocation])
+            out.append(
+                Step(time[keep], memory[keep], shape.layout_index[t][keep], shape.relocation[t], np.nonzero(keep)[0])
+            )
+        return out
+
+    def min_stage_memory(self, shape: Shape) -> float:
+        """The least peak memory a plan of this shape needs: every block at its most frugal strategy,
+        the min-max memory partition, for each embedding/head strategy that is not dominated."""
+        mins = np.array([[c.memory(k).min() for c in shape.costs] for k in shape.in_flight])  # (pp, types)
+        weights = mins[:, self.types]
+        pp, v = shape.config.pp, shape.config.virtual_stages
+        reserve = shape.working[:, 1:].max()
+        ends = shape.vocab_memory[[0, -1]]
+        frugal = _undominated(ends[0], ends[1], np.zeros(ends.shape[1], dtype=np.int64))
+        best = math.inf
+        for vi in np.nonzero(frugal)[0]:
+            consts = shape.vocab_memory[:, vi] + self.overhead
+            if v > 1:
+                sizes = even_partition(self.L, pp * v)
+                starts = np.concatenate([[0], np.cumsum(sizes)])
+                need = max(
+                    consts[r]
+                    + reserve
+                    + sum(weights[r, starts[c] : starts[c + 1]].sum() for c in rank_chunks(r, pp, v))
+                    for r in range(pp)
+                )
+            else:
+                parts = balanced_partition(pp, weights, consts + reserve, shape.max_blocks)
+                if parts is None:
+                    continue
+                starts = np.concatenate([[0], np.cumsum(parts)])
+                need = max(
+                    consts[r] + shape.working[starts[r], parts[r]] + weights[r, starts[r] : starts[r + 1]].sum()
+                    for r in range(pp)
+                )
+            best = min(best, need)
+        return best
+
+    # ------------------------------------------------------------------ search
+    def price(self) -> list[Shape]:
+        """Price every executable pipeline shape; note the least budget any of them needs; return those that may fit."""
+        shapes = []
+        for pp in pipeline_degrees(self.W, self.L, self.options, self.model.block_lists):
+            for config in pipeline_configs(pp, self.B, self.L, self.options):
+                self.considered += 1
+                shape = self.shape(config)
+                if shape is None:
+                    continue
+                self.executable = True
+                need = self.min_stage_memory(shape)
+                if math.isfinite(need):
+                    eps = self.options.memory_tolerance
+                    # With cells of eps * capacity / J the DP needs at most eps * capacity more than the exact minimum.
+                    fits_from = (need - eps * self.overhead) / (1 - eps)
+                    self.smallest_budget = (
+                        fits_from if self.smallest_budget is None else min(self.smallest_budget, fits_from)
+                    )
+                if need <= self.budget:
+                    shapes.append(shape)
+        return shapes
+
+    def run(self, best_throughput: float | None) -> Choice | None:
+        """The fastest plan at this batch size, or None; shapes that cannot beat ``best_throughput`` are skipped."""
+        shapes = self.price()
+        shapes.sort(key=lambda s: s.lower_bound)
+        overhead = self.cm.step_overhead()  # per step, whatever the plan: compared without it, counted in throughput
+        best_time = math.inf if best_throughput is None else self.B / best_throughput - overhead
+        best: tuple[float, Shape, tuple[int, ...], int] | None = None
+        for shape in shapes:
+            if shape.lower_bound >= best_time * (1 - 1e-12):
+                break
+            self.solved += 1
+            found = self.solve_shape(shape)
+            if found is not None and found[0] < best_time:
+                best_time = found[0]
+                best = (found[0], shape, found[1], found[2])
+        if best is None:
+            return None
+        step, shape, partition, vocab_index = best
+        plan = self.build_plan(shape, partition, vocab_index)
+        return Choice(self.B / (step + overhead), step + overhead, self.B, plan)
+
+    def cell(self, shape: Shape) -> tuple[float, int]:
+        cell = cell_bytes(self.capacity, shape.max_blocks, self.options.memory_tolerance)
+        return cell, int(cap_cells(self.capacity, cell)) + 1
+
+    def solve_shape(self, shape: Shape) -> tuple[float, tuple[int, ...], int] | None:
+        if shape.config.virtual_stages > 1:
+            return self.solve_interleaved(shape)
+        pp, m = shape.config.pp, shape.config.micro_batches
+        cell, M = self.cell(shape)
+        J = shape.max_blocks
+        k_values = sorted(set(shape.in_flight))
+        k_of_stage = np.array([k_values.index(k) for k in shape.in_flight])
+        tables: dict[tuple[int, int], np.ndarray] = {}
+
+        def table(k_idx: int, start: int) -> np.ndarray:
+            key = (k_idx, 0 if self.single_type else start)
+            if key not in tables:
+                steps_by_type = self.steps(shape, k_values[k_idx])
+                first = 0 if self.single_type else start
+                seq = self.types[first : first + J]
+                tables[key] = LayerDP([steps_by_type[t] for t in seq], [], cell, M).tables()
+            return tables[key]
+
+        def objective(parts: np.ndarray, vocab_index: int | None = None) -> np.ndarray:
+            """Step time of each partition (rows) for each embedding/head strategy (columns), or one."""
+            parts = np.atleast_2d(parts)
+            N = parts.shape[0]
+            vt = shape.vocab_time if vocab_index is None else shape.vocab_time[:, [vocab_index]]
+            vm = shape.vocab_memory if vocab_index is None else shape.vocab_memory[:, [vocab_index]]
+            V = vt.shape[1]
+            starts = np.concatenate([np.zeros((N, 1), dtype=np.int64), np.cumsum(parts, axis=1)[:, :-1]], axis=1)
+            stage_time = np.empty((N, V, pp))
+            for s in range(pp):
+                j, a = parts[:, s], starts[:, s]
+                cap = self.capacity - shape.working[a, j][:, None] - vm[s][None, :]  # (N, V)
+                cells = np.minimum(cap_cells(cap, cell), M - 1)
+                value = np.full((N, V), np.inf)
+                for start in np.unique(a) if not self.single_type else [0]:
+                    rows = np.arange(N) if self.single_type else np.nonzero(a == start)[0]
+                    tab = table(int(k_of_stage[s]), int(start))
+                    c = cells[rows]
+                    ok = c >= 0
+                    jj = np.repeat(j[rows][:, None] - 1, V, axis=1)
+                    got = np.full(c.shape, np.inf)
+                    got[ok] = tab[jj[ok], c[ok]]
+                    value[rows] = got
+                stage_time[:, :, s] = value + vt[s][None, :] + shape.p2p[s]
+            return pipeline_step_time(stage_time, m)
+
+        if pp == 1:
+            candidates = [(self.L,)]
+        else:
+            candidates = self.partition_candidates(shape, k_values)
+        if not candidates:
+            return None
+        values = objective(np.array(candidates))  # (P, V)
+        if not np.isfinite(values).any():
+            return None
+        best = (math.inf, None, None)
+        # Refine the best few (partition, embedding/head strategy) pairs block by block.
+        flat = np.argsort(values, axis=None)[: 3 if pp > 1 else 1]
+        for f in flat:
+            p_idx, v_idx = np.unravel_index(int(f), values.shape)
+            if not np.isfinite(values[p_idx, v_idx]):
+                continue
+            if pp > 1:
+                part, _ = refine_partition(candidates[p_idx], lambda P, v=int(v_idx): objective(P, v)[:, 0], J)
+            else:
+                part = candidates[p_idx]
+            # The refined partition may prefer another embedding/head strategy.
+            row = objective(np.array([part]))[0]
+            v_best = int(np.argmin(row))
+            if row[v_best] < best[0]:
+                best = (float(row[v_best]), tuple(part), v_best)
+        return None if best[1] is None else best
+
+    def partition_candidates(self, shape: Shape, k_values: list[float]) -> list[tuple[int, ...]]:
+        pp, m = shape.config.pp, shape.config.micro_batches
+        J = shape.max_blocks
+        fastest = np.array([c.step_share(m).min() for c in shape.costs])[self.types]
+        smallest = np.array([[c.memory(k).min() for c in shape.costs] for k in shape.in_flight])[:, self.types]
+        time_consts = shape.vocab_time.min(axis=1) + shape.p2p
+        memory_consts = shape.vocab_memory.min(axis=1) + shape.working[:, 1:].max()
+        out = []
+        even = even_partition(self.L, pp)
+        if max(even) <= J:
+            out.append(even)
+        by_time = balanced_partition(pp, fastest, time_consts, J)
+        by_memory = balanced_partition(pp, smallest, memory_consts, J)
+        for p in (by_time, by_memory):
+            if p is not None:
+                out.append(p)
+        if by_time is not None and by_memory is not None:
+            out += interpolate_partitions(by_time, by_memory)
+        return list(dict.fromkeys(tuple(int(x) for x in p) for p in out if max(p) <= J))
+
+    def solve_interleaved(self, shape: Shape) -> tuple[float, tuple[int, ...], int] | None:
+        pp, m, v = shape.config.pp, shape.config.micro_batches, shape.config.virtual_stages
+        cell, M = self.cell(shape)
+        V = shape.vocab_time.shape[1]
+        stage_time = np.empty((V, pp))
+        for r in range(pp):
+            blocks, resets = rank_blocks(even_partition(self.L, pp * v), pp, r)
+            steps = self.steps(shape, shape.in_flight[r])
+            best = LayerDP([steps[self.types[i]] for i in blocks], resets, cell, M).tables()[-1]
+            working = max(shape.working[i, 1] for i in blocks)
+            cells = np.minimum(cap_cells(self.capacity - working - shape.vocab_memory[r], cell), M - 1)
+            value = np.where(cells >= 0, best[np.maximum(cells, 0)], np.inf)
+            stage_time[:, r] = value + shape.vocab_time[r] + shape.p2p[r]
+        values = pipeline_step_time(stage_time, m, v)
+        v_best = int(np.argmin(values))
+        if not np.isfinite(values[v_best]):
+            return None
+        return float(values[v_best]), even_partition(self.L, pp * v), v_best
+
+    # ------------------------------------------------------------------ plan
+    def build_plan(self, shape: Shape, partition: tuple[int, ...], vocab_index: int) -> ParallelPlan:
+        layers = self.solve_blocks(shape, partition, vocab_index)
+        config = shape.config
+        return ParallelPlan(
+            world_size=self.W,
+            layers=tuple(layers),
+            vocab=shape.vocab.strategies[vocab_index],
+            pp=config.pp,
+            partition=tuple(partition) if config.pp > 1 else None,
+            schedule=config.schedule,
+            micro_batches=config.micro_batches,
+            virtual_stages=config.virtual_stages,
+            global_batch_size=self.B,
+        )
+
+    def solve_blocks(self, shape: Shape, partition: Sequence[int], vocab_index: int) -> list[LayerStrategy]:
+        """Per-block strategies for a fixed pipeline shape, partition (blocks per chunk) and embedding/head
+        strategy: the DP of each rank's chunks, then backtracking. Raises :class:`NoAssignment` if a rank's
+        blocks fit no assignment."""
+        pp = shape.config.pp
+        cell, M = self.cell(shape)
+        layers: list[LayerStrategy | None] = [None] * self.L
+        for r in range(pp):
+            blocks, resets = rank_blocks(partition, pp, r)
+            steps = self.steps(shape, shape.in_flight[r])
+            working = max(shape.working[i, 1] for i in blocks)
+            if shape.config.virtual_stages == 1:
+                working = shape.working[blocks[0], len(blocks)]
+            cap = int(min(cap_cells(self.capacity - working - shape.vocab_memory[r, vocab_index], cell), M - 1))
+            seq = [steps[self.types[i]] for i in blocks]
+            _, choices = LayerDP(seq, resets, cell, M).solve(cap)
+            if not choices:
+                raise NoAssignment(f"stage {r}")
+            types = [self.types[i] for i in blocks]
+            chosen = [
+                shape.strategies[t].strategies[int(step.candidates[c])] for t, step, c in zip(types, seq, choices)
+            ]
+            for i, strategy in zip(blocks, _canonical_order(chosen, types, resets, self.W // pp)):
+                layers[i] = strategy
+        return layers  # type: ignore[return-value]
+
+
+class NoAssignment(Exception):
+    """A stage whose blocks fit no assignment of strategies."""
+
+
+def rank_blocks(sizes: Sequence[int], pp: int, rank: int) -> tuple[list[int], list[bool]]:
+    """The blocks of pipeline rank ``rank`` (its chunks, :func:`~lightning_galvatron.layout.rank_chunks`, of
+    ``sizes`` blocks each), and whether each starts a chunk (activations arrive by point-to-point there: no
+    relocation)."""
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    blocks, resets = [], []
+    for c in rank_chunks(rank, pp, len(sizes) // pp):
+        for i in range(int(starts[c]), int(starts[c + 1])):
+            blocks.append(i)
+            resets.append(i == starts[c])
+    return blocks, resets
+
+
+def _canonical_order(
+    strategies: list[LayerStrategy], types: Sequence[int], resets: Sequence[bool], devices_per_stage: int
+) -> list[LayerStrategy]:
+    """Group equal strategies inside each run of same-type, same-layout blocks of a chunk.
+
+    Swapping such blocks changes neither time (relocations depend only on layouts) nor memory, so
+    the DP's arbitrary order among equals is replaced by a readable one: plain blocks first, then
+    ZeRO-2, ZeRO-3, recomputed blocks last.
+    """
+    out = list(strategies)
+    key = lambda s: (s.recompute, ("ddp", "zero2", "zero3").index(s.dp_type), s.sp, s.tp)  # noqa: E731
+    start = 0
+    for i in range(1, len(out) + 1):
+        boundary = (
+            i == len(out)
+            or resets[i]
+            or types[i] != types[start]
+            or layout_of(out[i], devices_per_stage) != layout_of(out[start], devices_per_stage)
+        )
+        if boundary:
+            out[start:i] = sorted(out[start:i], key=key)
+            start = i
+    return out
+
+
+def _undominated(
+    time: np.ndarray, memory: np.ndarray, layout: np.ndarray, relocation: Sequence[np.ndarray] = ()
+) -> np.ndarray:
+    """Candidates that no other candidate beats in both time and memory, relocations included.
+
+    ``y`` dominates ``x`` if it needs no more memory and ``t_y + slack <= t_x``, where ``slack``
+    bounds how much more relocation ``y``'s layout can cost than ``x``'s, into the block from any
+    layout and out of it into any layout (``relocation``: the matrices of the block types that can
+    follow). Replacing every ``x`` by ``y`` in any plan then costs no time and no memory, so the DP
+    loses nothing. Ties are broken by position, so one of equals survives.
+    """
+    S = len(time)
+    if relocation:
+        into = relocation[0]
+        outs = np.max(np.stack(relocation), axis=0)
+        ly, lx = layout[:, None], layout[None, :]
+        slack_in = np.maximum((into[:, ly] - into[:, lx]).max(axis=0), 0.0)  # (S_y, S_x)
+        slack_out = np.maximum((outs[ly, :] - outs[lx, :]).max(axis=2), 0.0)
+        slack = slack_in + slack_out
+    else:
+        slack = np.where(layout[:, None] == layout[None, :], 0.0, np.inf)
+    effective = time[:, None] + slack
+    no_worse = (effective <= time[None, :]) & (memory[:, None] <= memory[None, :])
+    better = (effective < time[None, :]) | (memory[:, None] < memory[None, :])
+    earlier = np.arange(S)[:, None] < np.arange(S)[None, :]
+    np.fill_diagonal(no_worse, False)
+    dominated = (no_worse & (better | earlier)).any(axis=0)
+    return ~dominated
