@@ -205,7 +205,7 @@ class TrialRunner:
     outside_layers: Callable[[], OutsideLayers]  # collective; called only for pipelined candidates
 
     def run(
-        self, plan: ParallelPlan, settings: TrialSettings, observe: bool = True
+        self, plan: ParallelPlan, settings: TrialSettings, observe: bool = True, stop_above: float | None = None
     ) -> tuple[Measurement, list[Observation]]:
         """Train ``plan`` for a few steps on a copy (collective: every rank, the same plans in the same order).
 
@@ -238,7 +238,11 @@ class TrialRunner:
 
     # ------------------------------------------------------------------ one trial on this rank
     def _train(
-        self, plan: ParallelPlan, settings: TrialSettings, observe: bool, outside: OutsideLayers | None,
+        self,
+        plan: ParallelPlan,
+        settings: TrialSettings,
+        observe: bool,
+        outside: OutsideLayers | None,
         stop_above: float | None,
     ) -> tuple[list[float], int | None, Observation | None, None]:
         from lightning_galvatron.profiler.runtime import RuntimeProfiler
@@ -318,7 +322,9 @@ class TrialRunner:
         observation = _finish(runtime)
         runtime = None
         stopped = len(times) < settings.timed_steps
-        peak = step_peak_bytes(step, model, optimizers, self.device) if settings.measure_memory and not stopped else None
+        peak = (
+            step_peak_bytes(step, model, optimizers, self.device) if settings.measure_memory and not stopped else None
+        )
         if observe and cuda:
             runtime = RuntimeProfiler(plan, {i: blocks[i] for i in local}, optimizers, self.device)
             runtime.start()

@@ -130,6 +130,7 @@ def _trials_on_copies() -> dict:
         restored=restored,
         drawn=drawn,
         rank=dist.get_rank(),
+        stopped=stopped,
         unchanged=all(torch.equal(before[k], v) for k, v in module.state_dict().items()),
         plain=not any(isinstance(p, DTensor) for p in module.parameters()),
         blocks=len(module.model.blocks),

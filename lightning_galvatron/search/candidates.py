@@ -209,10 +209,11 @@ def _pricer(profile: Profile, arguments: Mapping[str, Any], budget: Any):
 
 
 def _other_uniform_plans(
-    result: SearchResult, world_size: int, disable: frozenset[str]
+    result: SearchResult, world_size: int, disable: frozenset[str], arguments: Mapping[str, Any]
 ) -> dict[str, list[ParallelPlan]]:
-    """Uniform plans the search's baselines leave out: ZeRO-2 (from the DDP baseline), and on one device -- where
-    the only choices are recomputation and micro-batches -- every combination of the two."""
+    """Uniform plans the search's baselines leave out: ZeRO-2 (from the DDP baseline), pipelines of DDP blocks of
+    every degree (each schedule, a few micro-batch counts), and on one device -- where the only choices are
+    recomputation and micro-batches -- every combination of the two."""
     out: dict[str, list[ParallelPlan]] = {}
     best = result.plan
     batch = best.global_batch_size or world_size
@@ -224,10 +225,18 @@ def _other_uniform_plans(
             for schedule in schedules:
                 for m in (pp, 2 * pp, 4 * pp):
                     try:
-                        plans.append(ParallelPlan.uniform(
-                            world_size, best.num_layers, LayerStrategy(), pp=pp, schedule=schedule, micro_batches=m,
-                            virtual_stages=2 if schedule == "interleaved_1f1b" else 1, global_batch_size=batch,
-                        ))
+                        plans.append(
+                            ParallelPlan.uniform(
+                                world_size,
+                                best.num_layers,
+                                LayerStrategy(),
+                                pp=pp,
+                                schedule=schedule,
+                                micro_batches=m,
+                                virtual_stages=2 if schedule == "interleaved_1f1b" else 1,
+                                global_batch_size=batch,
+                            )
+                        )
                     except (PlanError, ValueError):
                         continue
             out[f"uniform pp{pp}"] = plans

@@ -110,7 +110,15 @@ class Selection:
             status = (
                 "chosen"
                 if t.plan == self.plan
-                else ("" if t.fits(self.memory_budget_bytes) else "does not fit" if t.step_s is not None else "failed")
+                else (
+                    "failed"
+                    if t.step_s is None
+                    else "stopped"
+                    if t.stopped_early
+                    else ""
+                    if t.fits(self.memory_budget_bytes)
+                    else "does not fit"
+                )
             )
             rows.append(
                 (
@@ -368,7 +376,9 @@ def _confirm_close_call(records, runner, settings, budget, started, report, prog
 
 
 def _record(name: str, plan: ParallelPlan, step: float, peak: float, m: Measurement) -> TrialRecord:
-    return TrialRecord(name, plan, step, peak, m.step_s, m.peak_bytes, m.seconds, m.error, stopped_early=m.stopped_early)
+    return TrialRecord(
+        name, plan, step, peak, m.step_s, m.peak_bytes, m.seconds, m.error, stopped_early=m.stopped_early
+    )
 
 
 def _within_budget(started: float, budget_s: float) -> bool:
@@ -461,6 +471,9 @@ def _progress_line(index: str, t: TrialRecord, budget: int) -> str:
     head = f"Galvatron: trial {index} {t.name} ({plan_summary(t.plan)}): "
     if t.step_s is None:
         return head + f"failed ({t.error}) [{t.seconds:.1f} s]"
+    if t.stopped_early:
+        stopped = f"over {SLOWER_THAN_FASTEST:g}x the fastest: stopped"
+        return head + f"{t.step_s * 1e3:.1f} ms per step, {stopped} [{t.seconds:.1f} s]"
     peak = (
         ""
         if t.peak_bytes is None
