@@ -49,7 +49,6 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -71,6 +70,7 @@ from lightning_galvatron.data import (
 )
 from lightning_galvatron.display import setup_report
 from lightning_galvatron.errors import leave_to_reporting_rank
+from lightning_galvatron.micro_batches import run_micro_batches
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
 from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
 from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans, tensor_parallel_plan_or_reason
@@ -87,12 +87,11 @@ from lightning_galvatron.prediction import Prediction, plan_source_name, price_g
 from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan, check_runtime_support, input_shard
 from lightning_galvatron.runtime.compile import compile_options
 from lightning_galvatron.runtime.mesh import MeshCache
-from lightning_galvatron.runtime.pipeline import PipelineRunner, join_micro_batches, loss_of
+from lightning_galvatron.runtime.pipeline import PipelineRunner
 from lightning_galvatron.runtime.sync import agree_across_ranks, broadcast_module_states, destroy_process_group
 from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 from lightning_galvatron.runtime.watchdog import RankMonitor, WatchdogSettings
 from lightning_galvatron.selection import TrialSettings
-from lightning_galvatron.step_logs import recording_logs, replay_logs
 from lightning_galvatron.trials import choose_plan
 
 _DESCRIPTION = "Hybrid parallelism with a per-layer plan searched by Galvatron"
@@ -465,56 +464,7 @@ class GalvatronStrategy(ModelParallelStrategy):
     def _run_micro_batches(
         self, hook: str, precision_context: Callable[[], AbstractContextManager], args: tuple, kwargs: dict
     ) -> Any:
-        """One Lightning step as micro-batches through the runner (and the pipeline schedule).
-
-        Returns the mean loss (training, validation, test) or the micro-batches' predictions joined
-        along the batch (predict), as the last stage computed them, on every rank.
-        """
-        assert self._runner is not None and self._applied is not None and self.plan is not None
-        module = self.lightning_module
-        trainer = module.trainer
-        batch, rest = args[0], args[1:]
-        user_step = getattr(module, hook)
-        train = hook == "training_step"
-        if train:
-            self._zero_grad_at_window_start(trainer, rest[0] if rest else 0)
-
-        def step(micro_batch: Any) -> Any:
-            with precision_context():
-                return user_step(micro_batch, *rest, **kwargs)
-
-        scale = 1.0 / (self._applied.input_shards * self.plan.micro_batches * trainer.accumulate_grad_batches)
-        gradients = self._applied.gradients
-        with (
-            recording_logs(module) as logs,
-            self._step_context(),
-            gradients.deferred(),
-        ):  # loss_parallel covers backward too
-            outputs = self._runner.run(batch, step, loss_scale=scale, train=train)
-        if train and not gradients.is_deferred:  # once, after the last micro-batch (unless Lightning accumulates)
-            gradients.reduce()
-        if hook == "predict_step":
-            joined = join_micro_batches(outputs) if outputs else None  # the last stage's (empty elsewhere)
-            return move_data_to_device(self._runner.broadcast_from_last_stage(joined), self.root_device)
-        losses = [float(loss.detach()) for loss in map(loss_of, outputs) if loss is not None]
-        summary = (sum(losses) / len(losses) if losses else None, logs.averaged())
-        loss, records = self._runner.broadcast_from_last_stage(summary)
-        replay_logs(module, records, self.root_device)
-        if train:
-            call._call_callback_hooks(trainer, "on_after_backward")
-            call._call_lightning_module_hook(trainer, "on_after_backward")
-        return None if loss is None else torch.tensor(loss, device=self.root_device)
-
-    def _zero_grad_at_window_start(self, trainer: Any, batch_idx: int) -> None:
-        """What Lightning does before backward, at the first batch of each accumulation window."""
-        if batch_idx % trainer.accumulate_grad_batches:
-            return
-        for optimizer in self.optimizers:
-            call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
-            call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
-            call._call_lightning_module_hook(
-                trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer
-            )
+        return run_micro_batches(self, hook, precision_context, args, kwargs)
 
     @contextmanager
     @override
