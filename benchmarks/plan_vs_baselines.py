@@ -156,9 +156,16 @@ def main() -> None:
         for world in args.worlds:
             results[str(world)] = measure_world(pools, world, model, args, scratch)
             report_world(results[str(world)], world, model)
+            write(output, results, model, args, time.perf_counter() - started)  # each world as soon as it is done
     finally:
         pools.shutdown()
     seconds = time.perf_counter() - started
+    write(output, results, model, args, seconds)
+    plot(results, output.with_suffix(".png"), model)
+    print(f"\nresults written to {output} and {output.with_suffix('.png')}  ({seconds:.0f} s)")
+
+
+def write(output: Path, results: dict, model: BenchModel, args: Any, seconds: float) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(
         json.dumps(
@@ -177,8 +184,6 @@ def main() -> None:
         )
         + "\n"
     )
-    plot(results, output.with_suffix(".png"), model)
-    print(f"\nresults written to {output} and {output.with_suffix('.png')}  ({seconds:.0f} s)")
 
 
 def measure_world(pools: Pools, world: int, model: BenchModel, args: Any, scratch: Path) -> dict:

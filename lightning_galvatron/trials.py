@@ -8,7 +8,8 @@ and trains it on one real global batch of the user's data:
 
 * ``warmup_steps`` untimed steps (lazy initialisation, first collectives);
 * ``timed_steps`` steps timed on every rank; a step's time is the slowest rank's, the trial's the fastest step
-  (other work on the machine only ever adds to a step, so the fastest is the least disturbed);
+  (other work on the machine only ever adds to a step, so the fastest is the least disturbed); a step more than
+  twice as slow as the fastest plan so far ends the trial (it cannot win);
 * on CPU the runtime profiler (:mod:`lightning_galvatron.profiler.runtime`) records the same steps (its hooks
   cost microseconds there); on CUDA, where it synchronises the device at every boundary, two more steps;
 * the peak memory of a step (:mod:`lightning_galvatron.selection.memory`), the largest over the ranks.
@@ -204,18 +205,19 @@ class TrialRunner:
     outside_layers: Callable[[], OutsideLayers]  # collective; called only for pipelined candidates
 
     def run(
-        self, plan: ParallelPlan, settings: TrialSettings, observe: bool = True
+        self, plan: ParallelPlan, settings: TrialSettings, observe: bool = True, stop_above: float | None = None
     ) -> tuple[Measurement, list[Observation]]:
         """Train ``plan`` for a few steps on a copy (collective: every rank, the same plans in the same order).
 
-        Returns the measurement (the same on every rank) and, on rank 0, every rank's observation for the
-        calibration (empty elsewhere, and when ``observe`` is false or the trial failed).
+        A timed step slower than ``stop_above`` seconds (the slowest rank's) ends the trial there, its memory not
+        measured: the plan cannot win. Returns the measurement (the same on every rank) and, on rank 0, every
+        rank's observation for the calibration (empty elsewhere, and when ``observe`` is false or it failed).
         """
         started = time.perf_counter()
         outcome: tuple[list[float], int | None, Observation | None, str | None]
         outside = self.outside_layers() if plan.pp > 1 else None  # collective, before anything can fail
         try:
-            outcome = self._train(plan, settings, observe, outside)
+            outcome = self._train(plan, settings, observe, outside, stop_above)
         except Exception as error:  # noqa: BLE001 - a plan that fails here is not chosen; the others go on
             outcome = ([], None, None, f"{type(error).__name__}: {error}")
         finally:
@@ -231,11 +233,17 @@ class TrialRunner:
         steps = [max(column) for column in zip(*(times for times, *_ in gathered))]
         peaks = [peak for _, peak, *_ in gathered if peak is not None]
         observations = [obs for _, _, obs, _ in gathered if obs is not None] if dist.get_rank() == 0 else []
-        return Measurement(min(steps), max(peaks) if peaks else None, seconds), observations
+        stopped = len(steps) < settings.timed_steps
+        return Measurement(min(steps), max(peaks) if peaks else None, seconds, stopped_early=stopped), observations
 
     # ------------------------------------------------------------------ one trial on this rank
     def _train(
-        self, plan: ParallelPlan, settings: TrialSettings, observe: bool, outside: OutsideLayers | None
+        self,
+        plan: ParallelPlan,
+        settings: TrialSettings,
+        observe: bool,
+        outside: OutsideLayers | None,
+        stop_above: float | None,
     ) -> tuple[list[float], int | None, Observation | None, None]:
         from lightning_galvatron.profiler.runtime import RuntimeProfiler
 
@@ -306,10 +314,17 @@ class TrialRunner:
                 runtime.step_started()
             began = _now(self.device)
             step()
-            times.append(_now(self.device) - began)
+            slowest = torch.tensor(_now(self.device) - began, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank takes the same decision below
+            times.append(float(slowest))
+            if stop_above is not None and times[-1] > stop_above:
+                break
         observation = _finish(runtime)
         runtime = None
-        peak = step_peak_bytes(step, model, optimizers, self.device) if settings.measure_memory else None
+        stopped = len(times) < settings.timed_steps
+        peak = (
+            step_peak_bytes(step, model, optimizers, self.device) if settings.measure_memory and not stopped else None
+        )
         if observe and cuda:
             runtime = RuntimeProfiler(plan, {i: blocks[i] for i in local}, optimizers, self.device)
             runtime.start()

@@ -124,11 +124,13 @@ def _trials_on_copies() -> dict:
     restored = torch.equal(rng, torch.get_rng_state())
     runner.run(plans[1], settings)  # without preserved_rng: a trial draws from the random state (dropout)
     drawn = not torch.equal(rng, torch.get_rng_state())
+    stopped, _ = runner.run(plans[1], settings, stop_above=0.0)  # slower than any plan could be: stops at once
     return dict(
         results=results,
         restored=restored,
         drawn=drawn,
         rank=dist.get_rank(),
+        stopped=stopped,
         unchanged=all(torch.equal(before[k], v) for k, v in module.state_dict().items()),
         plain=not any(isinstance(p, DTensor) for p in module.parameters()),
         blocks=len(module.model.blocks),
@@ -145,6 +147,8 @@ def test_trials_leave_the_module_its_optimizer_and_the_random_state_untouched(po
         assert out["restored"] and out["drawn"]
         assert out["unchanged"] and out["plain"] and out["blocks"] == 4 and out["hooks"] == 0 and not out["grads"]
         assert out["optimizers_made"] == 0 and not out["logs_patched"]
+        stopped = out["stopped"]
+        assert stopped.stopped_early and stopped.step_s > 0 and stopped.peak_bytes is None and stopped.error is None
         for measurement, observations in out["results"]:
             assert measurement.error is None and measurement.step_s > 0 and measurement.peak_bytes > 0
             assert len(observations) == (2 if out["rank"] == 0 else 0)  # every rank's, gathered on rank 0

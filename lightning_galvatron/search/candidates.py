@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
+from lightning_galvatron.plan import SCHEDULES, LayerStrategy, ParallelPlan, PlanError
 from lightning_galvatron.profiles import Profile
 from lightning_galvatron.search.engine import SearchResult, search
 from lightning_galvatron.search.estimate import Estimate, evaluate
@@ -27,7 +27,7 @@ from lightning_galvatron.search.estimate import Estimate, evaluate
 class PlanKind(NamedTuple):
     """The choices whose costs the model is least sure of: two plans of one kind differ in degree, not nature."""
 
-    pipeline: bool
+    pipeline: int  # the pipeline degree (1: none); the depth changes the bubble and the data-parallel width
     sharded: bool  # some states sharded (ZeRO-2/3)
     tensor_parallel: bool  # some blocks split (TP, Megatron-SP or Ulysses)
     recompute: bool
@@ -35,7 +35,7 @@ class PlanKind(NamedTuple):
 
     def describe(self) -> str:
         parts = [
-            "pipeline" if self.pipeline else "no pipeline",
+            f"pp{self.pipeline}" if self.pipeline > 1 else "no pipeline",
             "ZeRO" if self.sharded else "DDP",
             "TP" if self.tensor_parallel else "no TP",
         ]
@@ -49,7 +49,7 @@ class PlanKind(NamedTuple):
 def plan_kind(plan: ParallelPlan) -> PlanKind:
     strategies = (*plan.layers, plan.vocab)
     return PlanKind(
-        pipeline=plan.pp > 1,
+        pipeline=plan.pp,
         sharded=any(s.dp_type != "ddp" for s in strategies),
         tensor_parallel=any(s.tp > 1 for s in strategies),
         recompute=any(s.recompute for s in plan.layers),
@@ -75,7 +75,7 @@ def diverse_candidates(
     result: SearchResult,
     search_arguments: Mapping[str, Any],
     *,
-    max_candidates: int = 6,
+    max_candidates: int = 8,
 ) -> list[Candidate]:
     """The search's best plan, the best of each other kind and the uniform plans that fit, in trial order.
 
@@ -102,7 +102,7 @@ def diverse_candidates(
 
     # The best plan of the other kinds: the search again with one choice of the best plan excluded.
     variants: list[tuple[str, dict[str, Any]]] = []
-    if kind.pipeline:
+    if kind.pipeline > 1:
         variants.append(("searched, no pipeline", {"max_pp": 1}))
     if kind.tensor_parallel:
         variants.append(("searched, no TP", {"max_tp": 1}))
@@ -124,7 +124,7 @@ def diverse_candidates(
         if baseline.fits and baseline.estimate is not None:
             found.append(Candidate(f"uniform {baseline.name}", baseline.estimate.plan, baseline.estimate))
     price = _pricer(profile, arguments, budget)
-    for name, plans in _other_uniform_plans(result, world_size, disable).items():
+    for name, plans in _other_uniform_plans(result, world_size, disable, arguments).items():
         estimates = [e for e in map(price, plans) if e is not None and e.fits]
         if estimates:
             fastest = min(estimates, key=lambda e: e.step_time_s)
@@ -209,11 +209,37 @@ def _pricer(profile: Profile, arguments: Mapping[str, Any], budget: Any):
 
 
 def _other_uniform_plans(
-    result: SearchResult, world_size: int, disable: frozenset[str]
+    result: SearchResult, world_size: int, disable: frozenset[str], arguments: Mapping[str, Any]
 ) -> dict[str, list[ParallelPlan]]:
-    """Uniform plans the search's baselines leave out: ZeRO-2 (from the DDP baseline), and on one device -- where
-    the only choices are recomputation and micro-batches -- every combination of the two."""
+    """Uniform plans the search's baselines leave out: ZeRO-2 (from the DDP baseline), pipelines of DDP blocks of
+    every degree (each schedule, a few micro-batch counts), and on one device -- where the only choices are
+    recomputation and micro-batches -- every combination of the two."""
     out: dict[str, list[ParallelPlan]] = {}
+    best = result.plan
+    batch = best.global_batch_size or world_size
+    max_pp = arguments.get("max_pp") or world_size
+    if world_size > 1 and "pipeline" not in disable and "ddp" not in disable:
+        schedules = arguments.get("schedules") or SCHEDULES
+        for pp in (d for d in range(2, min(world_size, max_pp, best.num_layers) + 1) if world_size % d == 0):
+            plans = []
+            for schedule in schedules:
+                for m in (pp, 2 * pp, 4 * pp):
+                    try:
+                        plans.append(
+                            ParallelPlan.uniform(
+                                world_size,
+                                best.num_layers,
+                                LayerStrategy(),
+                                pp=pp,
+                                schedule=schedule,
+                                micro_batches=m,
+                                virtual_stages=2 if schedule == "interleaved_1f1b" else 1,
+                                global_batch_size=batch,
+                            )
+                        )
+                    except (PlanError, ValueError):
+                        continue
+            out[f"uniform pp{pp}"] = plans
     ddp = next((b for b in result.baselines if b.name == "ddp" and b.estimate is not None), None)
     if ddp is not None and world_size > 1 and "zero2" not in disable:
         plan = ddp.estimate.plan
@@ -224,8 +250,6 @@ def _other_uniform_plans(
             )
         ]
     if world_size == 1:
-        best = result.plan
-        batch = best.global_batch_size or 1
         micro = [m for m in range(1, batch + 1) if batch % m == 0][:6]
         for recompute in (False, True):
             if recompute and "recompute" in disable:

@@ -28,7 +28,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,8 +58,11 @@ class TrialRecord:
     seconds: float = 0.0
     error: str | None = None
     calibrated_step_s: float | None = None  # the model calibrated from all trials
+    stopped_early: bool = False  # far slower than the fastest tried before it: stopped, memory not measured
 
     def fits(self, budget: int) -> bool:
+        """Measured, and its measured peak within ``budget`` (a trial stopped early was not measured: assumed to
+        fit, as it is chosen only where nothing measured is faster)."""
         return self.step_s is not None and (self.peak_bytes is None or self.peak_bytes <= budget)
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,7 +110,15 @@ class Selection:
             status = (
                 "chosen"
                 if t.plan == self.plan
-                else ("" if t.fits(self.memory_budget_bytes) else "does not fit" if t.step_s is not None else "failed")
+                else (
+                    "failed"
+                    if t.step_s is None
+                    else "stopped"
+                    if t.stopped_early
+                    else ""
+                    if t.fits(self.memory_budget_bytes)
+                    else "does not fit"
+                )
             )
             rows.append(
                 (
@@ -292,7 +303,9 @@ def _select(auto, runner, settings, check, report, progress, started) -> Selecti
 
     def trial(index: int, name: str, plan: ParallelPlan, predicted_step: float, predicted_peak: float) -> None:
         progress(f"setup: trial {index} ({name})")
-        measurement, seen = runner.run(plan, settings)
+        fastest = min((t.step_s for t in records if t.fits(budget)), default=None)
+        stop_above = None if fastest is None else SLOWER_THAN_FASTEST * fastest
+        measurement, seen = runner.run(plan, settings, stop_above=stop_above)
         observations.extend(seen)
         records.append(_record(name, plan, predicted_step, predicted_peak, measurement))
         report(
@@ -302,8 +315,8 @@ def _select(auto, runner, settings, check, report, progress, started) -> Selecti
         )
 
     for index, (name, plan, step, peak) in enumerate(candidates, 1):
-        # The next trial only if it should end within the budget, leaving room for the calibrated search's plan.
-        go = [index == 1 or _expect_within(records, started, settings.budget_s, trials_left=2)]
+        # The next trial while the budget lasts.
+        go = [index == 1 or _within_budget(started, settings.budget_s)]
         dist.broadcast_object_list(go, src=0)
         if not go[0]:
             break
@@ -328,6 +341,10 @@ def _select(auto, runner, settings, check, report, progress, started) -> Selecti
 
 #: The two fastest plans are measured again when the runner-up is within this factor of the fastest.
 CLOSE_CALL = 1.25
+#: A trial whose timed step is this many times the fastest plan's so far stops: the plan cannot win.
+SLOWER_THAN_FASTEST = 2.0
+#: The calibrated search runs once this many plans were measured (fewer leave most of its terms unfitted).
+CALIBRATE_FROM = 3
 
 
 def _confirm_close_call(records, runner, settings, budget, started, report, progress) -> None:
@@ -336,7 +353,7 @@ def _confirm_close_call(records, runner, settings, budget, started, report, prog
     fitting = sorted((t for t in records if t.fits(budget)), key=lambda t: t.step_s)[:2]
     if len(fitting) < 2 or fitting[1].step_s > CLOSE_CALL * fitting[0].step_s:
         return
-    go = [dist.get_rank() == 0 and _expect_within(records, started, settings.budget_s, trials_left=2)]
+    go = [dist.get_rank() == 0 and _within_budget(started, settings.budget_s)]
     dist.broadcast_object_list(go, src=0)
     if not go[0]:
         return
@@ -359,14 +376,15 @@ def _confirm_close_call(records, runner, settings, budget, started, report, prog
 
 
 def _record(name: str, plan: ParallelPlan, step: float, peak: float, m: Measurement) -> TrialRecord:
-    return TrialRecord(name, plan, step, peak, m.step_s, m.peak_bytes, m.seconds, m.error)
+    return TrialRecord(
+        name, plan, step, peak, m.step_s, m.peak_bytes, m.seconds, m.error, stopped_early=m.stopped_early
+    )
 
 
-def _expect_within(records: Sequence[TrialRecord], started: float, budget_s: float, trials_left: int) -> bool:
-    """Whether ``trials_left`` more trials, each as long as the median one so far, end within the budget."""
-    durations = sorted(t.seconds for t in records)
-    typical = durations[len(durations) // 2] if durations else 0.0
-    return time.perf_counter() - started + trials_left * typical <= budget_s
+def _within_budget(started: float, budget_s: float) -> bool:
+    """Whether another trial may start: trials start while the budget lasts (the last one may end after it; a slow
+    plan's trial stops early, see SLOWER_THAN_FASTEST)."""
+    return time.perf_counter() - started < budget_s
 
 
 def _calibrate_and_search(auto, observations, records, started, settings):
@@ -380,7 +398,7 @@ def _calibrate_and_search(auto, observations, records, started, settings):
     if not observations:
         return None, None, ""
     measured = [t.plan for t in records if t.step_s is not None]
-    if not measured:
+    if len(measured) < CALIBRATE_FROM:
         return None, None, ""
     # Only what the trials measured: the calibration prices anything else too cheaply (see unmeasured).
     arguments["disable"] = frozenset(arguments.get("disable") or ()) | unmeasured(measured)
@@ -399,7 +417,7 @@ def _calibrate_and_search(auto, observations, records, started, settings):
     tried = {t.plan for t in records}
     if result.plan in tried:
         return calibration, None, "the calibrated search picks a plan already tried"
-    if not _expect_within(records, started, settings.budget_s, trials_left=1):
+    if not _within_budget(started, settings.budget_s):
         return calibration, None, f"the calibrated search picks {plan_summary(result.plan)}, not tried: no time left"
     plan = result.plan
     from lightning_galvatron.search.estimate import evaluate
@@ -453,6 +471,9 @@ def _progress_line(index: str, t: TrialRecord, budget: int) -> str:
     head = f"Galvatron: trial {index} {t.name} ({plan_summary(t.plan)}): "
     if t.step_s is None:
         return head + f"failed ({t.error}) [{t.seconds:.1f} s]"
+    if t.stopped_early:
+        stopped = f"over {SLOWER_THAN_FASTEST:g}x the fastest: stopped"
+        return head + f"{t.step_s * 1e3:.1f} ms per step, {stopped} [{t.seconds:.1f} s]"
     peak = (
         ""
         if t.peak_bytes is None

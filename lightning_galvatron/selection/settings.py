@@ -18,8 +18,8 @@ class TrialSettings:
     """How much measured selection may spend (``GalvatronStrategy(trials=...)``).
 
     Attributes:
-        budget_s: wall-clock seconds for all trials together; the search's best plan is always tried, the next
-            candidate only while the trials so far say it will end within the budget.
+        budget_s: wall-clock seconds for all trials together: the search's best plan is always tried, the next
+            candidates are started while the budget lasts (the last may end after it).
         warmup_steps, timed_steps: untimed and timed training steps per trial.
         max_candidates: plans tried at most (the search's best, the best of other kinds, the uniform plans).
         measure_memory: measure each trial's peak memory per rank (a plan over the budget is not chosen).
@@ -28,7 +28,7 @@ class TrialSettings:
     budget_s: float = 20.0
     warmup_steps: int = 1
     timed_steps: int = 3
-    max_candidates: int = 6
+    max_candidates: int = 8
     measure_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -79,6 +79,7 @@ class Measurement:
     peak_bytes: int | None  # the largest peak over the ranks; None: not measured
     seconds: float  # the whole trial: copying, applying the plan, all its steps
     error: str | None = None
+    stopped_early: bool = False  # a timed step was so slow that the plan could not win; memory not measured
 
 
 class TrialUnavailable(RuntimeError):
