@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import warnings
 from pathlib import Path
 
@@ -25,14 +24,12 @@ def _example():
     return model, find_blocks(model), (data.inputs[:2], data.targets[:2])
 
 
-def _profile_cached_then_corrupted(cache_dir: str) -> tuple[dict, dict, float, list[str], dict]:
+def _profile_cached_then_corrupted(cache_dir: str) -> tuple[dict, dict, list[str], dict]:
     """Measure; hit the cache; corrupt the file and profile again (rank 0 warns and re-measures)."""
     model, structure, batch = _example()
     cache = ProfileCache(cache_dir)
     first = profile(model, structure, batch, cache=cache, hardware_budget_s=1.0)
-    started = time.perf_counter()
     again = profile(model, structure, batch, cache=cache, hardware_budget_s=1.0)
-    cached_s = time.perf_counter() - started
     if dist.get_rank() == 0:
         for path in Path(cache_dir).glob("*.json"):
             path.write_text('{"format": "lightning_galvatron.profile", "version": 1, "model": {')
@@ -40,19 +37,20 @@ def _profile_cached_then_corrupted(cache_dir: str) -> tuple[dict, dict, float, l
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         remeasured = profile(model, structure, batch, cache=cache, hardware_budget_s=1.0)
-    return first.to_dict(), again.to_dict(), cached_s, [str(w.message) for w in caught], remeasured.to_dict()
+    return first.to_dict(), again.to_dict(), [str(w.message) for w in caught], remeasured.to_dict()
 
 
 def test_four_ranks_get_one_profile_that_the_search_accepts(pools, tmp_path):
     results = pools(4).run(_profile_cached_then_corrupted, str(tmp_path))
     first = results[0][0]
-    assert all(r[0] == first and r[1] == first for r in results)  # every rank, measured or cached
-    assert max(r[2] for r in results) < 2.0  # the second call is a cache hit, not a measurement
+    assert all(
+        r[0] == first and r[1] == first for r in results
+    )  # every rank; the second call is a cache hit (a measurement would differ)
     # A corrupt cache file: rank 0 names it in a warning, everyone re-profiles, the file is rewritten.
     (path,) = tmp_path.glob("*.json")
-    assert any("corrupt cached profile" in m and path.name in m for m in results[0][3])
-    assert all(r[4] == results[0][4] for r in results)
-    assert Profile.load(path).to_dict() == results[0][4]
+    assert any("corrupt cached profile" in m and path.name in m for m in results[0][2])
+    assert all(r[3] == results[0][3] for r in results)
+    assert Profile.load(path).to_dict() == results[0][3]
 
     result = Profile.from_dict(first)
     (layer,) = result.model.layer_types
