@@ -6,9 +6,9 @@ about 1.8x slower than ``torch.nn.parallel.DistributedDataParallel`` on the same
 dispatches every update through DTensor and backward pays a collective per block. Here the parameters
 stay as they are (plain tensors, or the DTensors tensor parallelism made on its own group), and their
 gradients are summed over each layer's dp group as DDP does it: flattened into buckets of about
-``bucket_bytes`` in backward order, each launched asynchronously as soon as all its gradients are
-accumulated (at most two in flight, so the flat copies stay small), the last ones waited for at the end
-of backward.
+``bucket_bytes`` in backward order (the first one smaller), each launched asynchronously as soon as all its
+gradients are accumulated (at most two in flight, so the flat copies stay small), the last ones waited for at
+the end of backward.
 
 Gradients are **summed** (the runtime's convention, see ``sharding``). The sum is linear, so
 accumulation over micro-batches or over Lightning's ``accumulate_grad_batches`` reduces once, after
@@ -35,6 +35,8 @@ from torch.distributed.tensor import DTensor
 from lightning_galvatron.runtime.mesh import local_tensor
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+#: The first bucket in backward order is small, as DDP's: its sum starts while most of backward is still to run.
+DEFAULT_FIRST_BUCKET_BYTES = 2**20
 
 
 @dataclass
@@ -114,6 +116,7 @@ class GradientReducer:
     """Sums the gradients of registered parameters over their dp groups once per optimizer step."""
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES
     _pending: list[tuple[list[nn.Parameter], dist.ProcessGroup | None, bool]] = field(default_factory=list)
     _buckets: list[_Bucket] = field(default_factory=list)
     _bucket_of: dict[int, _Bucket] = field(default_factory=dict)
@@ -159,7 +162,7 @@ class GradientReducer:
             for p in reversed(params):
                 current.append(p)
                 size += local_tensor(p).numel() * p.element_size()
-                if size >= self.bucket_bytes:
+                if size >= (self.bucket_bytes if self._buckets else self.first_bucket_bytes):
                     self._buckets.append(_Bucket(current, group))
                     current, size = [], 0
         if current:
