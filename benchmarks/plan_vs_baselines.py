@@ -17,7 +17,8 @@ Settings (budgets per device, derived from the peaks the uniform plans *measured
 * ``no-ddp``: halfway between pure ZeRO-3's and pure DDP's measured peaks (DDP does not fit);
 * ``zero3-recompute-only``: halfway between ZeRO-3 with recomputation's peak and the next smallest (only it fits);
 * ``max_pp=1``: the ``no-ddp`` budget with pipelines switched off (``GalvatronStrategy(max_pp=1)``), where the best
-  plan may mix strategies per block; its gain is measured against the best fitting uniform plan without a pipeline.
+  plan may mix strategies per block; it is compared with the fitting baselines without a pipeline (the user ruled
+  pipelines out), and its gain over the best of them that is a uniform plan is the per-layer search's.
 
 A configuration *fits* a budget if its measured peak per rank (allocator-level, ``harness.py``) does. Runs are
 interleaved over ``--rounds`` rounds; throughput ratios ``auto / other`` are taken per round and their median
@@ -316,12 +317,12 @@ def ratios(runs: dict[str, list[dict]], settings: dict[str, dict]) -> dict[str, 
             "selection": ok_autos[0]["info"].get("selection"),
         }
         fitting = {k: v for k, v in row["versus"].items() if v["fits"]}
+        if setting.get("strategy", {}).get("max_pp") == 1:  # the user ruled pipelines out: so do the baselines
+            fitting = {k: v for k, v in fitting.items() if not k.startswith("pp")}
         if fitting:
             best = min(fitting, key=lambda k: fitting[k]["step_s"])
             row["best_baseline"] = best
             uniform = {k: v for k, v in fitting.items() if k not in LIGHTNING}
-            if setting.get("strategy", {}).get("max_pp") == 1:
-                uniform = {k: v for k, v in uniform.items() if not k.startswith("pp")}
             if uniform:
                 row["best_uniform"] = min(uniform, key=lambda k: uniform[k]["step_s"])
         out[name] = row
