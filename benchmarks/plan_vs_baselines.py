@@ -31,6 +31,8 @@ reported (steady state, and with each configuration's setup amortised over 1,000
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import statistics
 import tempfile
@@ -148,22 +150,29 @@ def main() -> None:
     if args.quick:
         args.rounds, args.warmup_steps, args.timed_steps = 1, 1, 3
     output = Path(args.output or RESULTS / ("plan_vs_baselines_quick.json" if args.quick else "plan_vs_baselines.json"))
+    output.parent.mkdir(parents=True, exist_ok=True)
     model = BenchModel()
     started = time.perf_counter()
     pools = Pools()
     results: dict[str, Any] = {}
+    tables: list[str] = []  # the printed tables, also written to the .txt next to the JSON
     scratch = Path(tempfile.mkdtemp(prefix="plan_vs_baselines_"))
     try:
         for world in args.worlds:
             results[str(world)] = measure_world(pools, world, model, args, scratch)
-            report_world(results[str(world)], world, model)
+            table = io.StringIO()
+            with contextlib.redirect_stdout(table):
+                report_world(results[str(world)], world, model)
+            print(table.getvalue(), end="")
+            tables.append(table.getvalue())
+            output.with_suffix(".txt").write_text("".join(tables).lstrip("\n"))
             write(output, results, model, args, time.perf_counter() - started)  # each world as soon as it is done
     finally:
         pools.shutdown()
     seconds = time.perf_counter() - started
     write(output, results, model, args, seconds)
     plot(results, output.with_suffix(".png"), model)
-    print(f"\nresults written to {output} and {output.with_suffix('.png')}  ({seconds:.0f} s)")
+    print(f"\nresults written to {output} (.json, .txt, .png)  ({seconds:.0f} s)")
 
 
 def write(output: Path, results: dict, model: BenchModel, args: Any, seconds: float) -> None:
