@@ -6,7 +6,7 @@ ZeRO-3, ZeRO-3 with recomputation, DDP with 4 micro-batches, TP, Megatron-SP wit
 pipelines (1F1B, GPipe), two heterogeneous plans, and the plans the search picks for an ample and for a
 tight budget (with and without calibration, when they differ).
 
-Two predictions per plan:
+Four predictions of step time per plan:
 
 * ``uncalibrated``: the cost model as the search uses it from the profile alone;
 * ``calibrated``: the same model calibrated (``lightning_galvatron.search.calibration``) from what the
@@ -14,7 +14,17 @@ Two predictions per plan:
   and a pipeline (``lightning_galvatron.calibrate.probe_plans``); no evaluated plan is a probe;
 * ``held out``: calibrated from the runtime profiler's measurements of every *other* plan and the probes
   (leave one out: a plan's own measurements never price it) -- what a strategy that has run other plans
-  on this machine predicts for a new one.
+  on this machine predicts for a new one;
+* ``after selection``: calibrated as measured selection calibrates itself from its own trials in the
+  default path (``GalvatronStrategy(plan="auto", memory_budget=1 GiB, profile_cache=<fresh directory>)``,
+  default ``trials``; ``strategy.selection.calibration``), with the profile that strategy measured; also
+  over the plans that use only mechanisms its trials measured (the calibration prices the others by its
+  shared terms only: the calibrated search is kept away from them for that reason).
+
+Memory is predicted twice per stage: by :func:`~lightning_galvatron.search.evaluate` (the plan's own transient
+memory) and as the search prices the plan against the budget while searching
+(:func:`~lightning_galvatron.search.engine.search_memory_per_stage`: a working reserve that does not depend
+on the blocks' strategies, so that its block DP stays additive).
 
 Runs are interleaved (every plan and probe once per round, the order rotated) over ``--rounds`` rounds;
 a plan's step time is its median over rounds. Memory is measured once per plan, by the allocator-level
@@ -32,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +56,9 @@ from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiles import Profile
 from lightning_galvatron.search import evaluate, search
+from lightning_galvatron.search.calibration import Calibration
+from lightning_galvatron.search.candidates import unmeasured
+from lightning_galvatron.search.engine import search_memory_per_stage
 
 WORLD = 4
 PRECISION = "32-true"
@@ -134,6 +148,32 @@ def run_plan(plan: dict, model: BenchModel, warmup: int, timed: int, memory: boo
     )
 
 
+def select_on_ranks(model: BenchModel, budget: int, cache: str) -> dict:
+    """Measured selection in its default path, on the pool's ranks: what it chose and the calibration it fitted."""
+
+    def selection_info(strategy: GalvatronStrategy) -> dict:
+        selection = strategy.selection
+        prediction = strategy.prediction
+        return {
+            "calibration": None if selection.calibration is None else selection.calibration.to_dict(),
+            "profile": None if prediction is None or prediction.profile is None else prediction.profile.to_dict(),
+            "trials": [t.to_dict() for t in selection.trials],
+            "plan": selection.plan.to_dict(),
+            "note": selection.note,
+            "seconds": selection.seconds,
+        }
+
+    result = measure_run(
+        lambda: GalvatronStrategy(plan="auto", memory_budget=budget, profile_cache=cache, save_plan=False),
+        model,
+        warmup=0,
+        timed=1,
+        memory=False,
+        info=selection_info,
+    )
+    return result["info"]
+
+
 # ---------------------------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -179,21 +219,64 @@ def main() -> None:
                 print(f"round {r}:")
                 current = r
             run(name, everything[name], memory=r == 0)
+        print("measured selection (plan='auto', default trials, fresh profile cache):", flush=True)
+        with tempfile.TemporaryDirectory(prefix="galvatron-accuracy-") as cache:
+            selection = pool.run(select_on_ranks, model, SELECTION_BUDGET, cache, timeout=900)[0]
     calibration = fit_from_runs(profile, [r for name in probes for r in runs[name]], PRECISION, OPTIMIZER)
     print(f"\ncalibration from the probes: {calibration.describe()}")
+    selected = selection_calibration(selection)
+    tried = [ParallelPlan.from_dict(t["plan"]) for t in selection["trials"] if t["step_s"] is not None]
     rows = []
     for name, plan in plans.items():
         others = fit_from_runs(
             profile, [r for other, rs in runs.items() if other != name for r in rs], PRECISION, OPTIMIZER
         )
-        rows.append(row(name, plan, runs[name], profile, calibration, others))
-    report(rows, model, args, time.perf_counter() - started, profile_dict, calibration, probes, runs)
+        rows.append(row(name, plan, runs[name], profile, calibration, others, selected))
+        rows[-1]["mechanisms_measured_by_selection"] = not (mechanisms(plan) & unmeasured(tried))
+    report(rows, model, args, time.perf_counter() - started, profile_dict, calibration, probes, runs, selection)
 
 
-def row(name: str, plan: ParallelPlan, runs: list[dict], profile: Profile, calibration: Any, others: Any) -> dict:
+def mechanisms(plan: ParallelPlan) -> frozenset[str]:
+    """The search's names of the mechanisms ``plan`` uses (what a calibration needs to have seen to price it)."""
+    return unmeasured([]) - unmeasured([plan])
+
+
+#: The memory budget measured selection is given (the ample one of :func:`budgets`: every kind of plan fits).
+SELECTION_BUDGET = 2**30
+
+
+def selection_calibration(selection: dict) -> tuple[Profile, Calibration] | None:
+    """The profile and calibration measured selection priced with, or None when it fitted none."""
+    if selection["calibration"] is None or selection["profile"] is None:
+        return None
+    return Profile.from_dict(selection["profile"]), Calibration.from_dict(selection["calibration"])
+
+
+def row(
+    name: str,
+    plan: ParallelPlan,
+    runs: list[dict],
+    profile: Profile,
+    calibration: Any,
+    others: Any,
+    selected: tuple[Profile, Calibration] | None,
+) -> dict:
     plain = evaluate(profile, plan, precision=PRECISION, optimizer=OPTIMIZER)
     calibrated = evaluate(profile, plan, precision=PRECISION, optimizer=OPTIMIZER, calibration=calibration)
     held_out = evaluate(profile, plan, precision=PRECISION, optimizer=OPTIMIZER, calibration=others)
+    after_selection = None
+    if selected is not None:
+        after_selection = evaluate(
+            selected[0], plan, precision=PRECISION, optimizer=OPTIMIZER, calibration=selected[1]
+        ).step_time_s
+    try:
+        searched: list[float] | None = list(
+            search_memory_per_stage(profile, plan, precision=PRECISION, optimizer=OPTIMIZER)
+        )
+    except ValueError as err:  # a plan outside the search space: the search never prices it
+        searched, why = None, str(err)
+    else:
+        why = ""
     peaks = next(run["peak_bytes_per_rank"] for run in runs if run["memory_source"] != "none")
     n = plan.devices_per_stage
     return {
@@ -204,8 +287,11 @@ def row(name: str, plan: ParallelPlan, runs: list[dict], profile: Profile, calib
         "predicted_step_s": plain.step_time_s,
         "calibrated_step_s": calibrated.step_time_s,
         "held_out_step_s": held_out.step_time_s,
+        "after_selection_step_s": after_selection,
         "observations": [_without_plan(run["info"].get("observations", [])) for run in runs],
         "predicted_peak_bytes_per_stage": list(plain.peak_memory_bytes_per_stage),
+        "search_peak_bytes_per_stage": searched,
+        "search_peak_missing": why,
         "measured_peak_bytes_per_stage": [max(peaks[s * n : (s + 1) * n]) for s in range(plan.pp)],
         "measured_peak_bytes_per_rank": peaks,
         "memory_source": next(run["memory_source"] for run in runs if run["memory_source"] != "none"),
@@ -221,40 +307,88 @@ def _without_plan(observations: list[dict]) -> list[dict]:
 def summarise(rows: list[dict]) -> dict[str, float]:
     measured = [r["measured_step_s"] for r in rows]
     out = {}
-    for kind in ("predicted", "calibrated", "held_out"):
+    for kind in LABELS:
         predicted = [r[f"{kind}_step_s"] for r in rows]
+        if None in predicted:  # measured selection fitted no calibration
+            out[f"{kind}_step_time_mape"] = out[f"{kind}_step_time_spearman"] = None
+            continue
         out[f"{kind}_step_time_mape"] = mape(predicted, measured)
         out[f"{kind}_step_time_spearman"] = spearman(predicted, measured)
+    covered = [r for r in rows if r.get("mechanisms_measured_by_selection")]
+    if covered and out["after_selection_step_time_mape"] is not None:
+        predicted = [r["after_selection_step_s"] for r in covered]
+        out["after_selection_covered_step_time_mape"] = mape(predicted, [r["measured_step_s"] for r in covered])
+        out["after_selection_covered_step_time_spearman"] = spearman(predicted, [r["measured_step_s"] for r in covered])
+    out["after_selection_covered_plans"] = len(covered)
     out["memory_mape"] = mape(
         [p for r in rows for p in r["predicted_peak_bytes_per_stage"]],
         [m for r in rows for m in r["measured_peak_bytes_per_stage"]],
+    )
+    priced = [r for r in rows if r["search_peak_bytes_per_stage"] is not None]
+    out["search_memory_mape"] = mape(
+        [p for r in priced for p in r["search_peak_bytes_per_stage"]],
+        [m for r in priced for m in r["measured_peak_bytes_per_stage"]],
+    )
+    out["search_memory_plans"] = len(priced)
+    # What the search adds to evaluate()'s estimate: its strategy-independent working reserve, per stage.
+    out["search_minus_evaluate_bytes_per_stage"] = statistics.fmean(
+        s - e for r in priced for s, e in zip(r["search_peak_bytes_per_stage"], r["predicted_peak_bytes_per_stage"])
     )
     out["plans"] = len(rows)
     return out
 
 
-def report(rows, model, args, seconds, profile_dict, calibration, probes, runs) -> None:  # noqa: ANN001
+def report(rows, model, args, seconds, profile_dict, calibration, probes, runs, selection) -> None:  # noqa: ANN001
     summary = summarise(rows)
     print(f"\nCost model accuracy on {WORLD} CPU processes, {model.describe()}, median of {args.rounds} rounds")
     print(
-        f"{'plan':40s} {'measured':>8s} {'model':>13s} {'probes':>13s} {'others':>13s}   {'memory':>9s} {'model':>15s}"
+        f"{'plan':40s} {'measured':>8s} {'model':>13s} {'probes':>13s} {'others':>13s} {'selection':>13s}   "
+        f"{'memory':>9s} {'evaluate':>15s} {'search':>15s}"
     )
     for r in rows:
         meas = r["measured_step_s"]
         cells = " ".join(
-            f"{r[k] * 1e3:6.0f}ms {r[k] / meas - 1:+5.0%}"
-            for k in ("predicted_step_s", "calibrated_step_s", "held_out_step_s")
+            f"{'-':>13s}" if r[k] is None else f"{r[k] * 1e3:6.0f}ms {r[k] / meas - 1:+5.0%}"
+            for k in ("predicted_step_s", "calibrated_step_s", "held_out_step_s", "after_selection_step_s")
         )
         mm, mp = max(r["measured_peak_bytes_per_stage"]), max(r["predicted_peak_bytes_per_stage"])
-        print(f"{r['name']:40s} {meas * 1e3:6.0f}ms {cells}   {mib(mm):>9s} {mib(mp):>9s} {mp / mm - 1:+5.0%}")
+        searched = r["search_peak_bytes_per_stage"]
+        ms = f"{'-':>15s}" if searched is None else f"{mib(max(searched)):>9s} {max(searched) / mm - 1:+5.0%}"
+        print(f"{r['name']:40s} {meas * 1e3:6.0f}ms {cells}   {mib(mm):>9s} {mib(mp):>9s} {mp / mm - 1:+5.0%} {ms}")
+    for r in rows:
+        if r["search_peak_missing"]:
+            print(f"{r['name']}: not priced as the search prices plans: {r['search_peak_missing']}")
+    trials = [t for t in selection["trials"] if t.get("step_s") is not None]
+    print(
+        f"measured selection: {len(selection['trials'])} plans tried ({len(trials)} measured) in "
+        f"{selection['seconds']:.1f} s" + (f"; {selection['note']}" if selection["note"] else "")
+    )
+    if selection["calibration"] is None:
+        print(
+            "measured selection fitted no calibration (fewer than 3 plans measured): no 'after measured "
+            "selection' prediction"
+        )
     for kind, label in LABELS.items():
+        if summary[f"{kind}_step_time_mape"] is None:
+            continue
         print(
             f"step time, {label:44s} MAPE {summary[f'{kind}_step_time_mape']:6.1%}, Spearman "
             f"{summary[f'{kind}_step_time_spearman']:.2f}"
         )
+    if "after_selection_covered_step_time_mape" in summary:
+        print(
+            f"  of which the {summary['after_selection_covered_plans']} plans using only mechanisms its trials "
+            f"measured:{'':3s} MAPE {summary['after_selection_covered_step_time_mape']:6.1%}, Spearman "
+            f"{summary['after_selection_covered_step_time_spearman']:.2f}"
+        )
     print(
-        f"peak memory per rank (per stage){'':24s} MAPE {summary['memory_mape']:6.1%}   ({len(rows)} plans, "
-        f"{seconds:.0f} s)"
+        f"peak memory per rank (per stage), evaluate():{'':11s} MAPE {summary['memory_mape']:6.1%}   "
+        f"({len(rows)} plans, {seconds:.0f} s)"
+    )
+    print(
+        f"peak memory per rank (per stage), as the search prices it: MAPE {summary['search_memory_mape']:6.1%}   "
+        f"({summary['search_memory_plans']} plans; its working reserve adds "
+        f"{mib(summary['search_minus_evaluate_bytes_per_stage'])} per stage on average)"
     )
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -267,6 +401,7 @@ def report(rows, model, args, seconds, profile_dict, calibration, probes, runs) 
                 "rounds": args.rounds,
                 "summary": summary,
                 "calibration_from_probes": calibration.to_dict(),
+                "measured_selection": selection,
                 "plans": rows,
                 "probes": {
                     name: {
@@ -291,6 +426,7 @@ LABELS = {
     "predicted": "uncalibrated (profile only):",
     "calibrated": "calibrated from the 3 probe plans:",
     "held_out": "calibrated from every other plan (held out):",
+    "after_selection": "after measured selection (its own trials):",
 }
 
 
@@ -302,7 +438,9 @@ def plot(rows: list[dict], summary: dict, path: Path, model: BenchModel) -> None
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.2))
     measured = [r["measured_step_s"] * 1e3 for r in rows]
-    for (kind, label), marker in zip(LABELS.items(), "o^s"):
+    for (kind, label), marker in zip(LABELS.items(), "o^sD"):
+        if summary[f"{kind}_step_time_mape"] is None:
+            continue
         predicted = [r[f"{kind}_step_s"] * 1e3 for r in rows]
         left.scatter(
             measured,
@@ -328,7 +466,14 @@ def plot(rows: list[dict], summary: dict, path: Path, model: BenchModel) -> None
     left.legend(fontsize=8)
     mm = [m / 2**20 for r in rows for m in r["measured_peak_bytes_per_stage"]]
     mp = [p / 2**20 for r in rows for p in r["predicted_peak_bytes_per_stage"]]
-    right.scatter(mm, mp, label=f"per stage: MAPE {summary['memory_mape']:.1%}")
+    right.scatter(mm, mp, label=f"evaluate(), per stage: MAPE {summary['memory_mape']:.1%}")
+    priced = [r for r in rows if r["search_peak_bytes_per_stage"] is not None]
+    right.scatter(
+        [m / 2**20 for r in priced for m in r["measured_peak_bytes_per_stage"]],
+        [p / 2**20 for r in priced for p in r["search_peak_bytes_per_stage"]],
+        marker="^",
+        label=f"as the search prices it: MAPE {summary['search_memory_mape']:.1%}",
+    )
     lo, hi = min(mm) * 0.8, max(mm) * 1.2
     right.plot([lo, hi], [lo, hi], "k--", lw=0.8)
     right.set(xlabel="measured peak memory per rank (MiB)", ylabel="predicted (MiB)", title="Peak memory")

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from lightning_galvatron.plan import ParallelPlan
+from lightning_galvatron.plan import LayerStrategy, ParallelPlan
 from lightning_galvatron.search import InfeasibleBudgetError, NoValidPlanError, evaluate, search
 from tests.search_profiles import REFERENCE_PLAN, llama_profile, synthetic_profile
 
@@ -177,3 +177,24 @@ def test_encoder_decoder_models_with_two_block_types():
 def test_large_clusters_search_quickly(profile):
     r = search(profile.with_num_blocks(48), 64, "36GB", global_batch_size=128, baselines=False)
     assert r.plan.world_size == 64 and r.search_time_s < 30
+
+
+def test_search_memory_per_stage_is_what_the_search_fits_into_the_budget(profile, llama_8_gpus):
+    """The search's own pricing of its plan fits the budget, and differs from evaluate() only by the working
+    reserve (the strategy-independent bound instead of the plan's own transient memory)."""
+    from lightning_galvatron.search.cost import CostModel, StageContext, working_memory_bytes
+    from lightning_galvatron.search.engine import search_memory_per_stage
+    from lightning_galvatron.search.options import SearchOptions
+
+    plan, estimate = llama_8_gpus.plan, llama_8_gpus.estimate
+    priced = search_memory_per_stage(profile, plan)
+    assert len(priced) == plan.pp
+    assert max(priced) <= llama_8_gpus.memory_budget_bytes
+    cm = CostModel(profile)
+    ctx = StageContext(plan.world_size, plan.pp, plan.global_batch_size, plan.micro_batches)
+    reserve = working_memory_bytes(cm, profile.model.layer_types, ctx)
+    for searched, stage in zip(priced, estimate.stages):
+        assert searched - stage.peak_memory_bytes == pytest.approx(reserve - stage.working_bytes, rel=1e-9)
+    with pytest.raises(ValueError, match="not among the search's candidates"):
+        zero3 = ParallelPlan.uniform(8, profile.model.num_blocks, LayerStrategy(dp_type="zero3"), global_batch_size=16)
+        search_memory_per_stage(profile, zero3, options=SearchOptions(disable=["zero3"]))

@@ -51,6 +51,7 @@ __all__ = [
     "SearchResult",
     "evaluate",
     "search",
+    "search_memory_per_stage",
 ]
 
 
@@ -284,6 +285,30 @@ def solve_configuration(
         global_batch_size=global_batch_size,
     )
     return evaluate(profile, plan, cost_model=cm, memory_budget_bytes=budget)
+
+
+def search_memory_per_stage(
+    profile: Profile | str,
+    plan: ParallelPlan,
+    *,
+    global_batch_size: int | None = None,
+    optimizer: str | float = "adamw",
+    precision: str | Precision = "bf16-mixed",
+    options: SearchOptions | None = None,
+) -> tuple[float, ...]:
+    """Peak bytes per pipeline stage of ``plan`` as :func:`search` prices it against the budget while searching
+    (:meth:`~.solver.FixedBatchSolver.stage_memory`), which differs from :func:`evaluate`'s estimate of the same
+    plan by the search's strategy-independent working reserve: what a measured peak should be compared with to
+    know how much memory the search leaves unused."""
+    profile = load_profile(profile)
+    B = global_batch_size or plan.global_batch_size
+    if B is None:
+        raise ValueError("the plan does not fix its global batch size: pass global_batch_size")
+    if plan.global_batch_size != B:
+        plan = plan.replace(global_batch_size=B)
+    cm = CostModel(profile, precision, optimizer)
+    solver = FixedBatchSolver(cm, plan.world_size, 0, B, options or SearchOptions())
+    return tuple(solver.stage_memory(plan))
 
 
 # ---------------------------------------------------------------------------------------------- baselines

@@ -426,9 +426,7 @@ class FixedBatchSolver:
         for r in range(pp):
             blocks, resets = rank_blocks(partition, pp, r)
             steps = self.steps(shape, shape.in_flight[r])
-            working = max(shape.working[i, 1] for i in blocks)
-            if shape.config.virtual_stages == 1:
-                working = shape.working[blocks[0], len(blocks)]
+            working = self.stage_reserve(shape, blocks)
             cap = int(min(cap_cells(self.capacity - working - shape.vocab_memory[r, vocab_index], cell), M - 1))
             seq = [steps[self.types[i]] for i in blocks]
             _, choices = LayerDP(seq, resets, cell, M).solve(cap)
@@ -441,6 +439,47 @@ class FixedBatchSolver:
             for i, strategy in zip(blocks, _canonical_order(chosen, types, resets, self.W // pp)):
                 layers[i] = strategy
         return layers  # type: ignore[return-value]
+
+    def stage_reserve(self, shape: Shape, blocks: Sequence[int]) -> float:
+        """The working-memory reserve the search holds back on a stage with these blocks (strategy-independent)."""
+        if shape.config.virtual_stages == 1:
+            return float(shape.working[blocks[0], len(blocks)])
+        return float(max(shape.working[i, 1] for i in blocks))
+
+    def stage_memory(self, plan: ParallelPlan) -> list[float]:
+        """Peak bytes per pipeline stage of ``plan`` as the search prices it while searching: the overhead, the
+        stage's reserve (:meth:`stage_reserve`), its embedding/head and the DP's per-block memory, from this
+        solver's own :class:`Shape` (before the DP rounds each block up to whole cells). Raises ``ValueError``
+        for a plan outside the search space (another batch size, world size, or a strategy it never considers).
+        """
+        if plan.world_size != self.W or plan.global_batch_size != self.B:
+            raise ValueError(
+                f"the plan is for {plan.world_size} devices and global batch {plan.global_batch_size}; "
+                f"this solver searches {self.W} and {self.B}"
+            )
+        config = PipelineConfig(plan.pp, plan.schedule, plan.micro_batches, plan.virtual_stages)
+        sizes = plan.chunk_sizes
+        shape = self.shape(config, max_blocks=max(len(rank_blocks(sizes, plan.pp, r)[0]) for r in range(plan.pp)))
+        if shape is None:
+            raise ValueError(f"the search has no executable strategy for the pipeline shape {config}")
+
+        def index(candidates: Sequence[LayerStrategy], strategy: LayerStrategy, what: str) -> int:
+            if strategy not in candidates:
+                raise ValueError(f"{what} strategy {strategy.short()} is not among the search's candidates")
+            return candidates.index(strategy)
+
+        vocab = index(shape.vocab.strategies, plan.vocab, "the embedding/head")
+        out = []
+        for r in range(plan.pp):
+            blocks, _ = rank_blocks(sizes, plan.pp, r)
+            states = 0.0
+            for i in blocks:
+                t = int(self.types[i])
+                s = index(shape.strategies[t].strategies, plan.layers[i], f"block {i}'s")
+                states += float(shape.costs[t].memory(shape.in_flight[r])[s])
+            reserve = self.stage_reserve(shape, blocks)
+            out.append(self.overhead + reserve + float(shape.vocab_memory[r, vocab]) + states)
+        return out
 
 
 class NoAssignment(Exception):
