@@ -131,7 +131,7 @@ def _optimizer_probes(world: int, device: torch.device, mesh) -> list[tuple[int,
             else:
                 params = [nn.Parameter(torch.randn(size, device=device)) for _ in range(OPTIMIZER_TENSORS)]
             for p in params:
-                p.grad = torch.randn_like(p)
+                p.grad = torch.full_like(p, 1e-3)  # values do not change the work (and DTensor randomness warns)
             optimizer = torch.optim.AdamW(params, lr=1e-4)
             samples = []
             for i in range(REPEATS + 1):  # the first step creates the states
