@@ -31,10 +31,12 @@ from lightning_galvatron.profiler.cache import (
     model_signature,
 )
 from lightning_galvatron.profiler.hardware import profile_hardware
-from lightning_galvatron.profiler.model import Step, profile_model
+from lightning_galvatron.profiler.model import Step, measure_model, profile_model
 from lightning_galvatron.profiles import Profile
 
 log = logging.getLogger(__name__)
+
+OVERHEADS_VERSION = 1  # of what the overhead probes measure: a new one re-profiles cached models
 
 
 def profile(
@@ -95,7 +97,12 @@ def profile(
             world_size=world_size,
             devices_per_node=devices_per_node,
             backend=backend,
-            extra={"batch_sizes": sorted(batch_sizes), "degrees": sorted(degrees) if degrees else None},
+            # "overheads": profiles cached before the per-call probes are measured again, with them.
+            extra={
+                "batch_sizes": sorted(batch_sizes),
+                "degrees": sorted(degrees) if degrees else None,
+                "overheads": OVERHEADS_VERSION,
+            },
         )
         signature = model_signature(module, structure)
         measured_on = fingerprint(signature, **what)
@@ -120,7 +127,7 @@ def profile(
 
     started = time.perf_counter()
     hardware = profile_hardware(world_size, devices_per_node, device_type=device.type, budget_s=hardware_budget_s)
-    model = profile_model(
+    model, overheads = measure_model(
         module,
         structure,
         example_batch,
@@ -129,12 +136,14 @@ def profile(
         batch_sizes=batch_sizes,
         degrees=degrees,
         device=device,
+        overheads=True,
     )
     result = Profile(
         model,
         hardware,
         source=f"lightning_galvatron.profiler: {precision} on {world_size} x {device_kind} ({backend})",
         fingerprint=measured_on,
+        overheads=overheads,
     )
     log.info("profiled %s in %.1f s", model.name, time.perf_counter() - started)
     chosen = [result.to_dict() if rank == 0 else None]

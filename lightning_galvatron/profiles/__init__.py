@@ -39,7 +39,8 @@ Shape of the JSON (version 1; every key is a field of the dataclass of the same 
      "hardware": {"name": "...", "devices_per_node": 8, "overlap_coefficient": 1.13, "device_type": "cuda" (optional),
                   "device_memory_bytes": null, "memory_overhead_bytes": 0,
                   "collectives": [{"kind": "all_reduce", "group_size": 8, "ranks_per_node": 8,
-                                   "latency_s": 8.6e-05, "bandwidth_bytes_per_s": 1.6e11}, ...]}}
+                                   "latency_s": 8.6e-05, "bandwidth_bytes_per_s": 1.6e11}, ...]},
+     "overheads": {...} (optional: per-call costs, see :mod:`.overheads`)}
 
 A reader refuses unknown keys, missing required keys and newer versions, naming the path of the
 offending entry. Profilers fill it naturally: time a block at two or more batch sizes and
@@ -72,6 +73,7 @@ from lightning_galvatron.profiles.hardware import (
     lookup_collective,
 )
 from lightning_galvatron.profiles.model import LayerTypeProfile, ModelProfile, VocabProfile
+from lightning_galvatron.profiles.overheads import CallProbe, OptimizerProbe, Overheads
 
 PROFILE_FORMAT = "lightning_galvatron.profile"
 PROFILE_VERSION = 1
@@ -85,6 +87,11 @@ class Profile:
     hardware: HardwareProfile
     source: str = ""
     fingerprint: Mapping[str, Any] | None = None  # what it was measured on (profiler.cache.fingerprint); optional
+    overheads: Overheads | None = None  # per-call costs measured with it (profiles.overheads); optional
+
+    def __post_init__(self) -> None:
+        if self.overheads is not None:
+            self.overheads.check(len(self.model.layer_types))
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -96,6 +103,8 @@ class Profile:
         }
         if self.fingerprint is not None:
             out["fingerprint"] = dict(self.fingerprint)
+        if self.overheads is not None:
+            out["overheads"] = self.overheads.to_dict()
         return out
 
     @classmethod
@@ -118,10 +127,11 @@ class Profile:
                 f"profile format version {version} is newer than this lightning_galvatron understands "
                 f"({PROFILE_VERSION}); upgrade the package"
             )
-        unknown = set(data) - {"format", "version", "source", "model", "hardware", "fingerprint"}
+        unknown = set(data) - {"format", "version", "source", "model", "hardware", "fingerprint", "overheads"}
         if unknown:
             raise ProfileError(
-                f"unknown profile keys {sorted(unknown)}; known: format, version, source, model, hardware, fingerprint"
+                f"unknown profile keys {sorted(unknown)}; known: format, version, source, model, hardware, "
+                "fingerprint, overheads"
             )
         for key in ("model", "hardware"):
             if key not in data:
@@ -134,6 +144,7 @@ class Profile:
             hardware=HardwareProfile.from_dict(data["hardware"]),
             source=str(data.get("source", "")),
             fingerprint=None if fingerprint is None else dict(fingerprint),
+            overheads=None if data.get("overheads") is None else Overheads.from_dict(data["overheads"]),
         )
 
     @property
@@ -189,6 +200,7 @@ def load_profile(source: Profile | Mapping[str, Any] | str | os.PathLike) -> Pro
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "CallProbe",
     "PROFILE_FORMAT",
     "PROFILE_VERSION",
     "CollectiveFit",
@@ -197,6 +209,8 @@ __all__ = [
     "LayerTypeProfile",
     "LinearFit",
     "ModelProfile",
+    "OptimizerProbe",
+    "Overheads",
     "Profile",
     "ProfileError",
     "VocabProfile",

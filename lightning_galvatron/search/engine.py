@@ -37,6 +37,7 @@ from lightning_galvatron.rules import layer_problem, vocab_problem
 from lightning_galvatron.search.cost import CostModel, Precision
 from lightning_galvatron.search.estimate import Estimate, evaluate
 from lightning_galvatron.search.options import SearchOptions
+from lightning_galvatron.search.overheads import applicable_calibration
 from lightning_galvatron.search.pipeline import pipeline_step_time
 from lightning_galvatron.search.solver import Choice, FixedBatchSolver, NoAssignment, rank_blocks
 from lightning_galvatron.search.space import PipelineConfig, pipeline_configs, pipeline_degrees
@@ -167,7 +168,7 @@ def search(
     (``global_batch_size``, default ``world_size``: one sample per device as DDP would train) unless
     ``search_batch_size`` is set, in which case batch sizes up to ``max_global_batch_size`` (default
     ``8 * world_size``) are tried for the best throughput. ``calibration`` prices plans with the cost model
-    calibrated from measured steps.
+    calibrated from measured steps; without it, the profile's measured overheads do when it has them.
 
     Raises :class:`InfeasibleBudgetError` (naming the smallest budget that fits) or
     :class:`NoValidPlanError`; both are ``ValueError``.
@@ -178,7 +179,7 @@ def search(
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     budget = parse_bytes(memory_budget_bytes)
     options = SearchOptions.of(options, **knobs)
-    cm = CostModel(profile, precision, optimizer, options.calibration)
+    cm = CostModel(profile, precision, optimizer, applicable_calibration(profile, options.calibration))
     if options.search_batch_size:
         limit = options.max_global_batch_size or 8 * world_size
         batches = batch_size_candidates(limit)
@@ -261,7 +262,7 @@ def solve_configuration(
     of :func:`search`, exposed for tests and what-ifs."""
     profile = load_profile(profile)
     budget = parse_bytes(memory_budget_bytes)
-    cm = CostModel(profile, precision, optimizer)
+    cm = CostModel(profile, precision, optimizer, applicable_calibration(profile, options and options.calibration))
     solver = FixedBatchSolver(cm, world_size, budget, global_batch_size, options or SearchOptions())
     pp, v = config.pp, config.virtual_stages
     shape = solver.shape(config, max_blocks=max(len(rank_blocks(partition, pp, r)[0]) for r in range(pp)))

@@ -21,6 +21,7 @@ from lightning_galvatron.search.cost import (
     relocation_time,
     vocab_costs,
 )
+from lightning_galvatron.search.overheads import applicable_calibration
 from lightning_galvatron.search.pipeline import in_flight_micro_batches, p2p_transfers, pipeline_step_time
 from lightning_galvatron.search.space import StrategyArrays, layout_of
 from lightning_galvatron.units import parse_bytes
@@ -157,9 +158,10 @@ def evaluate(
     calibration: Calibration | str | None = None,
 ) -> Estimate:
     """Predict ``plan``'s step time and per-device peak memory with the search's cost model
-    (calibrated from measured steps when ``calibration`` is given, see :mod:`.calibration`)."""
+    (calibrated from measured steps when ``calibration`` is given, see :mod:`.calibration`; else by the
+    profile's measured overheads when it has them, see :mod:`.overheads`)."""
     profile = load_profile(profile)
-    cm = cost_model or CostModel(profile, precision, optimizer, calibration)
+    cm = cost_model or CostModel(profile, precision, optimizer, applicable_calibration(profile, calibration))
     model = profile.model
     if plan.num_layers != model.num_blocks:
         raise PlanError(

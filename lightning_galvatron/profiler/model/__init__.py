@@ -33,8 +33,14 @@ Activation bytes are *counted*, not estimated: every tensor autograd saves passe
 saved by several ops count once), parameters, buffers and the batch itself are excluded. On CUDA
 the count is cross-checked against the allocator (logged, never fatal).
 
+5. **Overheads** (:func:`measure_model` for :func:`~lightning_galvatron.profiler.profile`, with a live
+   process group): forward and backward of one call of each block type under each kind of strategy and
+   the optimizer step, as the strategies add to the compute and communication above
+   (:class:`~lightning_galvatron.profiles.Overheads`).
+
 One file per phase: :mod:`.capture` (1), :mod:`.vocabulary` (2), :mod:`.blocks` (3), :mod:`.degrees`
-(4), :mod:`.saved` (the counter) and :mod:`.setup` (block types, precision, restoring the module).
+(4), :mod:`.overheads` (5), :mod:`.saved` (the counter) and :mod:`.setup` (block types, precision,
+restoring the module).
 
 Nothing of the user's module changes: the random state, training mode, gradients and parameter
 storage (moved or cast for profiling) are restored afterwards.
@@ -53,6 +59,7 @@ from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.plan import divisors
 from lightning_galvatron.profiler.model.blocks import _BlockProfiler
 from lightning_galvatron.profiler.model.capture import _capture
+from lightning_galvatron.profiler.model.overheads import measure_overheads
 from lightning_galvatron.profiler.model.saved import SavedTensorCounter
 from lightning_galvatron.profiler.model.setup import (
     Step,
@@ -64,7 +71,7 @@ from lightning_galvatron.profiler.model.setup import (
     block_signature,
 )
 from lightning_galvatron.profiler.model.vocabulary import _profile_vocab
-from lightning_galvatron.profiles import ModelProfile
+from lightning_galvatron.profiles import ModelProfile, Overheads
 
 
 def profile_model(
@@ -98,6 +105,34 @@ def profile_model(
             are moved back.
         name: model label (default: the module's class name).
     """
+    return measure_model(
+        module,
+        structure,
+        example_batch,
+        step=step,
+        precision=precision,
+        batch_sizes=batch_sizes,
+        degrees=degrees,
+        device=device,
+        name=name,
+    )[0]
+
+
+def measure_model(
+    module: nn.Module,
+    structure: ModelStructure,
+    example_batch: Any,
+    *,
+    step: Step | None = None,
+    precision: str = "32-true",
+    batch_sizes: Sequence[int] = (1, 4),
+    degrees: Sequence[int] | None = None,
+    device: torch.device | str | None = None,
+    name: str | None = None,
+    overheads: bool = False,
+) -> tuple[ModelProfile, Overheads | None]:
+    """:func:`profile_model`, and with ``overheads`` (needs a live process group) the per-call overheads
+    of its blocks and of the optimizer (phase 5)."""
     if any(p.is_meta for p in module.parameters()):
         raise ValueError("the model has parameters on the meta device: profile it after its weights are materialised")
     sizes = sorted({int(b) for b in batch_sizes})
@@ -118,13 +153,19 @@ def profile_model(
             vocab = _profile_vocab(
                 module, structure, types, captured, example_batch, step, precision_cfg, device, sizes, degrees
             )
-        layer_types = []
+        layer_types, profilers = [], []
         for t in types:
             profiler = _BlockProfiler(blocks[t.first], captured.inputs[t.first], precision_cfg, device, t.name)
             layer_types.append(profiler.profile(sizes, degrees, world))
+            profilers.append(profiler)
+        measured = None
+        if overheads and dist.is_available() and dist.is_initialized():
+            in_blocks = {id(p) for b in blocks for p in b.parameters()}
+            vocab_tensors = sum(1 for p in module.parameters() if id(p) not in in_blocks)
+            measured = measure_overheads(profilers, layer_types, degrees, vocab_tensors, device)
     first = layer_types[0]
     block_index = {i: k for k, t in enumerate(types) for i in t.members}
-    return ModelProfile(
+    model = ModelProfile(
         name=name or type(module).__name__,
         layer_types=tuple(layer_types),
         blocks=tuple(block_index[i] for i in range(len(blocks))),
@@ -135,6 +176,7 @@ def profile_model(
         block_lists=len(structure.block_lists),
         precision=precision_cfg.flag,
     )
+    return model, measured
 
 
 def default_step(module: nn.Module, batch: Any) -> torch.Tensor:
@@ -165,4 +207,4 @@ def default_step(module: nn.Module, batch: Any) -> torch.Tensor:
     return loss
 
 
-__all__ = ["SavedTensorCounter", "block_signature", "default_step", "profile_model"]
+__all__ = ["SavedTensorCounter", "block_signature", "default_step", "measure_model", "profile_model"]

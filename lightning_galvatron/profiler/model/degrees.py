@@ -92,38 +92,43 @@ class _DegreeMeasurement:
         Every rank takes part (each in its consecutive group of ``g``); the decision of which styles
         run depends only on the model, so all ranks issue the same collectives.
         """
-        from lightning_galvatron.runtime.mesh import Layout, MeshCache
-        from lightning_galvatron.runtime.tensor_parallel import apply_tensor_parallel
-        from lightning_galvatron.runtime.ulysses import apply_ulysses
-
-        tp_mesh = MeshCache.shared(self.device.type).tp_mesh(Layout(world, 1, g, True))
-        seq = int(self.hidden.shape[1]) if self.hidden.dim() >= 3 else 1
         results = {}
-        plan = self.tp_plan
-        runnable = []
-        if styles.tensor_parallel and plan is not None and plan.unsupported(g, "none") is None:
-            runnable.append("none")
-        if styles.megatron_sp and plan is not None and plan.unsupported(g, "megatron") is None and seq % g == 0:
-            runnable.append("megatron")
-        if (
-            styles.ulysses
-            and plan is not None
-            and plan.unsupported(g, "ulysses") is None
-            and seq % g == 0
-            and seq // g >= 2
-        ):
-            runnable.append("ulysses")
-        for style in runnable:
-            block = self.copy()
-            if style == "ulysses":
-                assert plan is not None
-                apply_ulysses(block, tp_mesh.get_group(), plan.position_inputs)
-            else:
-                assert plan is not None
-                apply_tensor_parallel(block, plan.styles(style == "megatron"), tp_mesh)
-                plan.localize(block, g)
+        for style in self.runnable_styles(g, styles):
+            block = self.split_copy(g, world, style)
             split = 1 if style == "none" else g
             points = [(b, float(self.saved_bytes(block, b, seq_split=split).total)) for b in count_sizes]
             results[style] = _per_sample(points)
             log.debug("%s at degree %d, sp=%s: saved bytes per batch size %s", self.name, g, style, points)
         return results
+
+    def runnable_styles(self, g: int, styles: _Styles) -> list[str]:
+        """The styles (``none``: Megatron TP, ``megatron``: with SP, ``ulysses``) the runtime can run at ``g``."""
+        seq = int(self.hidden.shape[1]) if self.hidden.dim() >= 3 else 1
+        plan = self.tp_plan
+        if plan is None:
+            return []
+        runnable = []
+        if styles.tensor_parallel and plan.unsupported(g, "none") is None:
+            runnable.append("none")
+        if styles.megatron_sp and plan.unsupported(g, "megatron") is None and seq % g == 0:
+            runnable.append("megatron")
+        if styles.ulysses and plan.unsupported(g, "ulysses") is None and seq % g == 0 and seq // g >= 2:
+            runnable.append("ulysses")
+        return runnable
+
+    def split_copy(self, g: int, world: int, style: str) -> nn.Module:
+        """A copy of the block split for real over this rank's consecutive group of ``g`` (collective)."""
+        from lightning_galvatron.runtime.mesh import Layout, MeshCache
+        from lightning_galvatron.runtime.tensor_parallel import apply_tensor_parallel
+        from lightning_galvatron.runtime.ulysses import apply_ulysses
+
+        plan = self.tp_plan
+        assert plan is not None
+        tp_mesh = MeshCache.shared(self.device.type).tp_mesh(Layout(world, 1, g, True))
+        block = self.copy()
+        if style == "ulysses":
+            apply_ulysses(block, tp_mesh.get_group(), plan.position_inputs)
+        else:
+            apply_tensor_parallel(block, plan.styles(style == "megatron"), tp_mesh)
+            plan.localize(block, g)
+        return block

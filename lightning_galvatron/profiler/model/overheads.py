@@ -1,0 +1,148 @@
+"""Phase 5, overheads: what one block call and one optimizer step cost under each kind of strategy.
+
+The cost model prices compute and communication; what FSDP2's hooks, DTensor's dispatch, a checkpoint's
+replay machinery and the optimizer's per-tensor work add is measured here (collective: every rank runs the
+same probes at the same time, so contention for shared cores is in them as it is in training), into a
+:class:`~lightning_galvatron.profiles.Overheads` that the search turns into per-call terms
+(:mod:`lightning_galvatron.search.overheads`). Few repeats: these are costs of milliseconds that differ
+between strategies by whole factors.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_galvatron.plan import LayerStrategy
+from lightning_galvatron.profiler.model.blocks import _backward, _BlockProfiler
+from lightning_galvatron.profiler.model.degrees import _Styles
+from lightning_galvatron.profiler.model.setup import _synchronize
+from lightning_galvatron.profiler.runtime import _cpu_cores
+from lightning_galvatron.profiles import CallProbe, LayerTypeProfile, OptimizerProbe, Overheads
+
+log = logging.getLogger(__name__)
+
+REPEATS = 3
+OPTIMIZER_TENSORS = 8
+OPTIMIZER_SIZES = (256, 131072)  # elements per tensor and rank: per-tensor and per-element costs apart (beyond caches)
+
+
+def measure_overheads(
+    profilers: Sequence[_BlockProfiler],
+    layer_types: Sequence[LayerTypeProfile],
+    degrees: Sequence[int],
+    vocab_tensors: int,
+    device: torch.device,
+) -> Overheads:
+    """Call probes of each block type (plain, recomputed, ZeRO-2, ZeRO-3 over the world, each tensor-parallel
+    style at each measured degree) and optimizer probes; seconds are the slowest rank's. Collective."""
+    from torch.distributed._composable import checkpoint
+
+    from lightning_galvatron.precision import mixed_precision_policy
+    from lightning_galvatron.runtime.gradient_sync import GradientReducer
+    from lightning_galvatron.runtime.mesh import Layout, MeshCache
+    from lightning_galvatron.runtime.sharding import apply_data_parallel
+
+    started = time.perf_counter()
+    world = dist.get_world_size()
+    dp_mesh = MeshCache.shared(device.type).dp_mesh(Layout(world, 1, 1, True))
+    probes: list[tuple[int, LayerStrategy, float]] = []
+    for k, (profiler, lt) in enumerate(zip(profilers, layer_types)):
+        batch = int(profiler.hidden.shape[0])
+        recomputed = profiler.copy()
+        checkpoint(recomputed)
+        probes.append((k, LayerStrategy(), _time_call(profiler, profiler.copy(), batch)))
+        probes.append((k, LayerStrategy(recompute=True), _time_call(profiler, recomputed, batch)))
+        for dp_type in ("zero2", "zero3"):
+            block = profiler.copy()
+            strategy = LayerStrategy(dp_type=dp_type)
+            apply_data_parallel(block, strategy, dp_mesh, mixed_precision_policy(profiler.prec.flag), GradientReducer())
+            probes.append((k, strategy, _time_call(profiler, block, batch)))
+        styles = _Styles(lt.supports_tensor_parallel, lt.supports_megatron_sp, lt.supports_ulysses)
+        for g in sorted(g for g in degrees if 1 < g <= world and world % g == 0):
+            for style in profiler.runnable_styles(g, styles):
+                block = profiler.split_copy(g, world, style)
+                split = 1 if style == "none" else g
+                probes.append((k, LayerStrategy(tp=g, sp=style), _time_call(profiler, block, batch, split)))
+    optimizer = _optimizer_probes(world, device, dp_mesh)
+    slowest = torch.tensor([s for *_, s in probes] + [s for *_, s in optimizer], dtype=torch.float64)
+    if device.type == "cuda":
+        slowest = slowest.to(device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    seconds = slowest.cpu().tolist()
+    calls = tuple(
+        CallProbe(k, strategy, world, int(profilers[k].hidden.shape[0]), s)
+        for (k, strategy, _), s in zip(probes, seconds)
+    )
+    optimizer_probes = tuple(OptimizerProbe(n, e, d, s) for (n, e, d, _), s in zip(optimizer, seconds[len(probes) :]))
+    log.info(
+        "per block call, forward and backward (%.1f s to measure): %s",
+        time.perf_counter() - started,
+        ", ".join(f"{c.strategy.short()} {c.seconds * 1e3:.1f} ms" for c in calls),
+    )
+    return Overheads(
+        world_size=world,
+        calls=calls,
+        optimizer=optimizer_probes,
+        compute_slots=_cpu_cores() if device.type == "cpu" else None,
+        block_tensors=tuple(sum(1 for _ in p.block.parameters()) for p in profilers),
+        vocab_tensors=vocab_tensors,
+    )
+
+
+def _time_call(profiler: _BlockProfiler, block: nn.Module, batch: int, seq_split: int = 1) -> float:
+    """Median seconds of forward and backward of ``block`` on ``batch`` samples (after one warm-up call)."""
+    samples = []
+    dist.barrier()
+    for i in range(REPEATS + 1):
+        args, kwargs = profiler.inputs(batch, seq_split)
+        _synchronize(profiler.device)
+        start = time.perf_counter()
+        with profiler.prec.autocast(profiler.device):
+            out = block(*args, **kwargs)
+        _backward(out)
+        _synchronize(profiler.device)
+        if i:
+            samples.append(time.perf_counter() - start)
+        for p in block.parameters():
+            p.grad = None
+    return statistics.median(samples)
+
+
+def _optimizer_probes(world: int, device: torch.device, mesh) -> list[tuple[int, int, bool, float]]:  # noqa: ANN001
+    """AdamW (as ``torch.optim`` defaults it: the foreach path) over plain tensors and over DTensors sharded on
+    ``mesh``, at two sizes per rank: ``(tensors, local elements, dtensor, seconds)``."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    out = []
+    for dtensor in (False, True):
+        for size in OPTIMIZER_SIZES:
+            if dtensor:
+                params = [
+                    nn.Parameter(distribute_tensor(torch.randn(size * world, device=device), mesh, [Shard(0)]))
+                    for _ in range(OPTIMIZER_TENSORS)
+                ]
+            else:
+                params = [nn.Parameter(torch.randn(size, device=device)) for _ in range(OPTIMIZER_TENSORS)]
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)  # values do not change the work (and DTensor randomness warns)
+            optimizer = torch.optim.AdamW(params, lr=1e-4)
+            samples = []
+            for i in range(REPEATS + 1):  # the first step creates the states
+                _synchronize(device)
+                start = time.perf_counter()
+                optimizer.step()
+                _synchronize(device)
+                if i:
+                    samples.append(time.perf_counter() - start)
+            out.append((OPTIMIZER_TENSORS, OPTIMIZER_TENSORS * size, dtensor, statistics.median(samples)))
+    return out
+
+
+__all__ = ["measure_overheads"]

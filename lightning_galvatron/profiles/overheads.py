@@ -1,0 +1,163 @@
+"""What a machine adds per call, measured at profile time: the optional ``overheads`` section of a profile.
+
+The model half of a profile prices compute, the hardware half communication; neither sees what FSDP2's
+hooks, DTensor's dispatch under tensor parallelism, a recomputed block's checkpoint or the optimizer's
+per-tensor work add to every call. On small models and CPUs that is most of a step, and it differs
+between strategies. The profiler times it directly (:mod:`lightning_galvatron.profiler.overheads`): one
+block of each type, forward and backward, under each kind of strategy, and the optimizer step over
+plain tensors and DTensors; the search turns the probes into a calibration
+(:mod:`lightning_galvatron.search.overheads`).
+
+JSON (``"overheads"`` at the top level of a profile; absent in profiles measured before it)::
+
+    {"world_size": 4, "compute_slots": 2, "block_tensors": [12], "vocab_tensors": 4,
+     "calls": [{"layer_type": 0, "strategy": {"tp": 2, "sp": "megatron", ...}, "group_size": 4,
+                "local_batch": 2, "seconds": 0.031}, ...],
+     "optimizer": [{"tensors": 8, "elements": 2048, "dtensor": false, "seconds": 0.0012}, ...]}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_galvatron.plan import LayerStrategy, PlanError
+from lightning_galvatron.profiles.fields import ProfileError, _fields, _finite_nonneg, _positive_int
+
+
+@dataclass(frozen=True)
+class CallProbe:
+    """Forward and backward of one block call: the slowest rank's median seconds.
+
+    Attributes:
+        layer_type: index into the profile's layer types.
+        strategy: how the block ran (``ddp``: unwrapped, its gradient reduction is the model's).
+        group_size: ranks that ran it together (the world of the probe; ``tp`` of them per group).
+        local_batch: samples each group processed.
+    """
+
+    layer_type: int
+    strategy: LayerStrategy
+    group_size: int
+    local_batch: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layer_type, int) or isinstance(self.layer_type, bool) or self.layer_type < 0:
+            raise ProfileError(f"call probe: layer_type must be an integer >= 0, got {self.layer_type!r}")
+        _positive_int("call probe: group_size", self.group_size)
+        _positive_int("call probe: local_batch", self.local_batch)
+        _finite_nonneg("call probe: seconds", self.seconds)
+        if self.group_size % self.strategy.tp:
+            raise ProfileError(f"call probe: tp={self.strategy.tp} does not divide group_size={self.group_size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layer_type": self.layer_type,
+            "strategy": self.strategy.to_dict(),
+            "group_size": self.group_size,
+            "local_batch": self.local_batch,
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> CallProbe:
+        kwargs = _fields(data, where, cls=cls)
+        try:
+            kwargs["strategy"] = LayerStrategy.from_dict(kwargs["strategy"], f"{where}.strategy")
+        except PlanError as err:
+            raise ProfileError(str(err)) from None
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class OptimizerProbe:
+    """One optimizer step over ``tensors`` parameters of ``elements`` local elements in all (DTensors or not)."""
+
+    tensors: int
+    elements: int
+    dtensor: bool
+    seconds: float
+
+    def __post_init__(self) -> None:
+        _positive_int("optimizer probe: tensors", self.tensors)
+        _positive_int("optimizer probe: elements", self.elements)
+        if not isinstance(self.dtensor, bool):
+            raise ProfileError(f"optimizer probe: dtensor must be true or false, got {self.dtensor!r}")
+        _finite_nonneg("optimizer probe: seconds", self.seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tensors": self.tensors, "elements": self.elements, "dtensor": self.dtensor, "seconds": self.seconds}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> OptimizerProbe:
+        return cls(**_fields(data, where, cls=cls))
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """The probes of one profiling run.
+
+    Attributes:
+        world_size: ranks that measured them (all at once, so contention for shared cores is in them).
+        calls, optimizer: the probes.
+        compute_slots: CPU cores the node's ranks share (``None`` on GPUs: a device per rank).
+        block_tensors: parameter tensors of one block, per layer type (the optimizer's per-tensor work).
+        vocab_tensors: parameter tensors outside the blocks (embedding, head, final norm).
+    """
+
+    world_size: int
+    calls: tuple[CallProbe, ...]
+    optimizer: tuple[OptimizerProbe, ...] = ()
+    compute_slots: int | None = None
+    block_tensors: tuple[int, ...] = ()
+    vocab_tensors: int = 0
+
+    def __post_init__(self) -> None:
+        _positive_int("overheads: world_size", self.world_size)
+        if self.compute_slots is not None:
+            _positive_int("overheads: compute_slots", self.compute_slots)
+        for n in (*self.block_tensors, self.vocab_tensors):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ProfileError(f"overheads: tensor counts must be integers >= 0, got {n!r}")
+        object.__setattr__(self, "calls", tuple(self.calls))
+        object.__setattr__(self, "optimizer", tuple(self.optimizer))
+        object.__setattr__(self, "block_tensors", tuple(self.block_tensors))
+
+    def check(self, layer_types: int) -> None:
+        """Every probe names one of the profile's ``layer_types``."""
+        for probe in self.calls:
+            if probe.layer_type >= layer_types:
+                raise ProfileError(
+                    f"overheads: a call probe names layer type {probe.layer_type}; the model has {layer_types}"
+                )
+        if self.block_tensors and len(self.block_tensors) != layer_types:
+            raise ProfileError(
+                f"overheads: block_tensors has {len(self.block_tensors)} entries; "
+                f"the model has {layer_types} layer types"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "compute_slots": self.compute_slots,
+            "block_tensors": list(self.block_tensors),
+            "vocab_tensors": self.vocab_tensors,
+            "calls": [c.to_dict() for c in self.calls],
+            "optimizer": [o.to_dict() for o in self.optimizer],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "overheads") -> Overheads:
+        kwargs = _fields(data, where, cls=cls)
+        for name, probe in (("calls", CallProbe), ("optimizer", OptimizerProbe)):
+            items = kwargs.get(name, ())
+            if not isinstance(items, (list, tuple)):
+                raise ProfileError(f"{where}.{name} must be a list, got {type(items).__name__}")
+            kwargs[name] = tuple(probe.from_dict(item, f"{where}.{name}[{i}]") for i, item in enumerate(items))
+        if not isinstance(kwargs.get("block_tensors", ()), (list, tuple)):
+            raise ProfileError(f"{where}.block_tensors must be a list of integers")
+        return cls(**kwargs)
+
+
+__all__ = ["CallProbe", "OptimizerProbe", "Overheads"]

@@ -1,0 +1,115 @@
+"""The calibration a profile carries: per-call terms from the overheads measured with it.
+
+A :class:`~.coefficients.Calibration` fitted from trials (:func:`~.calibration.fit_calibration`) needs
+training steps of several plans. Most of what it corrects -- a fixed time per block call of each mechanism
+(FSDP2, DTensor under tensor parallelism, recomputation) and the optimizer's work per tensor -- the profiler
+measures directly (:class:`~lightning_galvatron.profiles.Overheads`): :func:`profile_calibration` fits those
+terms to the probes the same way, with compute and communication kept as the profile prices them.
+
+:func:`applicable_calibration` is the one rule of which calibration prices a plan: an explicit one (a file,
+or what measured selection fitted from its trials) wins; else the profile's; else none (the model alone).
+
+Torch-free (numpy only), like the rest of the search.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from lightning_galvatron.profiles import Profile
+from lightning_galvatron.search.calibration import nonnegative_least_squares
+from lightning_galvatron.search.coefficients import (
+    BLOCK_TERMS,
+    IDENTITY_BLOCK,
+    Calibration,
+    block_features,
+    load_calibration,
+)
+from lightning_galvatron.search.cost import CostModel, StageContext, block_costs, forward_compute_time
+from lightning_galvatron.search.space import StrategyArrays
+
+#: The block terms the probes determine (compute and communication stay as the profile prices them).
+CALL_TERMS = ("call", "zero2", "zero3", "tensor_parallel", "megatron_sp", "ulysses", "recompute_call")
+
+
+def applicable_calibration(
+    profile: Profile, calibration: Calibration | Mapping[str, Any] | str | os.PathLike | None
+) -> Calibration | None:
+    """``calibration`` if given, else the profile's own (:func:`profile_calibration`), else ``None``."""
+    explicit = load_calibration(calibration)
+    return explicit if explicit is not None else profile_calibration(profile)
+
+
+def profile_calibration(profile: Profile) -> Calibration | None:
+    """A :class:`Calibration` from ``profile.overheads`` (``None`` without them).
+
+    Per block call: the probe's seconds less what the model prices for the same block, strategy, group and
+    local batch (compute and communication), fitted to the per-call terms by non-negative least squares,
+    relative errors counting. Optimizer: seconds per plain tensor, per DTensor and per element from its
+    probes. Step, pipeline and embedding/head overheads are not probed: they stay 0, and so does the sharing of
+    cores between pipeline stages (see the comment below).
+    """
+    overheads = profile.overheads
+    if overheads is None:
+        return None
+    cm = CostModel(profile, profile.measured_precision or "32-true")
+    model = profile.model
+    rows, targets = [], []
+    for probe in overheads.calls:
+        layer = model.layer_types[probe.layer_type]
+        s = probe.strategy
+        replicas = probe.group_size // s.tp
+        ctx = StageContext(probe.group_size, 1, probe.local_batch * replicas, 1)
+        sa = StrategyArrays.build([s])
+        forward = forward_compute_time(layer.forward_time, np.array([float(probe.local_batch)]), sa.tp)
+        analytic = block_costs(cm, layer, sa, ctx).time
+        rows.append(block_features(forward, layer.backward_to_forward, analytic, sa)[0])
+        targets.append(probe.seconds)
+    block = dict(IDENTITY_BLOCK)
+    residual = 0.0
+    if rows:
+        a, y = np.array(rows), np.array(targets)
+        modelled = np.array([IDENTITY_BLOCK.get(t, 0.0) for t in BLOCK_TERMS])
+        columns = [BLOCK_TERMS.index(t) for t in CALL_TERMS]
+        weights = 1.0 / np.sqrt(np.maximum(y, 1e-6))
+        rest = y - a @ modelled
+        fitted = nonnegative_least_squares(a[:, columns] * weights[:, None], rest * weights)
+        block.update({t: float(c) for t, c in zip(CALL_TERMS, fitted)})
+        predicted = a[:, columns] @ fitted + a @ modelled
+        residual = float(np.sqrt(np.mean(((predicted - y) / np.maximum(y, 1e-9)) ** 2)))
+
+    per_tensor = per_element = 0.0
+    per_dtensor = None
+    if overheads.optimizer:
+        ao = np.array(
+            [[0 if o.dtensor else o.tensors, o.tensors if o.dtensor else 0, o.elements] for o in overheads.optimizer],
+            dtype=float,
+        )
+        yo = np.array([o.seconds for o in overheads.optimizer])
+        wo = 1.0 / np.maximum(yo, 1e-9)
+        per_tensor, per_dtensor, per_element = (float(x) for x in nonnegative_least_squares(ao * wo[:, None], yo * wo))
+        if not ao[:, 1].any():
+            per_dtensor = None
+    names = [t.name for t in model.layer_types]
+    return Calibration(
+        block=block,
+        optimizer_s_per_tensor=per_tensor,
+        optimizer_s_per_element=per_element,
+        optimizer_s_per_dtensor=per_dtensor,
+        tensors_per_layer_type=dict(zip(names, overheads.block_tensors)),
+        vocab_tensors=overheads.vocab_tensors,
+        # Not overheads.compute_slots: the cores a pipeline's idle stages free (Calibration.sharing_factor) come
+        # with the schedule's own work per micro-batch, which only trials of a pipeline measure; alone, the
+        # sharing made pipelines look twice as fast as they ran (4 processes on 2 cores).
+        compute_slots_per_node=None,
+        observations=len(rows),
+        residual=residual,
+        source="the profile's measured overheads",
+    )
+
+
+__all__ = ["CALL_TERMS", "applicable_calibration", "profile_calibration"]

@@ -1,0 +1,162 @@
+"""Per-call overheads measured with the profile: their JSON, the calibration they give, who uses it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from lightning_galvatron.plan import LayerStrategy as S
+from lightning_galvatron.plan import ParallelPlan
+from lightning_galvatron.profiles import CallProbe, OptimizerProbe, Overheads, Profile, ProfileError
+from lightning_galvatron.search import evaluate, search
+from lightning_galvatron.search.coefficients import BLOCK_TERMS, Calibration, block_features
+from lightning_galvatron.search.cost import CostModel, StageContext, block_costs, forward_compute_time
+from lightning_galvatron.search.overheads import CALL_TERMS, applicable_calibration, profile_calibration
+from lightning_galvatron.search.space import StrategyArrays
+from tests.test_search_cost import tiny_profile
+
+PRECISION = "32-true"
+TRUTH = {
+    "call": 1e-3,
+    "zero2": 4e-3,
+    "zero3": 6e-3,
+    "tensor_parallel": 2e-2,
+    "megatron_sp": 3e-3,
+    "ulysses": 5e-3,
+    "recompute_call": 2e-3,
+}
+STRATEGIES = (
+    S(),
+    S(recompute=True),
+    S(dp_type="zero2"),
+    S(dp_type="zero3"),
+    S(tp=2),
+    S(tp=2, sp="megatron"),
+    S(tp=2, sp="ulysses"),
+    S(tp=4),
+    S(tp=4, sp="megatron"),
+)
+PLAN = ParallelPlan.uniform(4, 4, S(dp_type="zero3"), global_batch_size=8)
+
+
+def modelled(profile: Profile, probe: CallProbe) -> tuple[float, np.ndarray]:
+    """The model's own time of the probe's block call, and its feature row."""
+    layer = profile.model.layer_types[probe.layer_type]
+    sa = StrategyArrays.build([probe.strategy])
+    ctx = StageContext(probe.group_size, 1, probe.local_batch * probe.group_size // probe.strategy.tp, 1)
+    analytic = block_costs(CostModel(profile, PRECISION), layer, sa, ctx).time
+    forward = forward_compute_time(layer.forward_time, np.array([float(probe.local_batch)]), sa.tp)
+    return float(analytic[0]), block_features(forward, layer.backward_to_forward, analytic, sa)[0]
+
+
+def synthetic(profile: Profile) -> Profile:
+    """``profile`` with the probes a machine that adds exactly :data:`TRUTH` per call would measure."""
+    calls = []
+    for s in STRATEGIES:
+        probe = CallProbe(0, s, 4, 2, 0.0)
+        base, features = modelled(profile, probe)
+        extra = sum(features[BLOCK_TERMS.index(t)] * TRUTH[t] for t in CALL_TERMS)
+        calls.append(dataclasses.replace(probe, seconds=base + extra))
+    optimizer = [  # 1e-4 s per tensor, 3e-4 per DTensor, 2 ns per element
+        OptimizerProbe(8, n, d, 8 * (3e-4 if d else 1e-4) + 2e-9 * n) for d in (False, True) for n in (2048, 131072)
+    ]
+    overheads = Overheads(4, tuple(calls), tuple(optimizer), compute_slots=2, block_tensors=(12,), vocab_tensors=3)
+    return dataclasses.replace(profile, overheads=overheads)
+
+
+def test_overheads_round_trip_and_old_profiles_load():
+    profile = synthetic(tiny_profile())
+    again = Profile.from_json(profile.to_json())
+    assert again == profile and again.overheads.calls[5].strategy == S(tp=2, sp="megatron")
+    old = profile.to_dict()
+    del old["overheads"]
+    assert Profile.from_dict(old).overheads is None
+    bad = profile.to_dict()
+    bad["overheads"]["calls"][0]["layer_type"] = 3
+    with pytest.raises(ProfileError, match="layer type 3"):
+        Profile.from_dict(bad)
+    bad = profile.to_dict()
+    bad["overheads"]["calls"][0]["strategy"]["dp_type"] = "zero4"
+    with pytest.raises(ProfileError, match="dp_type"):
+        Profile.from_dict(bad)
+
+
+def test_the_profile_calibration_recovers_the_per_call_terms():
+    profile = synthetic(tiny_profile())
+    calibration = profile_calibration(profile)
+    for term in CALL_TERMS:
+        assert calibration.block[term] == pytest.approx(TRUTH[term], rel=1e-6, abs=1e-9)
+    for term in ("compute", "communication", "recompute"):
+        assert calibration.block[term] == 1.0  # the profile's own prices stay
+    assert calibration.optimizer_s_per_tensor == pytest.approx(1e-4)
+    assert calibration.optimizer_s_per_dtensor == pytest.approx(3e-4)
+    assert calibration.optimizer_s_per_element == pytest.approx(2e-9)
+    assert calibration.tensors_per_layer_type == {"block": 12} and calibration.vocab_tensors == 3
+    assert calibration.compute_slots_per_node is None  # pipelines' sharing of cores is left to trials
+    assert calibration.residual == pytest.approx(0.0, abs=1e-6)
+    assert profile_calibration(tiny_profile()) is None
+
+
+def test_the_search_uses_the_profile_calibration_unless_one_is_given():
+    plain = tiny_profile()
+    profile = synthetic(plain)
+    own = profile_calibration(profile)
+    priced = evaluate(profile, PLAN, precision=PRECISION).step_time_s
+    assert priced == evaluate(plain, PLAN, precision=PRECISION, calibration=own).step_time_s
+    assert priced > evaluate(plain, PLAN, precision=PRECISION).step_time_s  # the per-call terms are in it
+    explicit = Calibration(block={"call": 0.5})
+    assert applicable_calibration(profile, explicit) is explicit
+    assert evaluate(profile, PLAN, precision=PRECISION, calibration=explicit).step_time_s == pytest.approx(
+        evaluate(plain, PLAN, precision=PRECISION, calibration=explicit).step_time_s
+    )
+    # The search prices with the same rule: its estimate is evaluate's.
+    result = search(profile, 4, "1GB", global_batch_size=8, precision=PRECISION, baselines=False)
+    assert result.estimate.step_time_s == pytest.approx(evaluate(profile, result.plan, precision=PRECISION).step_time_s)
+    # A machine where a tensor-parallel call costs 10 s more: the search avoids TP.
+    heavy = dataclasses.replace(
+        profile,
+        overheads=dataclasses.replace(
+            profile.overheads,
+            calls=tuple(
+                dataclasses.replace(c, seconds=c.seconds + (10.0 if c.strategy.splits_weights else 0.0))
+                for c in profile.overheads.calls
+            ),
+        ),
+    )
+    avoided = search(heavy, 4, "1GB", global_batch_size=8, precision=PRECISION, baselines=False).plan
+    assert not any(s.splits_weights for s in (*avoided.layers, avoided.vocab))
+
+
+# ---------------------------------------------------------------------------------------------- measured
+def _profile_two_ranks() -> dict:
+    from lightning_galvatron.model.discovery import find_blocks
+    from lightning_galvatron.profiler import profile
+    from tests.helpers.training import dataset, tiny_gpt
+
+    model = tiny_gpt()
+    data = dataset(8)
+    batch = (data.inputs[:2], data.targets[:2])
+    return profile(model, find_blocks(model), batch, cache=False, hardware_budget_s=0.5).to_dict()
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_measure_call_and_optimizer_probes(pools):
+    results = pools(2).run(_profile_two_ranks)
+    assert results[0] == results[1]
+    profile = Profile.from_dict(results[0])
+    overheads = profile.overheads
+    assert overheads.world_size == 2 and overheads.block_tensors[0] > 0
+    measured = {c.strategy: c.seconds for c in overheads.calls}
+    for strategy in (S(), S(recompute=True), S(dp_type="zero2"), S(dp_type="zero3"), S(tp=2), S(tp=2, sp="megatron")):
+        assert measured[strategy] > 0, strategy
+    assert {o.dtensor for o in overheads.optimizer} == {False, True}
+    assert all(o.seconds > 0 for o in overheads.optimizer)
+    calibration = profile_calibration(profile)
+    assert all(v >= 0 for v in calibration.block.values())
+    # The fit reproduces the probes it came from (seven terms, about as many probes: closely, not exactly).
+    for probe in overheads.calls:
+        _, features = modelled(profile, probe)
+        predicted = float(features @ calibration.coefficients)
+        assert predicted == pytest.approx(probe.seconds, rel=0.5), probe.strategy
