@@ -361,10 +361,16 @@ def measure_run(
 def fit_from_runs(profile: Any, runs: Sequence[dict], precision: str, optimizer: str) -> Any:
     """A calibration fitted to the runtime profiler's observations in ``runs`` (results of :func:`measure_run`)."""
     from lightning_galvatron.search.calibration import Observation, fit_calibration
+    from lightning_galvatron.search.overheads import profile_calibration
 
     observations = [Observation.from_dict(o) for run in runs for o in run["info"].get("observations", [])]
-    return fit_calibration(
-        profile, observations, precision=precision, optimizer=optimizer, source="benchmark probe plans"
+    return fit_calibration(  # as the library's calibrate workflow fits: the profile's own calibration the prior
+        profile,
+        observations,
+        precision=precision,
+        optimizer=optimizer,
+        source="benchmark probe plans",
+        prior=profile_calibration(profile),
     )
 
 

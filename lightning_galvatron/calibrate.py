@@ -32,6 +32,7 @@ from lightning_galvatron.profiles import Profile, load_profile
 from lightning_galvatron.rules import layer_problem
 from lightning_galvatron.search.calibration import Observation, fit_calibration
 from lightning_galvatron.search.coefficients import Calibration
+from lightning_galvatron.search.overheads import profile_calibration
 from lightning_galvatron.strategy import GalvatronStrategy
 
 
@@ -197,7 +198,14 @@ def calibrate(
         trainer.fit(make_module(), train_data)
         optimizer = optimizer_kind(trainer.optimizers[0] if trainer.optimizers else None)
         observations += probe.observations
-    return fit_calibration(profile, observations, precision=precision, optimizer=optimizer, source="probe plans")
+    return fit_calibration(
+        profile,
+        observations,
+        precision=precision,
+        optimizer=optimizer,
+        source="probe plans",
+        prior=profile_calibration(profile),
+    )
 
 
 __all__ = ["CalibrationProbe", "calibrate", "probe_plans"]

@@ -217,3 +217,34 @@ def test_shared_cores_speed_up_pipeline_stages_only():
         evaluate(profile, plan, precision=PRECISION, calibration=idle).step_time_s
         < evaluate(profile, plan, precision=PRECISION, calibration=busy).step_time_s
     )
+
+
+def test_a_prior_decides_what_the_observations_cannot_and_moves_the_rest_little():
+    profile = tiny_profile(alpha=1.3).with_num_blocks(8)
+    # Trials of DDP and ZeRO plans at one batch size: no Ulysses or Megatron block was measured.
+    plans = [
+        ParallelPlan.uniform(4, 8, S(), global_batch_size=16),
+        ParallelPlan.uniform(4, 8, S(dp_type="zero3"), global_batch_size=16),
+        ParallelPlan.uniform(4, 8, S(tp=2), global_batch_size=16),
+    ]
+    observations = synthetic_observations(profile, TRUTH, plans)
+    prior = dataclasses.replace(
+        TRUTH,
+        block={**TRUTH.block, "ulysses": 0.004, "megatron_sp": 0.002, "zero3": 2 * TRUTH.block["zero3"]},
+        optimizer_s_per_element=7e-9,
+    )
+    alone = fit_calibration(profile, observations, precision=PRECISION)
+    guided = fit_calibration(profile, observations, precision=PRECISION, prior=prior)
+    assert alone.block["ulysses"] == 0.0 and alone.block["megatron_sp"] == 0.0  # no column: nothing to fit
+    assert guided.block["ulysses"] == pytest.approx(0.004) and guided.block["megatron_sp"] == pytest.approx(0.002)
+    # One batch size leaves compute and per-call time interchangeable: alone, the fit puts it all per call;
+    # the prior keeps the compute scale it knows.
+    assert alone.block["compute"] == pytest.approx(0.0, abs=1e-6)
+    assert guided.block["compute"] == pytest.approx(TRUTH.block["compute"], rel=0.01)
+    # The measured plans are priced as without the prior (its wrong ZeRO-3 term does not win over the data).
+    assert guided.block["zero3"] < 1.9 * TRUTH.block["zero3"]
+    for plan in plans:
+        priced = evaluate(profile, plan, precision=PRECISION, calibration=guided).step_time_s
+        assert priced == pytest.approx(
+            evaluate(profile, plan, precision=PRECISION, calibration=alone).step_time_s, rel=0.02
+        )

@@ -137,6 +137,7 @@ def fit_calibration(
     precision: str = "bf16-mixed",
     optimizer: str | float = "adamw",
     source: str = "",
+    prior: Calibration | None = None,
 ) -> Calibration:
     """Fit a :class:`Calibration` to what the runtime profiler measured (any plans, any ranks).
 
@@ -145,6 +146,12 @@ def fit_calibration(
     backward time outside the blocks per micro-batch, against the modelled compute. Optimizer: per tensor
     and element, over the ranks. Step and pipeline overheads: what the measured steps have beyond the
     calibrated prediction (medians), the pipeline's per micro-batch and stage.
+
+    ``prior`` (the profile's own calibration, :func:`~.overheads.profile_calibration`) is what the
+    observations cannot tell: a few trials of one batch size leave compute and per-call terms
+    interchangeable, and a mechanism no observed plan used has no column at all. Each block term is pulled
+    towards the prior's with the weight of :data:`PRIOR_WEIGHT` of an observation, which decides such
+    terms and moves the others little; the optimizer terms are the prior's when nothing measured them.
     """
     if not observations:
         raise ValueError("fit_calibration needs at least one observation")
@@ -168,7 +175,7 @@ def fit_calibration(
                 tensors.setdefault(model.block_type(timing.index).name, []).append(timing.parameter_tensors)
     a, y = np.array(rows), np.array(targets)
     weights = 1.0 / np.sqrt(np.maximum(y, 1e-6))
-    coefficients = nonnegative_least_squares(a * weights[:, None], y * weights)
+    coefficients = nonnegative_least_squares(*_with_prior(a * weights[:, None], y * weights, prior))
     residual = float(np.sqrt(np.mean(((a @ coefficients - y) * weights) ** 2))) if len(y) else 0.0
     block = {t: float(c) for t, c in zip(BLOCK_TERMS, coefficients)}
     tensors_per_type = {name: int(statistics.median(v)) for name, v in tensors.items()}
@@ -194,6 +201,9 @@ def fit_calibration(
     measured = [o for o in observations if o.optimizer_s > 0 and o.optimizer_tensors > 0]
     per_tensor = per_element = 0.0
     per_dtensor = None
+    if prior is not None:
+        per_tensor, per_element = prior.optimizer_s_per_tensor, prior.optimizer_s_per_element
+        per_dtensor = prior.optimizer_s_per_dtensor
     if measured:
         ao = np.array(
             [
@@ -252,6 +262,27 @@ def fit_calibration(
         residuals.append((measured - schedule) / (plan.pp + plan.micro_batches - 1))
     pipeline_overhead = max(statistics.median(residuals), 0.0) if residuals else 0.0
     return dataclasses.replace(calibration, step_overhead_s=step_overhead, pipeline_overhead_s=pipeline_overhead)
+
+
+#: How much one prior term weighs in the block fit, as a fraction of one (weighted) observation.
+PRIOR_WEIGHT = 0.1
+
+
+def _with_prior(a: np.ndarray, y: np.ndarray, prior: Calibration | None) -> tuple[np.ndarray, np.ndarray]:
+    """The weighted block system with a row per term pulling it towards ``prior``'s value.
+
+    A term's row is scaled by its column's typical weighted value (the mean over the observations that use it),
+    so that the prior counts as :data:`PRIOR_WEIGHT` of an observation for every term alike; a term no
+    observation uses takes the typical scale of the others, and the prior alone decides it.
+    """
+    if prior is None or not len(y):
+        return a, y
+    used = np.abs(a) > 0
+    counts = used.sum(axis=0)
+    scale = np.where(counts > 0, np.abs(a).sum(axis=0) / np.maximum(counts, 1), 0.0)
+    typical = float(np.median(scale[counts > 0])) if (counts > 0).any() else 1.0
+    scale = np.where(counts > 0, scale, typical) * PRIOR_WEIGHT
+    return np.vstack([a, np.diag(scale)]), np.concatenate([y, scale * prior.coefficients])
 
 
 def _measured_stage_times(cm: CostModel, plan: ParallelPlan, group: Sequence[Observation]) -> list[float] | None:

@@ -393,6 +393,7 @@ def _calibrate_and_search(auto, observations, records, started, settings):
     from lightning_galvatron.search import search
     from lightning_galvatron.search.calibration import fit_calibration
     from lightning_galvatron.search.candidates import unmeasured
+    from lightning_galvatron.search.overheads import profile_calibration
 
     arguments = dict(auto.search_arguments)
     if not observations:
@@ -410,6 +411,7 @@ def _calibrate_and_search(auto, observations, records, started, settings):
             precision=arguments["precision"],
             optimizer=arguments["optimizer"],
             source="measured selection trials",
+            prior=profile_calibration(auto.profile),  # what the trials cannot tell apart or did not run
         )
         result = search(auto.profile, **{**arguments, "calibration": calibration, "baselines": False})
     except ValueError as err:
