@@ -306,7 +306,8 @@ def _select(auto, runner, settings, check, report, progress, started) -> Selecti
         fastest = min((t.step_s for t in records if t.fits(budget)), default=None)
         stop_above = None if fastest is None else SLOWER_THAN_FASTEST * fastest
         measurement, seen = runner.run(plan, settings, stop_above=stop_above)
-        observations.extend(seen)
+        if not measurement.stopped_early:  # one step after one warm-up prices a plan high: it is not fitted
+            observations.extend(seen)
         records.append(_record(name, plan, predicted_step, predicted_peak, measurement))
         report(
             _progress_line(
