@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -116,8 +117,15 @@ class _BlockProfiler(_DegreeMeasurement):
             _synchronize(self.device)
             return middle - start, time.perf_counter() - middle
 
+        together = dist.is_available() and dist.is_initialized()
+        if together:  # every rank times the same point at once: training's contention, the same at every size
+            dist.barrier()
         warm = once()
         repeats = int(min(max(TARGET_POINT_S / max(sum(warm), 1e-9), MIN_REPEATS), MAX_REPEATS))
+        if together:
+            most = torch.tensor([repeats], dtype=torch.int64, device=self.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            repeats = int(most.item())
         samples = [once() for _ in range(repeats)]
         for p in block.parameters():
             p.grad = None
