@@ -13,7 +13,7 @@ step: its plan-aware batch handling, relocation hooks (none here: every block ha
 the summed-gradient convention (``set_force_sum_reduction_for_comms``) and its clipping plugin. Under DDP,
 Galvatron's own gradient buckets (``runtime.gradient_sync``) against DDP's reducer.
 
-    python benchmarks/runtime_overhead.py [--rounds 7]
+    python benchmarks/runtime_overhead.py [--rounds 7] [--world-size 2]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import harness
+import torch
 from harness import (
     FSDP2GPT,
     RESULTS,
@@ -41,7 +42,7 @@ from lightning_galvatron import GalvatronStrategy
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 
-WORLD = 4
+DEFAULT_WORLD = 4
 
 
 #: (Galvatron's configuration, Lightning's) pairs compared round by round
@@ -51,7 +52,8 @@ PAIRS = {"zero3": ("galvatron-zero3", "lightning-model-parallel-fsdp2"), "ddp": 
 def run(kind: str, model: BenchModel, warmup: int, timed: int, memory: bool) -> dict:
     if kind.startswith("galvatron-"):
         dp_type = kind.removeprefix("galvatron-")
-        plan = ParallelPlan.uniform(WORLD, model.n_layer, S(dp_type=dp_type), global_batch_size=model.global_batch)
+        world = torch.distributed.get_world_size()
+        plan = ParallelPlan.uniform(world, model.n_layer, S(dp_type=dp_type), global_batch_size=model.global_batch)
         return measure_run(
             lambda: GalvatronStrategy(plan=plan, save_plan=False), model, warmup=warmup, timed=timed, memory=memory
         )
@@ -76,13 +78,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--timed-steps", type=int, default=8)
-    parser.add_argument("--output", default=str(RESULTS / "runtime_overhead.json"))
+    parser.add_argument("--world-size", type=int, default=DEFAULT_WORLD, help="CPU processes (default 4)")
+    parser.add_argument("--output", default=None, help="default: results/runtime_overhead[_<world size>].json")
     args = parser.parse_args()
+    world = args.world_size
+    suffix = "" if world == DEFAULT_WORLD else f"_{world}"
+    args.output = args.output or str(RESULTS / f"runtime_overhead{suffix}.json")
     model = BenchModel()
     started = time.perf_counter()
     kinds = [k for pair in PAIRS.values() for k in pair]
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
-    with worker_pool(WORLD) as pool:
+    with worker_pool(world) as pool:
         for r, kind in interleaved(kinds, args.rounds):
             result = pool.run(run, kind, model, args.warmup_steps, args.timed_steps, r == 0, timeout=600)[0]
             runs[kind].append(result)
@@ -100,7 +106,7 @@ def main() -> None:
             "memory_source": runs[ours][0]["memory_source"],
         }
     seconds = time.perf_counter() - started
-    print(f"\nRuntime overhead on {WORLD} CPU processes, {model.describe()}, {args.rounds} rounds")
+    print(f"\nRuntime overhead on {world} CPU processes, {model.describe()}, {args.rounds} rounds")
     for name, (ours, theirs) in PAIRS.items():
         row = summary[name]
         for k in (ours, theirs):
@@ -118,7 +124,7 @@ def main() -> None:
             {
                 "machine": harness.machine(),
                 "model": model.describe(),
-                "world_size": WORLD,
+                "world_size": world,
                 "rounds": args.rounds,
                 "summary": summary,
                 "runs": runs,
