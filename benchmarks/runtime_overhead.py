@@ -4,7 +4,7 @@
 * DDP: a uniform DDP plan against ``DDPStrategy`` (PyTorch ``DistributedDataParallel``).
 
 Both shard every block and the rest of the model with FSDP2 (``fully_shard``, parameters resharded after
-forward) over all 4 CPU processes (gloo); same model (``harness.BenchModel``), data, global batch and
+forward) over all the CPU processes (4 by default; gloo); same model (``harness.BenchModel``), data, global batch and
 optimizer. ``GalvatronStrategy`` gets the plan (no profiling or search); Lightning's strategy gets the
 hand-written ``configure_model`` of ``harness.FSDP2GPT``. The two alternate for ``--rounds`` rounds; the
 step-time ratio is taken per round and its median reported, with the ratio of peak memory per rank
