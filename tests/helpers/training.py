@@ -375,7 +375,9 @@ def run_cases(
         try:
             if auto is not None:
                 budget = budget_between_zero3_and_ddp(model, global_batch, cache_dir) if auto == "tight" else None
-                case["strategy"] = GalvatronStrategy(memory_budget=budget, profile_cache=cache_dir, save_plan=False)
+                case["strategy"] = GalvatronStrategy(
+                    memory_budget=budget, profile_cache=cache_dir, save_plan=False, trials=QUICK_TRIALS
+                )
             out[name] = run_distributed(model=model, global_batch=global_batch, **common, **case)
         except PlanError as error:
             out[name] = f"PlanError: {error}"
