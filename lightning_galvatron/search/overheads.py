@@ -15,6 +15,7 @@ Torch-free (numpy only), like the rest of the search.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,8 +45,24 @@ def applicable_calibration(
     return explicit if explicit is not None else profile_calibration(profile)
 
 
+#: Profiles are immutable: each one's calibration is fitted once (``evaluate`` prices many plans with it, and the
+#: fit costs about as much as pricing a plan). Keyed by identity; an entry goes when its profile does.
+_FITTED: dict[int, tuple[weakref.ref, Calibration | None]] = {}
+
+
 def profile_calibration(profile: Profile) -> Calibration | None:
-    """A :class:`Calibration` from ``profile.overheads`` (``None`` without them).
+    """A :class:`Calibration` from ``profile.overheads`` (``None`` without them); see :func:`_fit`."""
+    key = id(profile)
+    hit = _FITTED.get(key)
+    if hit is not None and hit[0]() is profile:
+        return hit[1]
+    calibration = _fit(profile)
+    _FITTED[key] = (weakref.ref(profile, lambda _, key=key: _FITTED.pop(key, None)), calibration)
+    return calibration
+
+
+def _fit(profile: Profile) -> Calibration | None:
+    """The profile's calibration, fitted to its measured overheads.
 
     Per block call: the probe's seconds less what the model prices for the same block, strategy, group and
     local batch (compute and communication), fitted to the per-call terms by non-negative least squares,
