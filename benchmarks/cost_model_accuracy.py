@@ -158,6 +158,7 @@ def select_on_ranks(model: BenchModel, budget: int, cache: str) -> dict:
             "calibration": None if selection.calibration is None else selection.calibration.to_dict(),
             "profile": None if prediction is None or prediction.profile is None else prediction.profile.to_dict(),
             "trials": [t.to_dict() for t in selection.trials],
+            "observations": [o.to_dict() for o in selection.observations],  # what the calibration was fitted to
             "plan": selection.plan.to_dict(),
             "note": selection.note,
             "seconds": selection.seconds,

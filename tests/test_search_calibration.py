@@ -209,6 +209,8 @@ def test_shared_cores_speed_up_pipeline_stages_only():
     assert shared.sharing_factor(pp=4, micro_batches=1, ranks_per_node=4) == pytest.approx(
         0.5
     )  # one busy rank: a whole core
+    # Interleaving shortens fill and drain: 4 micro-batches in a step of 4 + 3/2 of them, or 2 + 1/2 with m < pp.
+    assert shared.sharing_factor(pp=4, micro_batches=4, ranks_per_node=4, virtual_stages=2) == pytest.approx(4 / 5.5)
     profile = tiny_profile().with_num_blocks(8)
     plan = ParallelPlan.uniform(4, 8, S(), pp=4, micro_batches=4, schedule="gpipe", global_batch_size=16)
     busy = dataclasses.replace(TRUTH, compute_slots_per_node=None)
@@ -248,3 +250,30 @@ def test_a_prior_decides_what_the_observations_cannot_and_moves_the_rest_little(
         assert priced == pytest.approx(
             evaluate(profile, plan, precision=PRECISION, calibration=alone).step_time_s, rel=0.02
         )
+
+
+def test_the_prior_splits_the_embedding_and_head_between_compute_and_calls():
+    """Trials at one micro-batch count cannot tell the embedding/head's compute from its per-call time; priced
+    all per call (the fit alone), a plan of 4 micro-batches would pay the whole head 4 times."""
+    profile = tiny_profile(alpha=1.3).with_num_blocks(8)
+    plans = [
+        ParallelPlan.uniform(4, 8, S(), global_batch_size=16),
+        ParallelPlan.uniform(4, 8, S(dp_type="zero3"), global_batch_size=16),
+    ]
+    cm = CostModel(profile, PRECISION)
+    # The machine's embedding/head: twice the analytic compute, no per-call cost (one micro-batch per step).
+    observations = []
+    for obs in synthetic_observations(profile, TRUTH, plans):
+        outside = 2.0 * _analytic_parts(cm, obs.plan).vocab_compute
+        observations.append(
+            dataclasses.replace(obs, step_s=obs.step_s + outside, forward_backward_s=obs.forward_backward_s + outside)
+        )
+    prior = dataclasses.replace(TRUTH, vocab_compute=1.5, vocab_call_s=0.0)
+    guided = fit_calibration(profile, observations, precision=PRECISION, prior=prior)
+    alone = fit_calibration(profile, observations, precision=PRECISION)
+    for fitted in (guided, alone):  # both price the measured plans right
+        priced = fitted.vocab_compute * _analytic_parts(cm, plans[0]).vocab_compute + fitted.vocab_call_s
+        assert priced == pytest.approx(2.0 * _analytic_parts(cm, plans[0]).vocab_compute, rel=0.05)
+    assert alone.vocab_compute == 0.0  # alone, all of it per call
+    assert prior.vocab_compute < guided.vocab_compute < 2.0  # from the prior towards the data, most of it compute
+    assert guided.vocab_call_s < 0.2 * alone.vocab_call_s

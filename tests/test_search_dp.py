@@ -19,6 +19,7 @@ import pytest
 
 from lightning_galvatron.plan import even_partition
 from lightning_galvatron.search.cost import (
+    RESERVE_LEVELS,
     CostModel,
     StageContext,
     block_costs,
@@ -104,23 +105,37 @@ class Oracle:
                     time += vc.step_share(m)[0]
                     memory += vc.memory(k)[0]
             time += p2p_transfers(pp, r, v) * cm.p2p_time(ctx, model.hidden_size, model.seq_length)
-            memory += working_memory_bytes(
-                cm, [model.layer_types[t] for t in sorted({model.blocks[i] for i in blocks})], ctx
-            )
             memory += profile.hardware.memory_overhead_bytes
+            # The search solves each reserve level apart: a level's assignments hold back its reserve.
+            rank_types = [model.layer_types[t] for t in sorted({model.blocks[i] for i in blocks})]
+            recomputes = np.zeros(len(choices), dtype=bool)
+            gathers = np.zeros(len(choices), dtype=bool)
+            for pos, i in enumerate(blocks):
+                cands = self.candidates[model.blocks[i]]
+                recomputes |= np.array([c.recompute for c in cands])[choices[:, pos]]
+                gathers |= np.array([c.dp_type == "zero3" for c in cands])[choices[:, pos]]
+            levels = {}
+            for level, (recompute, gather) in RESERVE_LEVELS.items():
+                admitted = (recompute | ~recomputes) & (gather | ~gathers)
+                reserve = working_memory_bytes(cm, rank_types, ctx, level)
+                levels[level] = np.where(admitted, memory + reserve, np.inf)
             self.rank_blocks.append(blocks)
             self.rank_time.append(time)
-            self.rank_memory.append(memory)
+            self.rank_memory.append(levels)
             self.rank_choices.append(choices)
 
     def best(self, budget: float) -> float:
-        """Least step time over the product of all ranks' assignments that fit ``budget``."""
-        grids = np.meshgrid(
-            *[np.where(mem <= budget, t, np.inf) for t, mem in zip(self.rank_time, self.rank_memory)], indexing="ij"
-        )
-        stage_times = np.stack([g.ravel() for g in grids], axis=-1)
-        values = pipeline_step_time(stage_times, self.m, self.v)
-        return float(values.min()) if values.size else math.inf
+        """Least step time over the product of all ranks' assignments that fit ``budget`` at one reserve level."""
+        best = math.inf
+        for level in RESERVE_LEVELS:
+            grids = np.meshgrid(
+                *[np.where(mem[level] <= budget, t, np.inf) for t, mem in zip(self.rank_time, self.rank_memory)],
+                indexing="ij",
+            )
+            stage_times = np.stack([g.ravel() for g in grids], axis=-1)
+            values = pipeline_step_time(stage_times, self.m, self.v)
+            best = min(best, float(values.min()) if values.size else math.inf)
+        return best
 
     def step_time_of(self, layers) -> float:
         stage_times = []
@@ -173,8 +188,8 @@ def _cases(count: int, seed: int):
         oracle = Oracle(profile, W, B, config, partition, vocab, options)
         if oracle.size() == 0 or oracle.size() > ENUMERATION_LIMIT:
             continue
-        lowest = max(float(m.min()) for m in oracle.rank_memory)
-        highest = max(float(m.max()) for m in oracle.rank_memory)
+        lowest = min(max(float(m[level].min()) for m in oracle.rank_memory) for level in RESERVE_LEVELS)
+        highest = max(float(m["all"].max()) for m in oracle.rank_memory)
         budget = int(rng.uniform(0.97 * lowest, 1.05 * highest))
         made += 1
         yield profile, W, B, options, config, partition, vocab, oracle, budget
@@ -227,7 +242,9 @@ def test_search_without_pipeline_matches_enumeration_over_micro_batches_and_embe
                 best[(config, v)] = Oracle(profile, W, B, config, (L,), v, options)
         if any(o.size() > ENUMERATION_LIMIT for o in best.values()):
             continue
-        lowest = min(max(float(m.min()) for m in o.rank_memory) for o in best.values())
+        lowest = min(
+            max(float(m[level].min()) for m in o.rank_memory) for o in best.values() for level in RESERVE_LEVELS
+        )
         budget = int(lowest * rng.uniform(1.0, 1.6))
         capacity = budget - profile.hardware.memory_overhead_bytes
         optimum = min(o.best(budget) for o in best.values())

@@ -181,8 +181,8 @@ def test_large_clusters_search_quickly(profile):
 
 def test_search_memory_per_stage_is_what_the_search_fits_into_the_budget(profile, llama_8_gpus):
     """The search's own pricing of its plan fits the budget, and differs from evaluate() only by the working
-    reserve (the strategy-independent bound instead of the plan's own transient memory)."""
-    from lightning_galvatron.search.cost import CostModel, StageContext, working_memory_bytes
+    reserve (the bound for every strategy of the plan's reserve level instead of the plan's own transient memory)."""
+    from lightning_galvatron.search.cost import CostModel, StageContext, reserve_level, working_memory_bytes
     from lightning_galvatron.search.engine import search_memory_per_stage
     from lightning_galvatron.search.options import SearchOptions
 
@@ -192,9 +192,38 @@ def test_search_memory_per_stage_is_what_the_search_fits_into_the_budget(profile
     assert max(priced) <= llama_8_gpus.memory_budget_bytes
     cm = CostModel(profile)
     ctx = StageContext(plan.world_size, plan.pp, plan.global_batch_size, plan.micro_batches)
-    reserve = working_memory_bytes(cm, profile.model.layer_types, ctx)
+    reserve = working_memory_bytes(cm, profile.model.layer_types, ctx, reserve_level(plan.layers))
     for searched, stage in zip(priced, estimate.stages):
-        assert searched - stage.peak_memory_bytes == pytest.approx(reserve - stage.working_bytes, rel=1e-9)
+        assert searched - stage.peak_memory_bytes == pytest.approx(reserve - stage.working_bytes, rel=1e-9, abs=1)
+    # A recomputed ZeRO-3 plan is priced with the reserve of both (evaluate: its own blocks' need, the same here).
+    costly = ParallelPlan.uniform(
+        8,
+        profile.model.num_blocks,
+        LayerStrategy(dp_type="zero3", recompute=True),
+        vocab=LayerStrategy(dp_type="zero3"),
+        global_batch_size=16,
+    )
+    ctx = StageContext(8, 1, 16, 1)
+    reserve = working_memory_bytes(cm, profile.model.layer_types, ctx, "all")
+    assert reserve > 0
+    (searched,) = search_memory_per_stage(profile, costly)
+    assert searched == pytest.approx(evaluate(profile, costly).stages[0].peak_memory_bytes, rel=1e-6)
+
     with pytest.raises(ValueError, match="not among the search's candidates"):
         zero3 = ParallelPlan.uniform(8, profile.model.num_blocks, LayerStrategy(dp_type="zero3"), global_batch_size=16)
         search_memory_per_stage(profile, zero3, options=SearchOptions(disable=["zero3"]))
+
+
+def test_a_plain_plan_holds_back_no_reserve_for_recomputation_or_gathering(profile):
+    """A budget that plain DDP fits with little to spare gets plain DDP: the reserve of recomputed or ZeRO-3
+    blocks is held back only at the levels that admit them."""
+    from lightning_galvatron.search.cost import CostModel, StageContext, working_memory_bytes
+    from lightning_galvatron.search.options import SearchOptions
+
+    ddp = ParallelPlan.uniform(8, profile.model.num_blocks, LayerStrategy(), global_batch_size=16)
+    need = evaluate(profile, ddp).peak_memory_bytes
+    # Less to spare than the reserve of a recomputed ZeRO-3 block.
+    budget = need + 0.5 * working_memory_bytes(CostModel(profile), profile.model.layer_types, StageContext(8, 1, 16, 1))
+    r = search(profile, 8, budget, global_batch_size=16, options=SearchOptions(max_pp=1), baselines=False)
+    assert all(s.dp_type != "zero3" and not s.recompute for s in r.plan.layers)
+    assert r.peak_memory_bytes_per_device <= budget

@@ -165,7 +165,9 @@ def fit_calibration(
     for obs in observations:
         parts = _analytic_parts(cm, obs.plan)
         # Block terms hold with every rank busy: a pipeline's measurements are brought to that first.
-        busy = sharing.sharing_factor(obs.plan.pp, obs.plan.micro_batches, min(ranks_per_node, obs.plan.world_size))
+        busy = sharing.sharing_factor(
+            obs.plan.pp, obs.plan.micro_batches, min(ranks_per_node, obs.plan.world_size), obs.plan.virtual_stages
+        )
         for timing in obs.blocks:
             forward, beta, analytic, relocation, strategy = parts.blocks[timing.index]
             features = block_features(np.array([forward]), beta, np.array([analytic]), _arrays([strategy]))[0]
@@ -175,7 +177,8 @@ def fit_calibration(
                 tensors.setdefault(model.block_type(timing.index).name, []).append(timing.parameter_tensors)
     a, y = np.array(rows), np.array(targets)
     weights = 1.0 / np.sqrt(np.maximum(y, 1e-6))
-    coefficients = nonnegative_least_squares(*_with_prior(a * weights[:, None], y * weights, prior))
+    prior_block = None if prior is None else prior.coefficients
+    coefficients = nonnegative_least_squares(*_with_prior(a * weights[:, None], y * weights, prior_block))
     residual = float(np.sqrt(np.mean(((a @ coefficients - y) * weights) ** 2))) if len(y) else 0.0
     block = {t: float(c) for t, c in zip(BLOCK_TERMS, coefficients)}
     tensors_per_type = {name: int(statistics.median(v)) for name, v in tensors.items()}
@@ -191,11 +194,17 @@ def fit_calibration(
         vocab_rows.append(parts.vocab_compute)
         vocab_targets.append(max(outside / m - parts.vocab_communication, 0.0))
     vocab_compute, vocab_call = 1.0, 0.0
+    if prior is not None:
+        vocab_compute, vocab_call = prior.vocab_compute, prior.vocab_call_s
     if vocab_rows:
         av = np.stack([np.array(vocab_rows), np.ones(len(vocab_rows))], axis=1)
         yv = np.array(vocab_targets)
         wv = 1.0 / np.maximum(yv, 1e-6)
-        vocab_compute, vocab_call = (float(x) for x in nonnegative_least_squares(av * wv[:, None], yv * wv))
+        # One micro-batch count cannot split compute from the per-call time: the prior decides (without it, a
+        # single plan's time all went to the call, and plans of 4 micro-batches were priced 1.6x too slow).
+        prior_vocab = None if prior is None else np.array([vocab_compute, vocab_call])
+        fitted = nonnegative_least_squares(*_with_prior(av * wv[:, None], yv * wv, prior_vocab))
+        vocab_compute, vocab_call = (float(x) for x in fitted)
 
     # Optimizer: seconds per plain tensor, per DTensor and per element, over every rank.
     measured = [o for o in observations if o.optimizer_s > 0 and o.optimizer_tensors > 0]
@@ -259,7 +268,9 @@ def fit_calibration(
             continue
         schedule = float(pipeline_step_time(np.array(stage_times), plan.micro_batches, plan.virtual_stages))
         measured = statistics.median(o.forward_backward_s for o in group)
-        residuals.append((measured - schedule) / (plan.pp + plan.micro_batches - 1))
+        # The overhead is priced per micro-batch on every stage: the schedule turns it into this many of it.
+        span = float(pipeline_step_time(np.ones(plan.pp), plan.micro_batches, plan.virtual_stages))
+        residuals.append((measured - schedule) / span)
     pipeline_overhead = max(statistics.median(residuals), 0.0) if residuals else 0.0
     return dataclasses.replace(calibration, step_overhead_s=step_overhead, pipeline_overhead_s=pipeline_overhead)
 
@@ -268,8 +279,8 @@ def fit_calibration(
 PRIOR_WEIGHT = 0.1
 
 
-def _with_prior(a: np.ndarray, y: np.ndarray, prior: Calibration | None) -> tuple[np.ndarray, np.ndarray]:
-    """The weighted block system with a row per term pulling it towards ``prior``'s value.
+def _with_prior(a: np.ndarray, y: np.ndarray, prior: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """The weighted system ``a x = y`` with a row per term pulling it towards ``prior``'s value.
 
     A term's row is scaled by its column's typical weighted value (the mean over the observations that use it),
     so that the prior counts as :data:`PRIOR_WEIGHT` of an observation for every term alike; a term no
@@ -282,7 +293,7 @@ def _with_prior(a: np.ndarray, y: np.ndarray, prior: Calibration | None) -> tupl
     scale = np.where(counts > 0, np.abs(a).sum(axis=0) / np.maximum(counts, 1), 0.0)
     typical = float(np.median(scale[counts > 0])) if (counts > 0).any() else 1.0
     scale = np.where(counts > 0, scale, typical) * PRIOR_WEIGHT
-    return np.vstack([a, np.diag(scale)]), np.concatenate([y, scale * prior.coefficients])
+    return np.vstack([a, np.diag(scale)]), np.concatenate([y, scale * prior])
 
 
 def _measured_stage_times(cm: CostModel, plan: ParallelPlan, group: Sequence[Observation]) -> list[float] | None:
@@ -296,7 +307,7 @@ def _measured_stage_times(cm: CostModel, plan: ParallelPlan, group: Sequence[Obs
         )
     if len(per_stage) != plan.pp:
         return None
-    ctx = StageContext(plan.world_size, plan.pp, plan.global_batch_size, plan.micro_batches)
+    ctx = StageContext(plan.world_size, plan.pp, plan.global_batch_size, plan.micro_batches, 1.0, plan.virtual_stages)
     vsa = _arrays([plan.vocab])
     model = cm.profile.model
     out = []
@@ -331,7 +342,7 @@ def _analytic_parts(cm: CostModel, plan: ParallelPlan) -> _Parts:
     if B is None:
         raise ValueError("an observed plan must fix its global batch size")
     W, pp, m = plan.world_size, plan.pp, plan.micro_batches
-    ctx = StageContext(W, pp, B, m)
+    ctx = StageContext(W, pp, B, m, 1.0, plan.virtual_stages)
     n = plan.devices_per_stage
     blocks = {}
     for chunk in range(pp * plan.virtual_stages):

@@ -146,19 +146,23 @@ class Calibration:
         """Block coefficients in the order of :data:`BLOCK_TERMS`."""
         return np.array([self.block.get(t, IDENTITY_BLOCK.get(t, 0.0)) for t in BLOCK_TERMS])
 
-    def sharing_factor(self, pp: int, micro_batches: int, ranks_per_node: int) -> float:
+    def sharing_factor(self, pp: int, micro_batches: int, ranks_per_node: int, virtual_stages: int = 1) -> float:
         """Time of a pipeline stage's work relative to the same work with every rank busy.
 
         When the ranks of a node share fewer compute slots (cores) than they are, a rank computes at
         ``min(1, slots / busy)`` of a slot's speed. The block terms are fitted (and apply) with every rank
-        busy; a pipeline keeps a stage busy only ``U = m / (m + pp - 1)`` of its step (fill and drain), so
-        on average ``ranks * U`` ranks compute at once and each runs faster by
+        busy; a pipeline keeps a stage busy only ``U`` of its step (fill and drain: ``m`` micro-batches of
+        work in a step of ``m + (pp - 1) / v`` of them, or ``pp + (m - 1) / v`` where ``m < pp`` with
+        ``v > 1`` model chunks per rank, as :func:`~.pipeline.pipeline_step_time` schedules them), so on
+        average ``ranks * U`` ranks compute at once and each runs faster by
         ``min(1, slots / ranks) / min(1, slots / (ranks * U))``. 1 without a pipeline or without sharing.
         """
         slots = self.compute_slots_per_node
         if pp <= 1 or slots is None or slots >= ranks_per_node:
             return 1.0
-        busy = ranks_per_node * micro_batches / (micro_batches + pp - 1)
+        m, v = micro_batches, virtual_stages
+        span = pp + (m - 1) / v if v > 1 and m < pp else m + (pp - 1) / v
+        busy = ranks_per_node * m / span
         return min(1.0, slots / ranks_per_node) / min(1.0, slots / busy)
 
     @property

@@ -45,7 +45,7 @@ from lightning_galvatron.layout import p2p_ranks_per_node, ranks_per_node
 from lightning_galvatron.plan import LayerStrategy
 from lightning_galvatron.profiles import LayerTypeProfile, LinearFit, Profile, bus_volume
 from lightning_galvatron.search.coefficients import Calibration, block_features, load_calibration, vocab_time
-from lightning_galvatron.search.space import Layout, StrategyArrays
+from lightning_galvatron.search.space import DP_CODE, Layout, StrategyArrays
 
 
 # ---------------------------------------------------------------------------------------------- precision, optimizer
@@ -116,6 +116,7 @@ class StageContext:
     global_batch: int
     micro_batches: int
     in_flight: float = 1.0
+    virtual_stages: int = 1  # model chunks per pipeline rank: how much of the step a stage is busy
 
     @property
     def devices_per_stage(self) -> int:
@@ -369,6 +370,10 @@ class LayerCosts:
     def memory(self, in_flight: float) -> np.ndarray:
         return self.state_bytes + in_flight * self.activation_bytes
 
+    def take(self, keep: np.ndarray) -> LayerCosts:
+        """The costs of the candidates ``keep`` selects (a mask or indices)."""
+        return LayerCosts(self.time[keep], self.last_extra[keep], self.state_bytes[keep], self.activation_bytes[keep])
+
 
 def _costs(
     cm: CostModel,
@@ -418,7 +423,7 @@ def _costs(
         dtensors = (sa.dp_code > 0) | sa.splits_weights  # ZeRO shards and tensor-parallel splits: DTensors
         extra = (last - time) + cal.optimizer_time(parameter_tensors, elements, dtensors)  # after the pipeline's flush
         ranks_per_node = min(cm.profile.hardware.devices_per_node, ctx.world_size)
-        calibrated = calibrated * cal.sharing_factor(ctx.pp, ctx.micro_batches, ranks_per_node)
+        calibrated = calibrated * cal.sharing_factor(ctx.pp, ctx.micro_batches, ranks_per_node, ctx.virtual_stages)
         time, last = calibrated, calibrated + extra
     return LayerCosts(
         time=time,
@@ -497,16 +502,45 @@ def vocab_costs(cm: CostModel, sa: StrategyArrays, ctx: StageContext, part: str)
     )
 
 
-def working_memory_bytes(cm: CostModel, layers: Sequence[LayerTypeProfile], ctx: StageContext) -> float:
-    """Transient memory reserved on a stage, independent of the blocks' strategies.
+#: What transient memory a stage's strategies may need during backward, narrowest first: a level admits recomputed
+#: blocks (a micro-batch of a block's activations re-materialised), ZeRO-3 blocks (a block's weights gathered
+#: again), both, or neither. The search solves each level with the reserve it needs (one bound for every level
+#: would overstate a stage of plain blocks by a block's activations and weights).
+RESERVE_LEVELS: dict[str, tuple[bool, bool]] = {
+    "plain": (False, False),
+    "gathered": (False, True),
+    "recomputed": (True, False),
+    "all": (True, True),
+}
 
-    During a block's backward (and its recomputation) one micro-batch of its full activations is
-    live, and a ZeRO-3 block's weights are gathered. The reserve is the largest block type's
-    ``B/(m*n)`` samples of degree-1 activations plus its whole weights in the compute dtype: an
-    upper bound for every strategy, so the search cannot trade it away and plans compare fairly.
+
+def reserve_level(strategies: Sequence[LayerStrategy]) -> str:
+    """The narrowest of :data:`RESERVE_LEVELS` that admits every one of ``strategies``."""
+    recompute = any(s.recompute for s in strategies)
+    gather = any(s.dp_type == "zero3" for s in strategies)
+    return next(name for name, (r, g) in RESERVE_LEVELS.items() if r >= recompute and g >= gather)
+
+
+def admitted_by_level(sa: StrategyArrays, level: str) -> np.ndarray:
+    """Which candidates of ``sa`` the reserve ``level`` admits."""
+    recompute, gather = RESERVE_LEVELS[level]
+    return (recompute | ~sa.recompute) & (gather | (sa.dp_code != DP_CODE["zero3"]))
+
+
+def working_memory_bytes(
+    cm: CostModel, layers: Sequence[LayerTypeProfile], ctx: StageContext, level: str = "all"
+) -> float:
+    """Transient memory reserved on a stage whose blocks take strategies of reserve ``level``, whichever they are.
+
+    During a recomputed block's backward one micro-batch of its full activations is live, and a ZeRO-3
+    block's weights are gathered. The reserve is the largest block type's ``B/(m*n)`` samples of degree-1
+    activations (if the level admits recomputation) plus its whole weights in the compute dtype (if it admits
+    ZeRO-3): an upper bound for every strategy of the level, so the search's DP stays additive.
     """
-    # The most any strategy needs: a recomputed ZeRO-3 block without tensor parallelism.
-    costliest = LayerStrategy(dp_type="zero3", recompute=True)
+    recompute, gather = RESERVE_LEVELS[level]
+    if not (recompute or gather):
+        return 0.0
+    costliest = LayerStrategy(dp_type="zero3" if gather else "ddp", recompute=recompute)
     return plan_working_memory_bytes(cm, [(t, costliest) for t in layers], ctx)
 
 
@@ -519,8 +553,8 @@ def plan_working_memory_bytes(
     Only a recomputed block re-materialises a micro-batch of its activations during backward, and only a
     ZeRO-3 block gathers its weights again for backward; other blocks' activations and weights are already
     counted where they live (measured: reserving them for every block overstated DDP and pipeline stages by
-    a block's activations). The search keeps the strategy-independent bound so that its DP stays additive;
-    an estimate of a known plan uses this.
+    a block's activations). The search keeps a bound per reserve level so that its DP stays additive; an
+    estimate of a known plan uses this.
     """
     samples = ctx.samples_per_device
     need = 0.0

@@ -34,7 +34,14 @@ import numpy as np
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, divisors, even_partition
 from lightning_galvatron.profiles import Profile, load_profile
 from lightning_galvatron.rules import layer_problem, vocab_problem
-from lightning_galvatron.search.cost import CostModel, Precision
+from lightning_galvatron.search.cost import (
+    RESERVE_LEVELS,
+    CostModel,
+    Precision,
+    StageContext,
+    reserve_level,
+    working_memory_bytes,
+)
 from lightning_galvatron.search.estimate import Estimate, evaluate
 from lightning_galvatron.search.options import SearchOptions
 from lightning_galvatron.search.overheads import applicable_calibration
@@ -265,27 +272,32 @@ def solve_configuration(
     cm = CostModel(profile, precision, optimizer, applicable_calibration(profile, options and options.calibration))
     solver = FixedBatchSolver(cm, world_size, budget, global_batch_size, options or SearchOptions())
     pp, v = config.pp, config.virtual_stages
-    shape = solver.shape(config, max_blocks=max(len(rank_blocks(partition, pp, r)[0]) for r in range(pp)))
-    if shape is None:
+    full = solver.shape(config, max_blocks=max(len(rank_blocks(partition, pp, r)[0]) for r in range(pp)))
+    if full is None:
         return None
-    if vocab not in shape.vocab.strategies:
+    if vocab not in full.vocab.strategies:
         raise ValueError(f"{vocab} is not an executable embedding/head strategy for this configuration")
-    try:
-        layers = solver.solve_blocks(shape, partition, shape.vocab.strategies.index(vocab))
-    except NoAssignment:
-        return None
-    plan = ParallelPlan(
-        world_size=world_size,
-        layers=tuple(layers),
-        vocab=vocab,
-        pp=pp,
-        partition=tuple(partition) if pp > 1 else None,
-        schedule=config.schedule,
-        micro_batches=config.micro_batches,
-        virtual_stages=v,
-        global_batch_size=global_batch_size,
-    )
-    return evaluate(profile, plan, cost_model=cm, memory_budget_bytes=budget)
+    best: Estimate | None = None
+    for shape in solver.levels(full):  # each reserve level's DP, as the search solves them
+        try:
+            layers = solver.solve_blocks(shape, partition, shape.vocab.strategies.index(vocab))
+        except NoAssignment:
+            continue
+        plan = ParallelPlan(
+            world_size=world_size,
+            layers=tuple(layers),
+            vocab=vocab,
+            pp=pp,
+            partition=tuple(partition) if pp > 1 else None,
+            schedule=config.schedule,
+            micro_batches=config.micro_batches,
+            virtual_stages=v,
+            global_batch_size=global_batch_size,
+        )
+        estimate = evaluate(profile, plan, cost_model=cm, memory_budget_bytes=budget)
+        if best is None or estimate.step_time_s < best.step_time_s:
+            best = estimate
+    return best
 
 
 def search_memory_per_stage(
@@ -299,8 +311,8 @@ def search_memory_per_stage(
 ) -> tuple[float, ...]:
     """Peak bytes per pipeline stage of ``plan`` as :func:`search` prices it against the budget while searching
     (:meth:`~.solver.FixedBatchSolver.stage_memory`), which differs from :func:`evaluate`'s estimate of the same
-    plan by the search's strategy-independent working reserve: what a measured peak should be compared with to
-    know how much memory the search leaves unused."""
+    plan by the search's working reserve (a bound for every strategy of the plan's reserve level): what a
+    measured peak should be compared with to know how much memory the search leaves unused."""
     profile = load_profile(profile)
     B = global_batch_size or plan.global_batch_size
     if B is None:
@@ -409,7 +421,12 @@ def _best_uniform(cm: CostModel, W: int, budget: int, B: int, options: SearchOpt
             memory = np.stack([c.memory(k) for k in shape.in_flight])  # (pp, S)
             ends = (shape.vocab_time + shape.p2p[:, None]).T[None, :, :]
             stage_time = per_rank[None, None, :] * share[:, None, None] + ends
-            fixed = shape.vocab_memory.T[None, :, :] + shape.working[0, 1] + solver.overhead
+            # Each strategy with the reserve of its own level, as the search prices a uniform plan of it.
+            ctx = StageContext(W, pp, B, m, 1.0, v)
+            lt = cm.profile.model.layer_types[0]
+            reserves = {level: working_memory_bytes(cm, [lt], ctx, level) for level in RESERVE_LEVELS}
+            reserve = np.array([reserves[reserve_level([s])] for s in shape.strategies[0].strategies])
+            fixed = shape.vocab_memory.T[None, :, :] + reserve[:, None, None] + solver.overhead
             stage_memory = per_rank[None, None, :] * memory.T[:, None, :] + fixed
             values = pipeline_step_time(stage_time, m, v)  # (S, V)
             values = np.where(stage_memory.max(axis=2) <= budget, values, np.inf)

@@ -178,7 +178,7 @@ def evaluate(
     stages, blocks = [], []
     for rank in range(pp):
         k = in_flight_micro_batches(plan.schedule, pp, m, rank, v)
-        ctx = StageContext(W, pp, B, m, k)
+        ctx = StageContext(W, pp, B, m, k, v)
         time = 0.0
         states = acts = 0.0
         cache: dict[tuple[int, LayerStrategy], Any] = {}

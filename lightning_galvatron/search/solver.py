@@ -27,6 +27,7 @@ per ``k``, partitions of :mod:`.pipeline`, embedding/head strategies by table lo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,11 +37,14 @@ import numpy as np
 from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, even_partition
 from lightning_galvatron.search.cost import (
+    RESERVE_LEVELS,
     CostModel,
     LayerCosts,
     StageContext,
+    admitted_by_level,
     block_costs,
     relocation_matrix,
+    reserve_level,
     vocab_costs,
     working_memory_bytes,
 )
@@ -95,6 +99,7 @@ class Shape:
     working: np.ndarray  # (L+1, J+1) reserve of a stage starting at a with j blocks
     lower_bound: float
     max_blocks: int
+    level: str = "all"  # the reserve level (:data:`~.cost.RESERVE_LEVELS`) whose candidates and reserve these are
 
 
 class FixedBatchSolver:
@@ -128,7 +133,7 @@ class FixedBatchSolver:
         spans = n > cm.profile.hardware.devices_per_node
         per_micro = B // m
         strategies, costs = [], []
-        ctx = StageContext(W, pp, B, m, 1.0)
+        ctx = StageContext(W, pp, B, m, 1.0, v)
         for lt in model.layer_types:
             cands = layer_candidates(lt, n, per_micro, spans, self.options)
             if not cands:
@@ -148,8 +153,8 @@ class FixedBatchSolver:
         relocation = [relocation_matrix(cm, layouts, ctx, lt.hidden_size, lt.seq_length) for lt in model.layer_types]
         in_flight = [in_flight_micro_batches(config.schedule, pp, m, r, v) for r in range(pp)]
         vsa = StrategyArrays.build(vocab)
-        emb = vocab_costs(cm, vsa, StageContext(W, pp, B, m, in_flight[0]), "embedding")
-        head = vocab_costs(cm, vsa, StageContext(W, pp, B, m, in_flight[-1]), "head")
+        emb = vocab_costs(cm, vsa, StageContext(W, pp, B, m, in_flight[0], v), "embedding")
+        head = vocab_costs(cm, vsa, StageContext(W, pp, B, m, in_flight[-1], v), "head")
         vocab_time = np.zeros((pp, len(vocab)))
         vocab_memory = np.zeros((pp, len(vocab)))
         vocab_time[0] += emb.step_share(m)
@@ -160,8 +165,6 @@ class FixedBatchSolver:
             ctx, model.hidden_size, model.seq_length
         )
         p2p = p2p + cm.pipeline_overhead(pp)
-        # Working-memory reserve of a stage [a, a+j): the largest over the block types it holds.
-        per_type = np.array([working_memory_bytes(cm, [lt], ctx) for lt in model.layer_types])
         max_blocks_override = max_blocks
         if v == 1:
             max_blocks = (
@@ -170,15 +173,8 @@ class FixedBatchSolver:
         else:
             max_blocks = max(len(rank_blocks(even_partition(self.L, pp * v), pp, r)[0]) for r in range(pp))
         max_blocks = max(max_blocks, max_blocks_override or 0)
-        last = np.arange(self.L + 1)[:, None] + np.arange(max_blocks + 1)[None, :] - 1  # last block of [a, a+j)
-        valid = (last >= np.arange(self.L + 1)[:, None]) & (last < self.L)
-        working = np.maximum.accumulate(
-            np.where(valid, per_type[self.types[np.clip(last, 0, self.L - 1)]], 0.0), axis=1
-        )
-        # Lower bound on the step: every block at its fastest, perfectly balanced stages (max >= mean).
-        fastest = np.array([c.step_share(m).min() for c in costs])
-        total = fastest[self.types].sum() + vocab_time.sum(axis=0).min() + p2p.sum()
-        lower_bound = float(pipeline_step_time(np.full(pp, total / pp), m, v))
+        working = self.reserve_table(ctx, "all", max_blocks)
+        lower_bound = self.lower_bound(config, costs, vocab_time, p2p)
         return Shape(
             config,
             in_flight,
@@ -195,6 +191,61 @@ class FixedBatchSolver:
             lower_bound,
             max_blocks,
         )
+
+    def reserve_table(self, ctx: StageContext, level: str, max_blocks: int) -> np.ndarray:
+        """Working-memory reserve of a stage ``[a, a+j)`` at reserve ``level``: the largest over the block types it
+        holds, as an ``(L+1, max_blocks+1)`` table."""
+        per_type = np.array([working_memory_bytes(self.cm, [lt], ctx, level) for lt in self.model.layer_types])
+        last = np.arange(self.L + 1)[:, None] + np.arange(max_blocks + 1)[None, :] - 1  # last block of [a, a+j)
+        valid = (last >= np.arange(self.L + 1)[:, None]) & (last < self.L)
+        return np.maximum.accumulate(np.where(valid, per_type[self.types[np.clip(last, 0, self.L - 1)]], 0.0), axis=1)
+
+    def lower_bound(
+        self, config: PipelineConfig, costs: Sequence[LayerCosts], vocab_time: np.ndarray, p2p: np.ndarray
+    ) -> float:
+        """Lower bound on the step: every block at its fastest, perfectly balanced stages (max >= mean)."""
+        m = config.micro_batches
+        fastest = np.array([c.step_share(m).min() for c in costs])
+        total = fastest[self.types].sum() + vocab_time.sum(axis=0).min() + p2p.sum()
+        return float(pipeline_step_time(np.full(config.pp, total / config.pp), m, config.virtual_stages))
+
+    def at_level(self, shape: Shape, level: str) -> Shape | None:
+        """``shape`` with only the block candidates of reserve ``level`` and that level's reserve; None where a layer
+        type keeps no candidate."""
+        if level == shape.level:
+            return shape
+        keeps = [admitted_by_level(sa, level) for sa in shape.strategies]
+        if not all(keep.any() for keep in keeps):
+            return None
+        config = shape.config
+        costs = [c.take(keep) for c, keep in zip(shape.costs, keeps)]
+        ctx = StageContext(self.W, config.pp, self.B, config.micro_batches, 1.0, config.virtual_stages)
+        return dataclasses.replace(
+            shape,
+            strategies=[
+                StrategyArrays.build(s for s, k in zip(sa.strategies, keep) if k)
+                for sa, keep in zip(shape.strategies, keeps)
+            ],
+            costs=costs,
+            layout_index=[index[keep] for index, keep in zip(shape.layout_index, keeps)],
+            working=self.reserve_table(ctx, level, shape.max_blocks),
+            lower_bound=self.lower_bound(config, costs, shape.vocab_time, shape.p2p),
+            level=level,
+        )
+
+    def levels(self, shape: Shape) -> list[Shape]:
+        """``shape`` at each reserve level, narrowest first; a level that admits no candidate more than a narrower
+        one is left out (it would only hold back more memory)."""
+        out, seen = [], set()
+        for level in RESERVE_LEVELS:
+            at = self.at_level(shape, level)
+            if at is None:
+                continue
+            key = tuple(sa.strategies for sa in at.strategies)
+            if key not in seen:
+                seen.add(key)
+                out.append(at)
+        return out
 
     def steps(self, shape: Shape, k: float) -> list[Step]:
         """One DP step per layer type at ``k`` micro-batches in flight, dominated candidates removed."""
@@ -248,20 +299,21 @@ class FixedBatchSolver:
         for pp in pipeline_degrees(self.W, self.L, self.options, self.model.block_lists):
             for config in pipeline_configs(pp, self.B, self.L, self.options):
                 self.considered += 1
-                shape = self.shape(config)
-                if shape is None:
+                full = self.shape(config)
+                if full is None:
                     continue
                 self.executable = True
-                need = self.min_stage_memory(shape)
-                if math.isfinite(need):
-                    eps = self.options.memory_tolerance
-                    # With cells of eps * capacity / J the DP needs at most eps * capacity more than the exact minimum.
-                    fits_from = (need - eps * self.overhead) / (1 - eps)
-                    self.smallest_budget = (
-                        fits_from if self.smallest_budget is None else min(self.smallest_budget, fits_from)
-                    )
-                if need <= self.budget:
-                    shapes.append(shape)
+                for shape in self.levels(full):
+                    need = self.min_stage_memory(shape)
+                    if math.isfinite(need):
+                        eps = self.options.memory_tolerance
+                        # With cells of eps * capacity / J the DP needs at most eps * capacity more than the minimum.
+                        fits_from = (need - eps * self.overhead) / (1 - eps)
+                        self.smallest_budget = (
+                            fits_from if self.smallest_budget is None else min(self.smallest_budget, fits_from)
+                        )
+                    if need <= self.budget:
+                        shapes.append(shape)
         return shapes
 
     def run(self, best_throughput: float | None) -> Choice | None:
@@ -441,14 +493,15 @@ class FixedBatchSolver:
         return layers  # type: ignore[return-value]
 
     def stage_reserve(self, shape: Shape, blocks: Sequence[int]) -> float:
-        """The working-memory reserve the search holds back on a stage with these blocks (strategy-independent)."""
+        """The working-memory reserve the search holds back on a stage with these blocks at the shape's level."""
         if shape.config.virtual_stages == 1:
             return float(shape.working[blocks[0], len(blocks)])
         return float(max(shape.working[i, 1] for i in blocks))
 
     def stage_memory(self, plan: ParallelPlan) -> list[float]:
         """Peak bytes per pipeline stage of ``plan`` as the search prices it while searching: the overhead, the
-        stage's reserve (:meth:`stage_reserve`), its embedding/head and the DP's per-block memory, from this
+        stage's reserve (:meth:`stage_reserve`, at the narrowest reserve level of the plan's strategies), its
+        embedding/head and the DP's per-block memory, from this
         solver's own :class:`Shape` (before the DP rounds each block up to whole cells). Raises ``ValueError``
         for a plan outside the search space (another batch size, world size, or a strategy it never considers).
         """
@@ -462,6 +515,9 @@ class FixedBatchSolver:
         shape = self.shape(config, max_blocks=max(len(rank_blocks(sizes, plan.pp, r)[0]) for r in range(plan.pp)))
         if shape is None:
             raise ValueError(f"the search has no executable strategy for the pipeline shape {config}")
+        shape = self.at_level(shape, reserve_level(plan.layers))  # the narrowest level the search finds it at
+        if shape is None:
+            raise ValueError("the plan's block strategies are not among the search's candidates")
 
         def index(candidates: Sequence[LayerStrategy], strategy: LayerStrategy, what: str) -> int:
             if strategy not in candidates:

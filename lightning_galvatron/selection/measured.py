@@ -87,6 +87,8 @@ class Selection:
     note: str = ""
     from_cache: bool = False
     cache_file: str | None = None
+    #: What the runtime profiler saw in the trials (rank 0 only; not cached): what the calibration was fitted to.
+    observations: tuple[Any, ...] = ()
 
     @property
     def chosen(self) -> TrialRecord | None:
@@ -337,7 +339,7 @@ def _select(auto, runner, settings, check, report, progress, started) -> Selecti
     if rank == 0:
         decision = [_decide(auto, records, calibration, budget, note, time.perf_counter() - started).to_dict()]
     dist.broadcast_object_list(decision, src=0)
-    return Selection.from_dict(decision[0])
+    return Selection.from_dict(decision[0], observations=tuple(observations))
 
 
 #: The two fastest plans are measured again when the runner-up is within this factor of the fastest.
