@@ -170,6 +170,22 @@ def test_candidates_are_distinct_fit_and_cover_other_kinds():
     assert len({plan_kind(c.plan) for c in candidates}) >= 3
 
 
+def test_candidates_include_ddp_over_micro_batches_of_another_size():
+    """Trials of one micro-batch size leave a block's per-call time and its compute interchangeable; DDP over
+    2 or 4 micro-batches (a plan users pick anyway) is among the candidates that tell them apart."""
+    from tests.test_search_cost import tiny_profile
+
+    profile = tiny_profile().with_num_blocks(8)
+    arguments = dict(
+        world_size=4, memory_budget_bytes="64GB", global_batch_size=16, precision="bf16-mixed", optimizer="adamw"
+    )
+    result = search(profile, **arguments)
+    candidates = diverse_candidates(profile, result, arguments, max_candidates=20)
+    micro = [c for c in candidates if c.name == "uniform ddp, micro-batches"]
+    assert len(micro) == 1 and micro[0].plan.pp == 1 and micro[0].plan.micro_batches in (2, 4)
+    assert all(s.dp_type == "ddp" and s.tp == 1 for s in micro[0].plan.layers)
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [

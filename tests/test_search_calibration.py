@@ -252,28 +252,36 @@ def test_a_prior_decides_what_the_observations_cannot_and_moves_the_rest_little(
         )
 
 
-def test_the_prior_splits_the_embedding_and_head_between_compute_and_calls():
-    """Trials at one micro-batch count cannot tell the embedding/head's compute from its per-call time; priced
-    all per call (the fit alone), a plan of 4 micro-batches would pay the whole head 4 times."""
+def test_the_embedding_and_head_split_between_compute_and_calls_only_where_the_trials_tell():
+    """Trials with micro-batches of one size cannot tell the embedding/head's compute from its per-call time: the
+    per-call time stays the prior's (fitted both ways, all of it went per call and a plan of 4 micro-batches paid
+    the head 4 times). Micro-batches of two sizes tell them apart."""
     profile = tiny_profile(alpha=1.3).with_num_blocks(8)
-    plans = [
+    cm = CostModel(profile, PRECISION)
+    call = 0.002  # the machine's embedding/head: twice the analytic compute and 2 ms per micro-batch
+
+    def observed(plans):
+        out = []
+        for obs in synthetic_observations(profile, TRUTH, plans):
+            outside = obs.plan.micro_batches * (2.0 * _analytic_parts(cm, obs.plan).vocab_compute + call)
+            out.append(
+                dataclasses.replace(
+                    obs, step_s=obs.step_s + outside, forward_backward_s=obs.forward_backward_s + outside
+                )
+            )
+        return out
+
+    one_size = [
         ParallelPlan.uniform(4, 8, S(), global_batch_size=16),
         ParallelPlan.uniform(4, 8, S(dp_type="zero3"), global_batch_size=16),
     ]
-    cm = CostModel(profile, PRECISION)
-    # The machine's embedding/head: twice the analytic compute, no per-call cost (one micro-batch per step).
-    observations = []
-    for obs in synthetic_observations(profile, TRUTH, plans):
-        outside = 2.0 * _analytic_parts(cm, obs.plan).vocab_compute
-        observations.append(
-            dataclasses.replace(obs, step_s=obs.step_s + outside, forward_backward_s=obs.forward_backward_s + outside)
-        )
     prior = dataclasses.replace(TRUTH, vocab_compute=1.5, vocab_call_s=0.0)
-    guided = fit_calibration(profile, observations, precision=PRECISION, prior=prior)
-    alone = fit_calibration(profile, observations, precision=PRECISION)
-    for fitted in (guided, alone):  # both price the measured plans right
-        priced = fitted.vocab_compute * _analytic_parts(cm, plans[0]).vocab_compute + fitted.vocab_call_s
-        assert priced == pytest.approx(2.0 * _analytic_parts(cm, plans[0]).vocab_compute, rel=0.05)
-    assert alone.vocab_compute == 0.0  # alone, all of it per call
-    assert prior.vocab_compute < guided.vocab_compute < 2.0  # from the prior towards the data, most of it compute
-    assert guided.vocab_call_s < 0.2 * alone.vocab_call_s
+    fitted = fit_calibration(profile, observed(one_size), precision=PRECISION, prior=prior)
+    assert fitted.vocab_call_s == 0.0
+    measured = 2.0 * _analytic_parts(cm, one_size[0]).vocab_compute + call
+    assert fitted.vocab_compute * _analytic_parts(cm, one_size[0]).vocab_compute == pytest.approx(measured, rel=0.01)
+
+    two_sizes = [*one_size, ParallelPlan.uniform(4, 8, S(), micro_batches=4, global_batch_size=16)]
+    fitted = fit_calibration(profile, observed(two_sizes), precision=PRECISION, prior=prior)
+    assert fitted.vocab_compute == pytest.approx(2.0, rel=0.1)
+    assert fitted.vocab_call_s == pytest.approx(call, rel=0.1)

@@ -197,14 +197,19 @@ def fit_calibration(
     if prior is not None:
         vocab_compute, vocab_call = prior.vocab_compute, prior.vocab_call_s
     if vocab_rows:
-        av = np.stack([np.array(vocab_rows), np.ones(len(vocab_rows))], axis=1)
-        yv = np.array(vocab_targets)
+        rows, yv = np.array(vocab_rows), np.array(vocab_targets)
         wv = 1.0 / np.maximum(yv, 1e-6)
-        # One micro-batch count cannot split compute from the per-call time: the prior decides (without it, a
-        # single plan's time all went to the call, and plans of 4 micro-batches were priced 1.6x too slow).
-        prior_vocab = None if prior is None else np.array([vocab_compute, vocab_call])
-        fitted = nonnegative_least_squares(*_with_prior(av * wv[:, None], yv * wv, prior_vocab))
-        vocab_compute, vocab_call = (float(x) for x in fitted)
+        if rows.max() >= VOCAB_SPREAD * rows.min():
+            # Micro-batches of different sizes tell the compute from the per-call time; the prior leans on both.
+            av = np.stack([rows, np.ones(len(rows))], axis=1)
+            prior_vocab = None if prior is None else np.array([vocab_compute, vocab_call])
+            fitted = nonnegative_least_squares(*_with_prior(av * wv[:, None], yv * wv, prior_vocab))
+            vocab_compute, vocab_call = (float(x) for x in fitted)
+        else:
+            # One size cannot: the per-call time stays the prior's and the compute takes the rest (fitted both
+            # ways, a plan of 4 micro-batches paid the head's time 4 times and was priced 1.6-1.9x too slow).
+            rest = np.maximum(yv - vocab_call, 0.0)
+            vocab_compute = float(nonnegative_least_squares((rows * wv)[:, None], rest * wv)[0])
 
     # Optimizer: seconds per plain tensor, per DTensor and per element, over every rank.
     measured = [o for o in observations if o.optimizer_s > 0 and o.optimizer_tensors > 0]
@@ -277,6 +282,10 @@ def fit_calibration(
 
 #: How much one prior term weighs in the block fit, as a fraction of one (weighted) observation.
 PRIOR_WEIGHT = 0.1
+
+#: The embedding/head's modelled compute must differ this much between observed plans (their micro-batches in
+#: size) before the fit splits its time between compute and a per-call term.
+VOCAB_SPREAD = 1.5
 
 
 def _with_prior(a: np.ndarray, y: np.ndarray, prior: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:

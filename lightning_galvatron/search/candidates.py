@@ -211,9 +211,9 @@ def _pricer(profile: Profile, arguments: Mapping[str, Any], budget: Any):
 def _other_uniform_plans(
     result: SearchResult, world_size: int, disable: frozenset[str], arguments: Mapping[str, Any]
 ) -> dict[str, list[ParallelPlan]]:
-    """Uniform plans the search's baselines leave out: ZeRO-2 (from the DDP baseline), pipelines of DDP blocks of
-    every degree (each schedule, a few micro-batch counts), and on one device -- where the only choices are
-    recomputation and micro-batches -- every combination of the two."""
+    """Uniform plans the search's baselines leave out: ZeRO-2 and DDP with 2 or 4 micro-batches (from the DDP
+    baseline), pipelines of DDP blocks of every degree (each schedule, a few micro-batch counts), and on one
+    device -- where the only choices are recomputation and micro-batches -- every combination of the two."""
     out: dict[str, list[ParallelPlan]] = {}
     best = result.plan
     batch = best.global_batch_size or world_size
@@ -241,6 +241,16 @@ def _other_uniform_plans(
                         continue
             out[f"uniform pp{pp}"] = plans
     ddp = next((b for b in result.baselines if b.name == "ddp" and b.estimate is not None), None)
+    if ddp is not None and world_size > 1:
+        # DDP over micro-batches of another size: often a winner on its own, and it lets the calibration tell a
+        # block's per-call time from its compute (trials of one micro-batch size cannot).
+        plans = []
+        for m in (2, 4):
+            try:
+                plans.append(ddp.estimate.plan.replace(micro_batches=m))
+            except (PlanError, ValueError):
+                continue
+        out["uniform ddp, micro-batches"] = plans
     if ddp is not None and world_size > 1 and "zero2" not in disable:
         plan = ddp.estimate.plan
         out["uniform zero2"] = [
