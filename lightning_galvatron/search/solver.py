@@ -19,7 +19,8 @@ Notation (here, in :mod:`.dp`, :mod:`.pipeline` and :mod:`.cost`):
 =============  =====================================================================================
 
 One :class:`FixedBatchSolver` per global batch size: :meth:`~FixedBatchSolver.price` prices every
-pipeline shape (``pp``, schedule, ``m``, ``v``) into a :class:`Shape` and drops those that cannot fit;
+pipeline shape (``pp``, schedule, ``m``, ``v``) into a :class:`Shape`, once per reserve level (the candidates a
+level admits and the working memory it holds back, :data:`~.cost.RESERVE_LEVELS`), and drops those that cannot fit;
 :meth:`~FixedBatchSolver.run` solves them in order of their lower bound (the block DP of :mod:`.dp` once
 per ``k``, partitions of :mod:`.pipeline`, embedding/head strategies by table look-ups) and
 :meth:`~FixedBatchSolver.solve_blocks` rebuilds the winner's per-block strategies by backtracking.
