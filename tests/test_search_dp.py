@@ -18,15 +18,7 @@ import numpy as np
 import pytest
 
 from lightning_galvatron.plan import even_partition
-from lightning_galvatron.search.cost import (
-    RESERVE_LEVELS,
-    CostModel,
-    StageContext,
-    block_costs,
-    relocation_matrix,
-    vocab_costs,
-    working_memory_bytes,
-)
+from lightning_galvatron.search.cost import CostModel, StageContext, block_costs, relocation_matrix, vocab_costs
 from lightning_galvatron.search.dp import LayerDP, Step, cap_cells, cell_bytes
 from lightning_galvatron.search.engine import search, solve_configuration
 from lightning_galvatron.search.pipeline import in_flight_micro_batches, p2p_transfers, pipeline_step_time
@@ -39,6 +31,7 @@ from lightning_galvatron.search.space import (
     pipeline_degrees,
     vocab_candidates,
 )
+from lightning_galvatron.search.working import RESERVE_LEVELS, working_memory_bytes
 from tests.search_profiles import synthetic_profile
 
 ENUMERATION_LIMIT = 120_000

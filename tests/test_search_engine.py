@@ -182,9 +182,10 @@ def test_large_clusters_search_quickly(profile):
 def test_search_memory_per_stage_is_what_the_search_fits_into_the_budget(profile, llama_8_gpus):
     """The search's own pricing of its plan fits the budget, and differs from evaluate() only by the working
     reserve (the bound for every strategy of the plan's reserve level instead of the plan's own transient memory)."""
-    from lightning_galvatron.search.cost import CostModel, StageContext, reserve_level, working_memory_bytes
+    from lightning_galvatron.search.cost import CostModel, StageContext
     from lightning_galvatron.search.engine import search_memory_per_stage
     from lightning_galvatron.search.options import SearchOptions
+    from lightning_galvatron.search.working import reserve_level, working_memory_bytes
 
     plan, estimate = llama_8_gpus.plan, llama_8_gpus.estimate
     priced = search_memory_per_stage(profile, plan)
@@ -217,8 +218,9 @@ def test_search_memory_per_stage_is_what_the_search_fits_into_the_budget(profile
 def test_a_plain_plan_holds_back_no_reserve_for_recomputation_or_gathering(profile):
     """A budget that plain DDP fits with little to spare gets plain DDP: the reserve of recomputed or ZeRO-3
     blocks is held back only at the levels that admit them."""
-    from lightning_galvatron.search.cost import CostModel, StageContext, working_memory_bytes
+    from lightning_galvatron.search.cost import CostModel, StageContext
     from lightning_galvatron.search.options import SearchOptions
+    from lightning_galvatron.search.working import working_memory_bytes
 
     ddp = ParallelPlan.uniform(8, profile.model.num_blocks, LayerStrategy(), global_batch_size=16)
     need = evaluate(profile, ddp).peak_memory_bytes

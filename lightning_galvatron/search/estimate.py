@@ -17,13 +17,13 @@ from lightning_galvatron.search.cost import (
     Precision,
     StageContext,
     block_costs,
-    plan_working_memory_bytes,
     relocation_time,
     vocab_costs,
 )
 from lightning_galvatron.search.overheads import applicable_calibration
 from lightning_galvatron.search.pipeline import in_flight_micro_batches, p2p_transfers, pipeline_step_time
 from lightning_galvatron.search.space import StrategyArrays, layout_of
+from lightning_galvatron.search.working import plan_working_memory_bytes
 from lightning_galvatron.units import parse_bytes
 
 

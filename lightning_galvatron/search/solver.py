@@ -38,16 +38,12 @@ import numpy as np
 from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, even_partition
 from lightning_galvatron.search.cost import (
-    RESERVE_LEVELS,
     CostModel,
     LayerCosts,
     StageContext,
-    admitted_by_level,
     block_costs,
     relocation_matrix,
-    reserve_level,
     vocab_costs,
-    working_memory_bytes,
 )
 from lightning_galvatron.search.dp import LayerDP, Step, cap_cells, cell_bytes
 from lightning_galvatron.search.pipeline import (
@@ -68,6 +64,7 @@ from lightning_galvatron.search.space import (
     pipeline_degrees,
     vocab_candidates,
 )
+from lightning_galvatron.search.working import RESERVE_LEVELS, admitted_by_level, reserve_level, reserve_table
 
 __all__ = ["Choice", "FixedBatchSolver", "NoAssignment", "Shape", "rank_blocks"]
 
@@ -174,7 +171,7 @@ class FixedBatchSolver:
         else:
             max_blocks = max(len(rank_blocks(even_partition(self.L, pp * v), pp, r)[0]) for r in range(pp))
         max_blocks = max(max_blocks, max_blocks_override or 0)
-        working = self.reserve_table(ctx, "all", max_blocks)
+        working = reserve_table(self.cm, self.types, ctx, "all", max_blocks)
         lower_bound = self.lower_bound(config, costs, vocab_time, p2p)
         return Shape(
             config,
@@ -192,14 +189,6 @@ class FixedBatchSolver:
             lower_bound,
             max_blocks,
         )
-
-    def reserve_table(self, ctx: StageContext, level: str, max_blocks: int) -> np.ndarray:
-        """Working-memory reserve of a stage ``[a, a+j)`` at reserve ``level``: the largest over the block types it
-        holds, as an ``(L+1, max_blocks+1)`` table."""
-        per_type = np.array([working_memory_bytes(self.cm, [lt], ctx, level) for lt in self.model.layer_types])
-        last = np.arange(self.L + 1)[:, None] + np.arange(max_blocks + 1)[None, :] - 1  # last block of [a, a+j)
-        valid = (last >= np.arange(self.L + 1)[:, None]) & (last < self.L)
-        return np.maximum.accumulate(np.where(valid, per_type[self.types[np.clip(last, 0, self.L - 1)]], 0.0), axis=1)
 
     def lower_bound(
         self, config: PipelineConfig, costs: Sequence[LayerCosts], vocab_time: np.ndarray, p2p: np.ndarray
@@ -229,7 +218,7 @@ class FixedBatchSolver:
             ],
             costs=costs,
             layout_index=[index[keep] for index, keep in zip(shape.layout_index, keeps)],
-            working=self.reserve_table(ctx, level, shape.max_blocks),
+            working=reserve_table(self.cm, self.types, ctx, level, shape.max_blocks),
             lower_bound=self.lower_bound(config, costs, shape.vocab_time, shape.p2p),
             level=level,
         )
