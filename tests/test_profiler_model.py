@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.profiler.model import SavedTensorCounter, profile_model
+from lightning_galvatron.profiler.model.setup import TIMING_QUANTILE, quiet_seconds
 from tests.helpers.training import SEQ, dataset, tiny_gpt
 
 FP32 = 4
@@ -101,6 +102,18 @@ def test_times_are_positive_and_grow_with_the_batch():
     assert profile.layer_types[0].backward_to_forward > 0
     vocab = profile.vocab
     assert vocab.head_forward_time(1) > 0 and vocab.embedding_forward_time(1) > 0
+
+
+def test_a_point_keeps_the_quiet_end_of_its_repeats():
+    # Preemption on shared cores only adds time: a few slow repeats do not move the kept value, the fast ones do.
+    quiet = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0]
+    assert quiet_seconds(quiet) == pytest.approx(1.0 + TIMING_QUANTILE * 10 * 0.1)
+    assert quiet_seconds([*quiet[:-3], 9.0, 9.0, 9.0]) == pytest.approx(quiet_seconds(quiet))
+    assert quiet_seconds(reversed(quiet)) == quiet_seconds(quiet)  # order does not matter
+    assert quiet_seconds([0.5, 0.6, *quiet[2:]]) < quiet_seconds(quiet)
+    assert quiet_seconds([3.0]) == 3.0
+    with pytest.raises(ValueError, match="no timings"):
+        quiet_seconds([])
 
 
 def test_example_gpt_without_process_group_derives_degrees():

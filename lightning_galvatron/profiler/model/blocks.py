@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +44,7 @@ from lightning_galvatron.profiler.model.setup import (
     _PrecisionConfig,
     _resize_tensor,
     _synchronize,
+    quiet_seconds,
 )
 from lightning_galvatron.profiles import LayerTypeProfile, LinearFit
 
@@ -103,7 +103,7 @@ class _BlockProfiler(_DegreeMeasurement):
 
     # ------------------------------------------------------------------ measurements
     def time_forward_backward(self, block: nn.Module, batch: int) -> tuple[float, float]:
-        """Median (forward, backward) seconds of ``block`` on ``batch`` samples."""
+        """(forward, backward) seconds of ``block`` on ``batch`` samples (:func:`quiet_seconds` of the repeats)."""
 
         def once() -> tuple[float, float]:
             args, kwargs = self.inputs(batch)
@@ -129,7 +129,7 @@ class _BlockProfiler(_DegreeMeasurement):
         samples = [once() for _ in range(repeats)]
         for p in block.parameters():
             p.grad = None
-        return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+        return quiet_seconds(s[0] for s in samples), quiet_seconds(s[1] for s in samples)
 
     def saved_bytes(
         self, block: nn.Module, batch: int, seq_split: int = 1, attribute: bool = False, keep_input: bool = False

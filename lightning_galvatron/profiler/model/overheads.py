@@ -11,7 +11,6 @@ between strategies by whole factors.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Sequence
 
@@ -22,7 +21,7 @@ from torch import nn
 from lightning_galvatron.plan import LayerStrategy
 from lightning_galvatron.profiler.model.blocks import _backward, _BlockProfiler
 from lightning_galvatron.profiler.model.degrees import _Styles
-from lightning_galvatron.profiler.model.setup import _synchronize
+from lightning_galvatron.profiler.model.setup import _synchronize, quiet_seconds
 from lightning_galvatron.profiler.runtime import _cpu_cores
 from lightning_galvatron.profiles import CallProbe, LayerTypeProfile, OptimizerProbe, Overheads
 
@@ -97,7 +96,7 @@ def measure_overheads(
 
 
 def _time_call(profiler: _BlockProfiler, block: nn.Module, batch: int, seq_split: int = 1) -> float:
-    """Median seconds of forward and backward of ``block`` on ``batch`` samples (after one warm-up call)."""
+    """Seconds of forward and backward of ``block`` on ``batch`` samples (:func:`quiet_seconds`, after a warm-up)."""
     samples = []
     dist.barrier()
     for i in range(REPEATS + 1):
@@ -112,7 +111,7 @@ def _time_call(profiler: _BlockProfiler, block: nn.Module, batch: int, seq_split
             samples.append(time.perf_counter() - start)
         for p in block.parameters():
             p.grad = None
-    return statistics.median(samples)
+    return quiet_seconds(samples)
 
 
 def _optimizer_probes(world: int, device: torch.device, mesh) -> list[tuple[int, int, bool, float]]:  # noqa: ANN001
@@ -141,7 +140,7 @@ def _optimizer_probes(world: int, device: torch.device, mesh) -> list[tuple[int,
                 _synchronize(device)
                 if i:
                     samples.append(time.perf_counter() - start)
-            out.append((OPTIMIZER_TENSORS, OPTIMIZER_TENSORS * size, dtensor, statistics.median(samples)))
+            out.append((OPTIMIZER_TENSORS, OPTIMIZER_TENSORS * size, dtensor, quiet_seconds(samples)))
     return out
 
 

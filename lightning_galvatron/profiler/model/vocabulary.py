@@ -6,7 +6,6 @@ backward) into "before the blocks" and "after them, including the loss".
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from lightning_galvatron.profiler.model.setup import (
     _resize_batch,
     _synchronize,
     _to_device,
+    quiet_seconds,
 )
 from lightning_galvatron.profiles import DegreeTable, LinearFit, VocabProfile
 
@@ -63,7 +63,7 @@ def _profile_vocab(
                 used[phase] |= counter.used[phase]
             trial = [_PhaseTimer(blocks, device).run(module, local_batch, step, prec) for _ in range(repeats)]
             for key in trial[0]:
-                times[key].append(statistics.median(t[key] for t in trial))
+                times[key].append(quiet_seconds(t[key] for t in trial))
             _zero_grads(params.values())
 
     # Which part uses which parameter: those its ops saved (a linear head saves its weight), else,
