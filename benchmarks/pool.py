@@ -30,6 +30,10 @@ class DistributedFailure(AssertionError):
     pass
 
 
+class WorkerDied(DistributedFailure):
+    """A worker process ended without a Python error (a native crash or a kill); the pool is gone."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -89,7 +93,7 @@ class WorkerPool:
             return self._collect(fn, timeout)
         except (EOFError, OSError) as crash:  # a worker died (e.g. a native abort): the next request forks anew
             self.shutdown()
-            raise DistributedFailure(f"a worker process died while running {fn.__name__}: {crash!r}") from crash
+            raise WorkerDied(f"a worker process died while running {fn.__name__}: {crash!r}") from crash
 
     def _collect(self, fn: Callable[..., Any], timeout: float) -> list[Any]:
         results: list[Any] = [None] * self.world_size
