@@ -48,6 +48,7 @@ def test_blocks_optimizer_and_steps_are_timed_without_double_counting():
 
     blocks[0].register_forward_hook(gather_before_backward)
     profiler.start()
+    backwards = []
     for _ in range(3):
         profiler.step_started()
         x = torch.randn(4, 8, requires_grad=True)
@@ -55,7 +56,7 @@ def test_blocks_optimizer_and_steps_are_timed_without_double_counting():
             x = block(x)
         started = time.perf_counter()
         x.sum().backward()
-        backward = time.perf_counter() - started
+        backwards.append(time.perf_counter() - started)
         profiler.optimizer_started()
         optimizer.step()
         optimizer.zero_grad()
@@ -66,8 +67,11 @@ def test_blocks_optimizer_and_steps_are_timed_without_double_counting():
     first, second = observation.blocks
     assert 0.02 <= first.forward_s < 0.04 <= second.forward_s < 0.08
     assert 0.10 <= first.backward_s and 0.08 <= second.backward_s < 0.14
-    assert first.backward_s + second.backward_s <= backward  # the shared boundary is counted once
+    # The shared boundary is counted once: counted twice, the 0.06 s gathered there would be in both blocks. (The
+    # blocks' times are medians over the steps, the whole backward one step's: compared with slack, not exactly.)
+    assert first.backward_s + second.backward_s < max(backwards) + 0.03
     assert first.calls_per_step == second.calls_per_step == 1.0
     assert first.parameter_tensors == 2 and observation.optimizer_tensors == 4
     assert observation.optimizer_elements == 2 * (64 + 8)
-    assert observation.step_s >= observation.forward_backward_s + observation.optimizer_s > 0.18
+    # A step holds its forward, backward and optimizer (medians of each over the steps: a little slack).
+    assert observation.step_s + 0.01 >= observation.forward_backward_s + observation.optimizer_s > 0.18
