@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
@@ -34,13 +35,10 @@ TIMING_QUANTILE = 0.1
 
 def quiet_seconds(samples: Iterable[float]) -> float:
     """The :data:`TIMING_QUANTILE` of repeated timings of one point (interpolated between the nearest two)."""
-    ordered = sorted(samples)
-    if not ordered:
+    timings = list(samples)
+    if not timings:
         raise ValueError("no timings to summarise")
-    position = TIMING_QUANTILE * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    return float(np.quantile(timings, TIMING_QUANTILE))
 
 
 def block_signature(block: nn.Module) -> tuple:
