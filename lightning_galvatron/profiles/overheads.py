@@ -27,7 +27,7 @@ from lightning_galvatron.profiles.fields import ProfileError, _fields, _finite_n
 
 @dataclass(frozen=True)
 class CallProbe:
-    """Forward and backward of one block call: the slowest rank's seconds (the profiler's quiet quantile).
+    """Forward and backward of one block call: the slowest rank's seconds (the median of its repeated calls).
 
     Attributes:
         layer_type: index into the profile's layer types.

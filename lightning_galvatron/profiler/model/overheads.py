@@ -4,8 +4,9 @@ The cost model prices compute and communication; what FSDP2's hooks, DTensor's d
 replay machinery and the optimizer's per-tensor work add is measured here (collective: every rank runs the
 same probes at the same time, so contention for shared cores is in them as it is in training), into a
 :class:`~lightning_galvatron.profiles.Overheads` that the search turns into per-call terms
-(:mod:`lightning_galvatron.search.overheads`). Few repeats: these are costs of milliseconds that differ
-between strategies by whole factors.
+(:mod:`lightning_galvatron.search.overheads`). About a tenth of a second of calls per probe: these are costs
+of milliseconds that differ between strategies by whole factors, but a probe shorter than the scheduler's slices
+of a shared core measures the scheduler.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,13 +23,15 @@ from torch import nn
 from lightning_galvatron.plan import LayerStrategy
 from lightning_galvatron.profiler.model.blocks import _backward, _BlockProfiler
 from lightning_galvatron.profiler.model.degrees import _Styles
-from lightning_galvatron.profiler.model.setup import _synchronize, quiet_seconds
+from lightning_galvatron.profiler.model.setup import MAX_REPEATS, MIN_REPEATS, _synchronize, quiet_seconds
 from lightning_galvatron.profiler.runtime import _cpu_cores
 from lightning_galvatron.profiles import CallProbe, LayerTypeProfile, OptimizerProbe, Overheads
 
 log = logging.getLogger(__name__)
 
-REPEATS = 3
+REPEATS = 3  # optimizer steps per probe
+#: Timed block calls per probe: about this many seconds of them, between the profiler's least and most repeats.
+CALL_POINT_S = 0.1
 OPTIMIZER_TENSORS = 8
 OPTIMIZER_SIZES = (256, 131072)  # elements per tensor and rank: per-tensor and per-element costs apart (beyond caches)
 
@@ -96,10 +100,16 @@ def measure_overheads(
 
 
 def _time_call(profiler: _BlockProfiler, block: nn.Module, batch: int, seq_split: int = 1) -> float:
-    """Seconds of forward and backward of ``block`` on ``batch`` samples (:func:`quiet_seconds`, after a warm-up)."""
-    samples = []
-    dist.barrier()
-    for i in range(REPEATS + 1):
+    """Seconds of forward and backward of ``block`` on ``batch`` samples: the median of about :data:`CALL_POINT_S`
+    of calls after a warm-up (every rank makes the same number of them: the calls may hold collectives).
+
+    Not three calls: where processes share cores, three fit in one scheduler slice, in which a rank may not run at
+    all (the same plain block measured 5.5 and 11.4 ms in two profiles of one machine). Not the quiet end of many
+    (:func:`quiet_seconds`, right for the blocks' compute at each size): that is the call that had a core to itself,
+    3.3 ms where training's block calls took 7.5 ms with every rank busy; the median measured 6.8 and 6.9 ms.
+    """
+
+    def once() -> float:
         args, kwargs = profiler.inputs(batch, seq_split)
         _synchronize(profiler.device)
         start = time.perf_counter()
@@ -107,11 +117,19 @@ def _time_call(profiler: _BlockProfiler, block: nn.Module, batch: int, seq_split
             out = block(*args, **kwargs)
         _backward(out)
         _synchronize(profiler.device)
-        if i:
-            samples.append(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
         for p in block.parameters():
             p.grad = None
-    return quiet_seconds(samples)
+        return seconds
+
+    dist.barrier()
+    once()  # first call: lazy initialisation (FSDP2, DTensor caches)
+    warm = once()
+    repeats = torch.tensor([min(max(CALL_POINT_S / max(warm, 1e-9), MIN_REPEATS), MAX_REPEATS)], dtype=torch.float64)
+    if profiler.device.type == "cuda":
+        repeats = repeats.to(profiler.device)
+    dist.all_reduce(repeats, op=dist.ReduceOp.MAX)
+    return float(np.median([once() for _ in range(int(repeats.item()))]))
 
 
 def _optimizer_probes(world: int, device: torch.device, mesh) -> list[tuple[int, int, bool, float]]:  # noqa: ANN001
