@@ -38,12 +38,11 @@ from lightning_galvatron.profiler.model.saved import (
     _storage_key,
 )
 from lightning_galvatron.profiler.model.setup import (
-    MAX_REPEATS,
-    MIN_REPEATS,
     TARGET_POINT_S,
     _PrecisionConfig,
     _resize_tensor,
     _synchronize,
+    agreed_repeats,
     quiet_seconds,
 )
 from lightning_galvatron.profiles import LayerTypeProfile, LinearFit
@@ -117,16 +116,10 @@ class _BlockProfiler(_DegreeMeasurement):
             _synchronize(self.device)
             return middle - start, time.perf_counter() - middle
 
-        together = dist.is_available() and dist.is_initialized()
-        if together:  # every rank times the same point at once: training's contention, the same at every size
-            dist.barrier()
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank times the same point at once: training's contention, the same at every size
         warm = once()
-        repeats = int(min(max(TARGET_POINT_S / max(sum(warm), 1e-9), MIN_REPEATS), MAX_REPEATS))
-        if together:
-            most = torch.tensor([repeats], dtype=torch.int64, device=self.device)
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)
-            repeats = int(most.item())
-        samples = [once() for _ in range(repeats)]
+        samples = [once() for _ in range(agreed_repeats(sum(warm), TARGET_POINT_S, self.device))]
         for p in block.parameters():
             p.grad = None
         return quiet_seconds(s[0] for s in samples), quiet_seconds(s[1] for s in samples)

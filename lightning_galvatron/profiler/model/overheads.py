@@ -23,7 +23,7 @@ from torch import nn
 from lightning_galvatron.plan import LayerStrategy
 from lightning_galvatron.profiler.model.blocks import _backward, _BlockProfiler
 from lightning_galvatron.profiler.model.degrees import _Styles
-from lightning_galvatron.profiler.model.setup import MAX_REPEATS, MIN_REPEATS, _synchronize, quiet_seconds
+from lightning_galvatron.profiler.model.setup import _synchronize, agreed_repeats, quiet_seconds
 from lightning_galvatron.profiler.runtime import _cpu_cores
 from lightning_galvatron.profiles import CallProbe, LayerTypeProfile, OptimizerProbe, Overheads
 
@@ -125,11 +125,7 @@ def _time_call(profiler: _BlockProfiler, block: nn.Module, batch: int, seq_split
     dist.barrier()
     once()  # first call: lazy initialisation (FSDP2, DTensor caches)
     warm = once()
-    repeats = torch.tensor([min(max(CALL_POINT_S / max(warm, 1e-9), MIN_REPEATS), MAX_REPEATS)], dtype=torch.float64)
-    if profiler.device.type == "cuda":
-        repeats = repeats.to(profiler.device)
-    dist.all_reduce(repeats, op=dist.ReduceOp.MAX)
-    return float(np.median([once() for _ in range(int(repeats.item()))]))
+    return float(np.median([once() for _ in range(agreed_repeats(warm, CALL_POINT_S, profiler.device))]))
 
 
 def _optimizer_probes(world: int, device: torch.device, mesh) -> list[tuple[int, int, bool, float]]:  # noqa: ANN001

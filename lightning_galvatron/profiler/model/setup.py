@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -39,6 +40,18 @@ def quiet_seconds(samples: Iterable[float]) -> float:
     if not timings:
         raise ValueError("no timings to summarise")
     return float(np.quantile(timings, TIMING_QUANTILE))
+
+
+def agreed_repeats(warm_s: float, target_s: float, device: torch.device) -> int:
+    """Timed repetitions of a point that took ``warm_s`` once: enough for about ``target_s`` of them, between
+    :data:`MIN_REPEATS` and :data:`MAX_REPEATS`; in a process group the most any rank wants, so that every rank
+    makes the same number (the timed calls may hold collectives). Collective when a group is initialised."""
+    repeats = int(min(max(target_s / max(warm_s, 1e-9), MIN_REPEATS), MAX_REPEATS))
+    if dist.is_available() and dist.is_initialized():
+        most = torch.tensor([repeats], dtype=torch.int64, device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        repeats = int(most.item())
+    return repeats
 
 
 def block_signature(block: nn.Module) -> tuple:
