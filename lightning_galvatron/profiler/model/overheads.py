@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -23,14 +23,14 @@ from torch import nn
 from lightning_galvatron.plan import LayerStrategy
 from lightning_galvatron.profiler.model.blocks import _backward, _BlockProfiler
 from lightning_galvatron.profiler.model.degrees import _Styles
-from lightning_galvatron.profiler.model.setup import _synchronize, agreed_repeats, quiet_seconds
+from lightning_galvatron.profiler.model.setup import _synchronize, agreed_repeats
 from lightning_galvatron.profiler.runtime import _cpu_cores
 from lightning_galvatron.profiles import CallProbe, LayerTypeProfile, OptimizerProbe, Overheads
 
 log = logging.getLogger(__name__)
 
-REPEATS = 3  # optimizer steps per probe
-#: Timed block calls per probe: about this many seconds of them, between the profiler's least and most repeats.
+#: Timed calls per probe (block calls, optimizer steps): about this many seconds of them, between the profiler's
+#: least and most repeats.
 CALL_POINT_S = 0.1
 OPTIMIZER_TENSORS = 8
 OPTIMIZER_SIZES = (256, 131072)  # elements per tensor and rank: per-tensor and per-element costs apart (beyond caches)
@@ -100,13 +100,12 @@ def measure_overheads(
 
 
 def _time_call(profiler: _BlockProfiler, block: nn.Module, batch: int, seq_split: int = 1) -> float:
-    """Seconds of forward and backward of ``block`` on ``batch`` samples: the median of about :data:`CALL_POINT_S`
-    of calls after a warm-up (every rank makes the same number of them: the calls may hold collectives).
+    """Seconds of forward and backward of ``block`` on ``batch`` samples (:func:`_median_seconds` of its calls).
 
     Not three calls: where processes share cores, three fit in one scheduler slice, in which a rank may not run at
     all (the same plain block measured 5.5 and 11.4 ms in two profiles of one machine). Not the quiet end of many
-    (:func:`quiet_seconds`, right for the blocks' compute at each size): that is the call that had a core to itself,
-    3.3 ms where training's block calls took 7.5 ms with every rank busy; the median measured 6.8 and 6.9 ms.
+    (``setup.quiet_seconds``, right for the blocks' compute at each size): that is the call that had a core to
+    itself, 3.3 ms where training's block calls took 7.5 ms with every rank busy; the median measured 6.8 and 6.9 ms.
     """
 
     def once() -> float:
@@ -122,15 +121,27 @@ def _time_call(profiler: _BlockProfiler, block: nn.Module, batch: int, seq_split
             p.grad = None
         return seconds
 
+    return _median_seconds(once, profiler.device)
+
+
+def _median_seconds(once: Callable[[], float], device: torch.device) -> float:
+    """The median of about :data:`CALL_POINT_S` of ``once()`` (which returns its own seconds) after an untimed
+    first call (lazy initialisation: FSDP2 and DTensor caches, optimizer states) and a warm one that sizes the
+    rest. Every rank makes the same number of calls, at the same time: they may hold collectives, and training
+    runs every rank at once (where processes share cores, a lone rank's call is faster than training's).
+    Collective."""
     dist.barrier()
-    once()  # first call: lazy initialisation (FSDP2, DTensor caches)
+    once()
     warm = once()
-    return float(np.median([once() for _ in range(agreed_repeats(warm, CALL_POINT_S, profiler.device))]))
+    return float(np.median([once() for _ in range(agreed_repeats(warm, CALL_POINT_S, device))]))
 
 
 def _optimizer_probes(world: int, device: torch.device, mesh) -> list[tuple[int, int, bool, float]]:  # noqa: ANN001
     """AdamW (as ``torch.optim`` defaults it: the foreach path) over plain tensors and over DTensors sharded on
-    ``mesh``, at two sizes per rank: ``(tensors, local elements, dtensor, seconds)``."""
+    ``mesh``, at two sizes per rank: ``(tensors, local elements, dtensor, seconds)``, each the median of its steps
+    (:func:`_median_seconds`; the quiet end of three steps, the step that had a core to itself, priced the
+    optimizer of 4 processes on 2 cores at half of what training measured, and a DTensor's step at 138 or 370 us in
+    two profiles where training measured 190)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     out = []
@@ -146,15 +157,15 @@ def _optimizer_probes(world: int, device: torch.device, mesh) -> list[tuple[int,
             for p in params:
                 p.grad = torch.full_like(p, 1e-3)  # values do not change the work (and DTensor randomness warns)
             optimizer = torch.optim.AdamW(params, lr=1e-4)
-            samples = []
-            for i in range(REPEATS + 1):  # the first step creates the states
+
+            def once(optimizer: torch.optim.Optimizer = optimizer) -> float:
                 _synchronize(device)
                 start = time.perf_counter()
                 optimizer.step()
                 _synchronize(device)
-                if i:
-                    samples.append(time.perf_counter() - start)
-            out.append((OPTIMIZER_TENSORS, OPTIMIZER_TENSORS * size, dtensor, quiet_seconds(samples)))
+                return time.perf_counter() - start
+
+            out.append((OPTIMIZER_TENSORS, OPTIMIZER_TENSORS * size, dtensor, _median_seconds(once, device)))
     return out
 
 
