@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,8 +13,8 @@ from lightning_galvatron import GalvatronStrategy
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiles import Profile
-from lightning_galvatron.search import search
-from lightning_galvatron.search.candidates import diverse_candidates, plan_kind
+from lightning_galvatron.search import evaluate, search
+from lightning_galvatron.search.candidates import Candidate, diverse_candidates, plan_kind, trial_order
 from lightning_galvatron.selection import TrialSettings
 from tests.helpers.training import TINY_GPT, dataset, run_distributed
 
@@ -149,8 +151,11 @@ def test_trials_leave_the_module_its_optimizer_and_the_random_state_untouched(po
         assert out["optimizers_made"] == 0 and not out["logs_patched"]
         stopped = out["stopped"]
         assert stopped.stopped_early and stopped.step_s > 0 and stopped.peak_bytes is None and stopped.error is None
+        assert stopped.steps == (stopped.step_s,)
         for measurement, observations in out["results"]:
             assert measurement.error is None and measurement.step_s > 0 and measurement.peak_bytes > 0
+            # The trial's step is the median of its timed steps (what training runs at), not the fastest one.
+            assert len(measurement.steps) == 2 and measurement.step_s == statistics.median(measurement.steps)
             assert len(observations) == (2 if out["rank"] == 0 else 0)  # every rank's, gathered on rank 0
             assert all(o.blocks for o in observations)
 
@@ -168,6 +173,23 @@ def test_candidates_are_distinct_fit_and_cover_other_kinds():
     assert len({c.plan for c in candidates}) == len(candidates) >= 3
     assert all(c.estimate.fits for c in candidates)
     assert len({plan_kind(c.plan) for c in candidates}) >= 3
+
+
+def test_a_plan_is_tried_once_whether_its_even_partition_is_given_or_not():
+    """The search's pipeline names its partition, the uniform baseline leaves the same one out: tried twice, the
+    plan would get two draws of the trials' noise (and did, and won on the luckier one)."""
+    from tests.test_search_cost import tiny_profile
+
+    profile = tiny_profile().with_num_blocks(8)
+    implicit = ParallelPlan.uniform(4, 8, S(), pp=2, schedule="interleaved_1f1b", virtual_stages=2, micro_batches=2)
+    explicit = implicit.replace(partition=(2, 2, 2, 2))
+    other = ParallelPlan.uniform(4, 8, S(), micro_batches=2)
+    assert implicit != explicit and implicit.chunk_sizes == explicit.chunk_sizes
+    found = [
+        Candidate(name, plan, evaluate(profile, plan, global_batch_size=16))
+        for name, plan in (("searched", explicit), ("uniform ddp", other), ("uniform pp2", implicit))
+    ]
+    assert [c.name for c in trial_order(found)] == ["searched", "uniform ddp"]
 
 
 def test_candidates_include_ddp_over_micro_batches_of_another_size():

@@ -172,12 +172,21 @@ def unmeasured(plans: Iterable[ParallelPlan]) -> frozenset[str]:
     return frozenset(names - used)
 
 
+def executed(plan: ParallelPlan) -> ParallelPlan:
+    """``plan`` as it executes: a pipeline's partition written out, so that the search's pipeline (which names its
+    partition) and the uniform one of the same partition (which leaves it out) compare equal."""
+    return plan.replace(partition=plan.chunk_sizes) if plan.pp > 1 else plan
+
+
 def trial_order(candidates: Iterable[Candidate]) -> list[Candidate]:
     """Distinct plans: the first given, then greedily the fastest predicted plan of a kind not yet listed,
-    then the remaining plans by predicted time."""
+    then the remaining plans by predicted time.
+
+    Plans are the same when they execute the same (:func:`executed`); tried twice, a plan would get two draws of
+    the trials' noise."""
     distinct: dict[ParallelPlan, Candidate] = {}
     for c in candidates:
-        distinct.setdefault(c.plan, c)
+        distinct.setdefault(executed(c.plan), c)
     items = list(distinct.values())
     if not items:
         return []
@@ -284,4 +293,4 @@ def _other_uniform_plans(
     return out
 
 
-__all__ = ["Candidate", "PlanKind", "diverse_candidates", "plan_kind", "trial_order", "unmeasured"]
+__all__ = ["Candidate", "PlanKind", "diverse_candidates", "executed", "plan_kind", "trial_order", "unmeasured"]

@@ -75,11 +75,12 @@ class TrialSettings:
 class Measurement:
     """What a trial measured, the same on every rank."""
 
-    step_s: float | None  # the fastest timed step (each the slowest rank's); None: the trial failed
+    step_s: float | None  # the median timed step (each the slowest rank's); None: the trial failed
     peak_bytes: int | None  # the largest peak over the ranks; None: not measured
     seconds: float  # the whole trial: copying, applying the plan, all its steps
     error: str | None = None
     stopped_early: bool = False  # a timed step was so slow that the plan could not win; memory not measured
+    steps: tuple[float, ...] = ()  # every timed step (each the slowest rank's)
 
 
 class TrialUnavailable(RuntimeError):
