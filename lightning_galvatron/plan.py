@@ -243,6 +243,11 @@ class ParallelPlan:
         return lcm(*(self.dp_of(s) * self.micro_batches for s in (*self.layers, self.vocab)))
 
     @property
+    def is_uniform(self) -> bool:
+        """Every block has the same strategy (the plans a user picks without a search)."""
+        return len(set(self.layers)) <= 1
+
+    @property
     def chunk_sizes(self) -> tuple[int, ...]:
         """Blocks per pipeline chunk (the explicit partition or the even default)."""
         if self.partition is not None:

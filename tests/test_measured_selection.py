@@ -242,3 +242,24 @@ def test_the_calibrated_search_leaves_out_what_no_trial_measured():
         "pipeline",
     }
     assert unmeasured([ddp, tp_pipeline]) == {"zero2", "recompute", "tp_without_sp", "ulysses", "strided"}
+
+
+def test_a_mixed_plan_must_beat_the_fastest_uniform_plan_by_more_than_the_trials_can_resolve():
+    from lightning_galvatron.selection.measured import TrialRecord, _within_resolution
+
+    uniform = ParallelPlan.uniform(2, 4, S(), micro_batches=2)
+    mixed = ParallelPlan(world_size=2, layers=(S(),) * 2 + (S(recompute=True),) * 2)
+    assert uniform.is_uniform and not mixed.is_uniform
+
+    def record(name, plan, steps):
+        return TrialRecord(name, plan, 0.1, 1.0, statistics.median(steps), 1, steps=tuple(steps))
+
+    noisy = [0.100, 0.092, 0.108, 0.097, 0.104, 0.110, 0.095, 0.101, 0.106]
+    baseline = record("uniform ddp", uniform, [s + 0.001 for s in noisy])
+    close = record("searched", mixed, noisy)  # 1 ms ahead, steps spread over 18 ms: not resolved
+    assert _within_resolution(close, [close, baseline]) is baseline
+    clear = record("searched", mixed, [s - 0.015 for s in noisy])  # 16 ms ahead: resolved
+    assert _within_resolution(clear, [clear, baseline]) is None
+    steady = record("searched", mixed, [0.0995] * 9)  # both steady (GPU-like): 0.5 ms ahead is resolved
+    assert _within_resolution(steady, [steady, record("uniform ddp", uniform, [0.1] * 9)]) is None
+    assert _within_resolution(baseline, [close, baseline]) is None  # a uniform plan needs no proof
