@@ -379,7 +379,7 @@ def _confirm_close_call(records, runner, settings, budget, started, report, prog
             steps = (*first.steps, *again.steps)
             records[index] = dataclasses.replace(
                 first,
-                step_s=statistics.median(steps) if first.steps else min(first.step_s, again.step_s),
+                step_s=statistics.median(steps),
                 steps=steps,
                 seconds=first.seconds + again.seconds,
                 peak_bytes=max(peaks) if peaks else None,
