@@ -9,11 +9,12 @@ import pytest
 
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
-from lightning_galvatron.profiles import CallProbe, OptimizerProbe, Overheads, Profile, ProfileError
+from lightning_galvatron.profiles import CallProbe, OptimizerProbe, Overheads, PipelineProbe, Profile, ProfileError
 from lightning_galvatron.search import evaluate, search
 from lightning_galvatron.search.coefficients import BLOCK_TERMS, Calibration, block_features
 from lightning_galvatron.search.cost import CostModel, StageContext, block_costs, forward_compute_time
 from lightning_galvatron.search.overheads import CALL_TERMS, applicable_calibration, profile_calibration
+from lightning_galvatron.search.pipeline import p2p_transfers, pipeline_step_time
 from lightning_galvatron.search.space import StrategyArrays
 from tests.test_search_cost import tiny_profile
 
@@ -66,6 +67,32 @@ def synthetic(profile: Profile) -> Profile:
     return dataclasses.replace(profile, overheads=overheads)
 
 
+#: What the pipeline schedule of the synthetic machine adds per micro-batch and model chunk.
+SCHEDULE_S = 3e-3
+
+
+def with_pipelines(profile: Profile) -> Profile:
+    """``profile`` (with :func:`synthetic` call probes) plus the pipeline probes of a machine whose schedules add
+    :data:`SCHEDULE_S` per micro-batch and chunk to stages priced by the probes' own calibration."""
+    shared = dataclasses.replace(profile_calibration(profile), compute_slots_per_node=2)
+    cm = CostModel(profile, PRECISION, calibration=shared)
+    layer = profile.model.layer_types[0]
+    probes = []
+    for schedule, v, per_chunk, micro_batch in (("1f1b", 1, 2, 2), ("interleaved_1f1b", 2, 1, 2), ("gpipe", 1, 1, 4)):
+        ctx = StageContext(4, 2, micro_batch * 2 * 2, 2, 1.0, v)
+        block = float(block_costs(cm, layer, StrategyArrays.build([S()]), ctx).time[0])
+        times = np.array(
+            [
+                v * (per_chunk * block + SCHEDULE_S)
+                + p2p_transfers(2, s, v) * cm.p2p_time(ctx, layer.hidden_size, layer.seq_length)
+                for s in range(2)
+            ]
+        )
+        seconds = float(pipeline_step_time(times, 2, v))
+        probes.append(PipelineProbe(0, 2, schedule, 2, v, per_chunk, micro_batch, seconds))
+    return dataclasses.replace(profile, overheads=dataclasses.replace(profile.overheads, pipelines=tuple(probes)))
+
+
 def test_overheads_round_trip_and_old_profiles_load():
     profile = synthetic(tiny_profile())
     again = Profile.from_json(profile.to_json())
@@ -81,6 +108,16 @@ def test_overheads_round_trip_and_old_profiles_load():
     bad["overheads"]["calls"][0]["strategy"]["dp_type"] = "zero4"
     with pytest.raises(ProfileError, match="dp_type"):
         Profile.from_dict(bad)
+    piped = with_pipelines(profile)
+    assert Profile.from_json(piped.to_json()) == piped and piped.overheads.pipelines[1].virtual_stages == 2
+    bad = piped.to_dict()
+    bad["overheads"]["pipelines"][0]["layer_type"] = 2
+    with pytest.raises(ProfileError, match="pipeline probe names layer type 2"):
+        Profile.from_dict(bad)
+    bad = piped.to_dict()
+    bad["overheads"]["pipelines"][0]["schedule"] = "zigzag"
+    with pytest.raises(ProfileError, match="schedule must be one of"):
+        Profile.from_dict(bad)
 
 
 def test_the_profile_calibration_recovers_the_per_call_terms():
@@ -94,9 +131,34 @@ def test_the_profile_calibration_recovers_the_per_call_terms():
     assert calibration.optimizer_s_per_dtensor == pytest.approx(3e-4)
     assert calibration.optimizer_s_per_element == pytest.approx(2e-9)
     assert calibration.tensors_per_layer_type == {"block": 12} and calibration.vocab_tensors == 3
-    assert calibration.compute_slots_per_node is None  # pipelines' sharing of cores is left to trials
+    assert calibration.compute_slots_per_node is None  # no pipeline probes: no sharing of cores either
+    assert calibration.pipeline_overhead_s == 0.0
     assert calibration.residual == pytest.approx(0.0, abs=1e-6)
     assert profile_calibration(tiny_profile()) is None
+
+
+def test_pipeline_probes_give_the_sharing_of_cores_and_the_schedule_overhead():
+    profile = with_pipelines(synthetic(tiny_profile()))
+    calibration = profile_calibration(profile)
+    assert calibration.compute_slots_per_node == 2
+    assert calibration.pipeline_overhead_s == pytest.approx(SCHEDULE_S, rel=1e-6)
+    for term in CALL_TERMS:  # the per-call terms are the call probes' alone
+        assert calibration.block[term] == pytest.approx(TRUTH[term], rel=1e-6, abs=1e-9)
+    # A pipeline the probes did not run is priced with both: the interleaved plan pays the overhead per chunk.
+    plan = ParallelPlan.uniform(
+        4, 4, S(), pp=2, micro_batches=4, schedule="interleaved_1f1b", virtual_stages=2, global_batch_size=8
+    )
+    without = dataclasses.replace(calibration, pipeline_overhead_s=0.0)
+    gap = (
+        evaluate(profile, plan, precision=PRECISION).step_time_s
+        - evaluate(profile, plan, precision=PRECISION, calibration=without).step_time_s
+    )
+    assert gap == pytest.approx(SCHEDULE_S * float(pipeline_step_time(np.full(2, 2.0), 4, 2)))
+    # A machine whose schedules cost nothing (probes faster than their stage times): no negative overhead.
+    fast = dataclasses.replace(
+        profile.overheads, pipelines=tuple(dataclasses.replace(p, seconds=0.0) for p in profile.overheads.pipelines)
+    )
+    assert profile_calibration(dataclasses.replace(profile, overheads=fast)).pipeline_overhead_s == 0.0
 
 
 def test_the_search_uses_the_profile_calibration_unless_one_is_given():
@@ -153,7 +215,14 @@ def test_two_ranks_measure_call_and_optimizer_probes(pools):
         assert measured[strategy] > 0, strategy
     assert {o.dtensor for o in overheads.optimizer} == {False, True}
     assert all(o.seconds > 0 for o in overheads.optimizer)
+    assert [(p.pp, p.schedule, p.micro_batches, p.virtual_stages, p.blocks_per_chunk) for p in overheads.pipelines] == [
+        (2, "1f1b", 2, 1, 2),
+        (2, "interleaved_1f1b", 2, 2, 1),
+        (2, "gpipe", 1, 1, 2),
+    ]
+    assert all(p.seconds > 0 and p.micro_batch == 2 for p in overheads.pipelines)
     calibration = profile_calibration(profile)
+    assert calibration.compute_slots_per_node == overheads.compute_slots and calibration.pipeline_overhead_s >= 0
     assert all(v >= 0 for v in calibration.block.values())
     # The fit explains the probes it came from better than the model without per-call terms does. (How closely
     # depends on the timing noise of the machine: test_the_profile_calibration_recovers_the_per_call_terms checks

@@ -32,7 +32,12 @@ from lightning_galvatron.search.cost import (
     tensor_parallel_comm_time,
 )
 from lightning_galvatron.search.estimate import evaluate
-from lightning_galvatron.search.pipeline import in_flight_micro_batches, p2p_transfers, pipeline_step_time
+from lightning_galvatron.search.pipeline import (
+    in_flight_micro_batches,
+    p2p_transfers,
+    pipeline_step_time,
+    schedule_overhead,
+)
 from lightning_galvatron.search.space import Layout, StrategyArrays
 
 P = 1_000_000
@@ -187,6 +192,32 @@ def test_pipeline_terms():
     assert pipeline_step_time(uniform, 8) == pytest.approx((8 + 4 - 1) * 2.0)
     assert pipeline_step_time(uniform, 8, 2) == pytest.approx(8 * 2.0 + 3 * 2.0 / 2)
     assert pipeline_step_time(np.array([np.inf]), 1) == np.inf
+
+
+@pytest.mark.parametrize(("pp", "m", "v"), [(2, 1, 1), (2, 4, 1), (4, 2, 2), (2, 2, 2), (4, 8, 2), (3, 6, 3)])
+def test_schedule_overhead_is_what_each_chunk_adds_per_micro_batch(pp, m, v):
+    """The inverse of pricing: a schedule adding ``x`` per micro-batch to each of a rank's ``v`` chunks, i.e. ``v x``
+    to every stage's time per micro-batch, is found to add ``x`` -- by the fit from probes and trials alike."""
+    times = np.linspace(1.0, 2.0, pp)
+    x = 0.125
+    measured = float(pipeline_step_time(times + v * x, m, v))
+    assert schedule_overhead(measured, times, m, v) == pytest.approx(x)
+    assert schedule_overhead(float(pipeline_step_time(times, m, v)), times, m, v) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_pipeline_overhead_is_priced_per_model_chunk():
+    from lightning_galvatron.search.coefficients import Calibration
+
+    profile = tiny_profile().with_num_blocks(8)
+    x = 0.01
+    for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2)):
+        plan = ParallelPlan.uniform(
+            4, 8, LayerStrategy(), pp=2, micro_batches=4, schedule=schedule, virtual_stages=v, global_batch_size=16
+        )
+        with_it = evaluate(profile, plan, precision="32-true", calibration=Calibration(pipeline_overhead_s=x))
+        without = evaluate(profile, plan, precision="32-true", calibration=Calibration())
+        times = np.array([s.time_per_micro_batch_s for s in without.stages])
+        assert schedule_overhead(with_it.step_time_s, times, 4, v) == pytest.approx(x)
 
 
 def test_relocation():

@@ -73,7 +73,7 @@ from lightning_galvatron.profiles.hardware import (
     lookup_collective,
 )
 from lightning_galvatron.profiles.model import LayerTypeProfile, ModelProfile, VocabProfile
-from lightning_galvatron.profiles.overheads import CallProbe, OptimizerProbe, Overheads
+from lightning_galvatron.profiles.overheads import CallProbe, OptimizerProbe, Overheads, PipelineProbe
 
 PROFILE_FORMAT = "lightning_galvatron.profile"
 PROFILE_VERSION = 1
@@ -211,6 +211,7 @@ __all__ = [
     "ModelProfile",
     "OptimizerProbe",
     "Overheads",
+    "PipelineProbe",
     "Profile",
     "ProfileError",
     "VocabProfile",

@@ -1,19 +1,21 @@
 """What a machine adds per call, measured at profile time: the optional ``overheads`` section of a profile.
 
 The model half of a profile prices compute, the hardware half communication; neither sees what FSDP2's
-hooks, DTensor's dispatch under tensor parallelism, a recomputed block's checkpoint or the optimizer's
-per-tensor work add to every call. On small models and CPUs that is most of a step, and it differs
-between strategies. The profiler times it directly (:mod:`lightning_galvatron.profiler.overheads`): one
-block of each type, forward and backward, under each kind of strategy, and the optimizer step over
-plain tensors and DTensors; the search turns the probes into a calibration
-(:mod:`lightning_galvatron.search.overheads`).
+hooks, DTensor's dispatch under tensor parallelism, a recomputed block's checkpoint, the optimizer's
+per-tensor work or a pipeline schedule's own work add. On small models and CPUs that is most of a step, and
+it differs between strategies. The profiler times it directly (:mod:`lightning_galvatron.profiler.overheads`):
+one block of each type, forward and backward, under each kind of strategy, the optimizer step over plain
+tensors and DTensors, and steps of real pipeline schedules over copies of a block; the search turns the
+probes into a calibration (:mod:`lightning_galvatron.search.overheads`).
 
 JSON (``"overheads"`` at the top level of a profile; absent in profiles measured before it)::
 
     {"world_size": 4, "compute_slots": 2, "block_tensors": [12], "vocab_tensors": 4,
      "calls": [{"layer_type": 0, "strategy": {"tp": 2, "sp": "megatron", ...}, "group_size": 4,
                 "local_batch": 2, "seconds": 0.031}, ...],
-     "optimizer": [{"tensors": 8, "elements": 2048, "dtensor": false, "seconds": 0.0012}, ...]}
+     "optimizer": [{"tensors": 8, "elements": 2048, "dtensor": false, "seconds": 0.0012}, ...],
+     "pipelines": [{"layer_type": 0, "pp": 2, "schedule": "1f1b", "micro_batches": 2, "virtual_stages": 1,
+                    "blocks_per_chunk": 2, "micro_batch": 4, "seconds": 0.046}, ...]}
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_galvatron.plan import LayerStrategy, PlanError
+from lightning_galvatron.plan import SCHEDULES, LayerStrategy, PlanError
 from lightning_galvatron.profiles.fields import ProfileError, _fields, _finite_nonneg, _positive_int
 
 
@@ -95,12 +97,61 @@ class OptimizerProbe:
 
 
 @dataclass(frozen=True)
+class PipelineProbe:
+    """One training step (forward and backward, no optimizer) of a real pipeline schedule whose stages are copies
+    of one block type: the slowest rank's seconds (the median of its steps). The world runs ``world_size / pp``
+    such pipelines side by side, so every rank is in one, as in training.
+
+    Attributes:
+        layer_type: index into the profile's layer types.
+        pp, schedule, micro_batches, virtual_stages: the pipeline (``virtual_stages`` model chunks per rank).
+        blocks_per_chunk: block copies in each model chunk.
+        micro_batch: samples of one micro-batch.
+    """
+
+    layer_type: int
+    pp: int
+    schedule: str
+    micro_batches: int
+    virtual_stages: int
+    blocks_per_chunk: int
+    micro_batch: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layer_type, int) or isinstance(self.layer_type, bool) or self.layer_type < 0:
+            raise ProfileError(f"pipeline probe: layer_type must be an integer >= 0, got {self.layer_type!r}")
+        for name in ("pp", "micro_batches", "virtual_stages", "blocks_per_chunk", "micro_batch"):
+            _positive_int(f"pipeline probe: {name}", getattr(self, name))
+        if self.schedule not in SCHEDULES:
+            raise ProfileError(f"pipeline probe: schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+        _finite_nonneg("pipeline probe: seconds", self.seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layer_type": self.layer_type,
+            "pp": self.pp,
+            "schedule": self.schedule,
+            "micro_batches": self.micro_batches,
+            "virtual_stages": self.virtual_stages,
+            "blocks_per_chunk": self.blocks_per_chunk,
+            "micro_batch": self.micro_batch,
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> PipelineProbe:
+        return cls(**_fields(data, where, cls=cls))
+
+
+@dataclass(frozen=True)
 class Overheads:
     """The probes of one profiling run.
 
     Attributes:
         world_size: ranks that measured them (all at once, so contention for shared cores is in them).
-        calls, optimizer: the probes.
+        calls, optimizer, pipelines: the probes (``pipelines`` empty in profiles measured before them, or on
+            one rank).
         compute_slots: CPU cores the node's ranks share (``None`` on GPUs: a device per rank).
         block_tensors: parameter tensors of one block, per layer type (the optimizer's per-tensor work).
         vocab_tensors: parameter tensors outside the blocks (embedding, head, final norm).
@@ -112,6 +163,7 @@ class Overheads:
     compute_slots: int | None = None
     block_tensors: tuple[int, ...] = ()
     vocab_tensors: int = 0
+    pipelines: tuple[PipelineProbe, ...] = ()
 
     def __post_init__(self) -> None:
         _positive_int("overheads: world_size", self.world_size)
@@ -122,15 +174,17 @@ class Overheads:
                 raise ProfileError(f"overheads: tensor counts must be integers >= 0, got {n!r}")
         object.__setattr__(self, "calls", tuple(self.calls))
         object.__setattr__(self, "optimizer", tuple(self.optimizer))
+        object.__setattr__(self, "pipelines", tuple(self.pipelines))
         object.__setattr__(self, "block_tensors", tuple(self.block_tensors))
 
     def check(self, layer_types: int) -> None:
         """Every probe names one of the profile's ``layer_types``."""
-        for probe in self.calls:
-            if probe.layer_type >= layer_types:
-                raise ProfileError(
-                    f"overheads: a call probe names layer type {probe.layer_type}; the model has {layer_types}"
-                )
+        for kind, probes in (("call", self.calls), ("pipeline", self.pipelines)):
+            for probe in probes:
+                if probe.layer_type >= layer_types:
+                    raise ProfileError(
+                        f"overheads: a {kind} probe names layer type {probe.layer_type}; the model has {layer_types}"
+                    )
         if self.block_tensors and len(self.block_tensors) != layer_types:
             raise ProfileError(
                 f"overheads: block_tensors has {len(self.block_tensors)} entries; "
@@ -145,12 +199,13 @@ class Overheads:
             "vocab_tensors": self.vocab_tensors,
             "calls": [c.to_dict() for c in self.calls],
             "optimizer": [o.to_dict() for o in self.optimizer],
+            "pipelines": [p.to_dict() for p in self.pipelines],
         }
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "overheads") -> Overheads:
         kwargs = _fields(data, where, cls=cls)
-        for name, probe in (("calls", CallProbe), ("optimizer", OptimizerProbe)):
+        for name, probe in (("calls", CallProbe), ("optimizer", OptimizerProbe), ("pipelines", PipelineProbe)):
             items = kwargs.get(name, ())
             if not isinstance(items, (list, tuple)):
                 raise ProfileError(f"{where}.{name} must be a list, got {type(items).__name__}")
@@ -160,4 +215,4 @@ class Overheads:
         return cls(**kwargs)
 
 
-__all__ = ["CallProbe", "OptimizerProbe", "Overheads"]
+__all__ = ["CallProbe", "OptimizerProbe", "Overheads", "PipelineProbe"]

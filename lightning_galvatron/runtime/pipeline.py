@@ -49,6 +49,7 @@ from lightning_galvatron.runtime.stage import Boundary, Chunk, PipelineUsageErro
 from lightning_galvatron.runtime.structure import is_kv_cache
 
 __all__ = [
+    "SCHEDULE_CLASSES",
     "PipelineRunner",
     "PipelineUsageError",
     "StagePartition",
@@ -57,7 +58,7 @@ __all__ = [
     "split_micro_batches",
 ]
 
-_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
 class _ChunkModule(nn.Module):
@@ -213,7 +214,7 @@ class PipelineRunner:
                         group=self.group,
                     )
                 )
-            schedule_cls = _SCHEDULES[self.plan.schedule]
+            schedule_cls = SCHEDULE_CLASSES[self.plan.schedule]
             loss_fn = _ScaledLoss(loss_scale)
             if self.plan.schedule == "interleaved_1f1b":
                 schedule = schedule_cls(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)

@@ -41,7 +41,7 @@ from lightning_galvatron.search.cost import (
     relocation_time,
     vocab_costs,
 )
-from lightning_galvatron.search.pipeline import p2p_transfers, pipeline_step_time
+from lightning_galvatron.search.pipeline import p2p_transfers, schedule_overhead
 from lightning_galvatron.search.space import StrategyArrays, layout_of
 
 
@@ -145,7 +145,7 @@ def fit_calibration(
     of its time (relative errors count). Embedding/head: from plans without a pipeline, the forward and
     backward time outside the blocks per micro-batch, against the modelled compute. Optimizer: per tensor
     and element, over the ranks. Step and pipeline overheads: what the measured steps have beyond the
-    calibrated prediction (medians), the pipeline's per micro-batch and stage.
+    calibrated prediction (medians), the pipeline's per micro-batch and model chunk.
 
     ``prior`` (the profile's own calibration, :func:`~.overheads.profile_calibration`) is what the
     observations cannot tell: a few trials of one batch size leave compute and per-call terms
@@ -271,11 +271,8 @@ def fit_calibration(
         stage_times = _measured_stage_times(calibrated, plan, group)
         if stage_times is None:
             continue
-        schedule = float(pipeline_step_time(np.array(stage_times), plan.micro_batches, plan.virtual_stages))
         measured = statistics.median(o.forward_backward_s for o in group)
-        # The overhead is priced per micro-batch on every stage: the schedule turns it into this many of it.
-        span = float(pipeline_step_time(np.ones(plan.pp), plan.micro_batches, plan.virtual_stages))
-        residuals.append((measured - schedule) / span)
+        residuals.append(schedule_overhead(measured, np.array(stage_times), plan.micro_batches, plan.virtual_stages))
     pipeline_overhead = max(statistics.median(residuals), 0.0) if residuals else 0.0
     return dataclasses.replace(calibration, step_overhead_s=step_overhead, pipeline_overhead_s=pipeline_overhead)
 

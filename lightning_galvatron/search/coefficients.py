@@ -33,8 +33,8 @@ measured on other blocks).
 The embedding and head (everything outside the blocks in forward and backward, the loss included) get
 their own compute scale and per-micro-batch time; the optimizer step costs ``c_tensor`` per parameter
 tensor plus ``c_element`` per parameter element a rank holds; every step adds a fixed ``step_overhead_s``
-(the training loop), and a pipeline adds ``pipeline_overhead_s`` per micro-batch and stage (the
-schedule's own work besides the transfers). Where the ranks of a node share fewer cores than they are
+(the training loop), and a pipeline adds ``pipeline_overhead_s`` per micro-batch and model chunk on every stage
+(the schedule's own work besides the transfers). Where the ranks of a node share fewer cores than they are
 (several CPU processes per core), a pipeline's stages, idle during its fill and drain, leave cores to the
 busy ones: their work is scaled by :meth:`Calibration.sharing_factor`.
 
@@ -102,7 +102,8 @@ class Calibration:
         tensors_per_layer_type: parameter tensors of one block of each layer type (by name).
         vocab_tensors: parameter tensors outside the blocks (embedding, head, final norm).
         step_overhead_s: fixed time per training step.
-        pipeline_overhead_s: per micro-batch and stage of a pipeline.
+        pipeline_overhead_s: per micro-batch and model chunk of each pipeline stage (``v`` chunks per stage when
+            interleaved).
         compute_slots_per_node: ranks of a node that can compute at full speed at once, when fewer than the
             ranks (processes sharing CPU cores): see :meth:`sharing_factor`. ``None``: devices are not shared.
         observations: how many block calls the fit used; residual: their relative RMS misfit.
@@ -186,7 +187,7 @@ class Calibration:
             f"embedding/head x{self.vocab_compute:.2f} + {ms(self.vocab_call_s)} per micro-batch; optimizer "
             f"{self.optimizer_s_per_tensor * 1e6:.0f} us/tensor ({self.optimizer_s_per_dtensor_or_tensor * 1e6:.0f} "
             f"us/DTensor) + {self.optimizer_s_per_element * 1e9:.1f} ns/element; "
-            f"step {ms(self.step_overhead_s)}, pipeline {ms(self.pipeline_overhead_s)} per micro-batch and stage"
+            f"step {ms(self.step_overhead_s)}, pipeline {ms(self.pipeline_overhead_s)} per micro-batch and model chunk"
             + (f"; {self.compute_slots_per_node} compute slots per node" if self.compute_slots_per_node else "")
             + " "
             f"({self.observations} block calls, misfit {self.residual:.0%})"

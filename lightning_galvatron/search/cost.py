@@ -195,9 +195,12 @@ class CostModel:
         """Fixed time per training step (calibrated; 0 without a calibration)."""
         return self.calibration.step_overhead_s if self.calibration is not None else 0.0
 
-    def pipeline_overhead(self, pp: int) -> float:
-        """Fixed time per micro-batch and stage of a pipeline besides its transfers (calibrated)."""
-        return self.calibration.pipeline_overhead_s if self.calibration is not None and pp > 1 else 0.0
+    def pipeline_overhead(self, pp: int, virtual_stages: int = 1) -> float:
+        """Fixed time per micro-batch a pipeline stage spends besides its blocks and transfers (calibrated): the
+        schedule's own work, once per model chunk the stage runs."""
+        if self.calibration is None or pp == 1:
+            return 0.0
+        return self.calibration.pipeline_overhead_s * virtual_stages
 
     def p2p_time(self, ctx: StageContext, hidden: int, seq: int) -> float:
         """One stage-to-stage transfer of a micro-batch's activations (each device sends its share)."""

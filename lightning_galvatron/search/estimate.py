@@ -228,7 +228,7 @@ def evaluate(
                 vocab_bytes += float(c.memory(k)[0])
         time += p2p_transfers(pp, rank, v) * cm.p2p_time(
             ctx, model.hidden_size, model.seq_length
-        ) + cm.pipeline_overhead(pp)
+        ) + cm.pipeline_overhead(pp, v)
         layers = plan.stage_layers(rank)
         working = plan_working_memory_bytes(
             cm, [(model.layer_types[model.blocks[i]], plan.layers[i]) for i in layers], ctx

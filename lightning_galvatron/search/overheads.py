@@ -2,9 +2,11 @@
 
 A :class:`~.coefficients.Calibration` fitted from trials (:func:`~.calibration.fit_calibration`) needs
 training steps of several plans. Most of what it corrects -- a fixed time per block call of each mechanism
-(FSDP2, DTensor under tensor parallelism, recomputation) and the optimizer's work per tensor -- the profiler
-measures directly (:class:`~lightning_galvatron.profiles.Overheads`): :func:`profile_calibration` fits those
-terms to the probes the same way, with compute and communication kept as the profile prices them.
+(FSDP2, DTensor under tensor parallelism, recomputation), the optimizer's work per tensor and a pipeline
+schedule's own work per micro-batch and model chunk, with the cores its waiting stages leave to the busy ones
+where processes share cores -- the profiler measures directly (:class:`~lightning_galvatron.profiles.Overheads`):
+:func:`profile_calibration` fits those terms to the probes the same way, with compute and communication kept as
+the profile prices them.
 
 :func:`applicable_calibration` is the one rule of which calibration prices a plan: an explicit one (a file,
 or what measured selection fitted from its trials) wins; else the profile's; else none (the model alone).
@@ -14,6 +16,7 @@ Torch-free (numpy only), like the rest of the search.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from collections.abc import Mapping
@@ -21,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_galvatron.plan import LayerStrategy
 from lightning_galvatron.profiles import Profile
 from lightning_galvatron.search.calibration import nonnegative_least_squares
 from lightning_galvatron.search.coefficients import (
@@ -31,6 +35,7 @@ from lightning_galvatron.search.coefficients import (
     load_calibration,
 )
 from lightning_galvatron.search.cost import CostModel, StageContext, block_costs, forward_compute_time
+from lightning_galvatron.search.pipeline import p2p_transfers, schedule_overhead
 from lightning_galvatron.search.space import StrategyArrays
 
 #: The block terms the probes determine (compute and communication stay as the profile prices them).
@@ -67,8 +72,8 @@ def _fit(profile: Profile) -> Calibration | None:
     Per block call: the probe's seconds less what the model prices for the same block, strategy, group and
     local batch (compute and communication), fitted to the per-call terms by non-negative least squares,
     relative errors counting. Optimizer: seconds per plain tensor, per DTensor and per element from its
-    probes. Step, pipeline and embedding/head overheads are not probed: they stay 0, and so does the sharing of
-    cores between pipeline stages (see the comment below).
+    probes. Pipeline (where the profile has pipeline probes): the sharing of cores between stages and the
+    schedule's own work (:func:`_schedule_overhead`). Step and embedding/head overheads are not probed: 0.
     """
     overheads = profile.overheads
     if overheads is None:
@@ -112,21 +117,44 @@ def _fit(profile: Profile) -> Calibration | None:
         if not ao[:, 1].any():
             per_dtensor = None
     names = [t.name for t in model.layer_types]
-    return Calibration(
+    calibration = Calibration(
         block=block,
         optimizer_s_per_tensor=per_tensor,
         optimizer_s_per_element=per_element,
         optimizer_s_per_dtensor=per_dtensor,
         tensors_per_layer_type=dict(zip(names, overheads.block_tensors)),
         vocab_tensors=overheads.vocab_tensors,
-        # Not overheads.compute_slots: the cores a pipeline's idle stages free (Calibration.sharing_factor) come
-        # with the schedule's own work per micro-batch, which only trials of a pipeline measure; alone, the
-        # sharing made pipelines look twice as fast as they ran (4 processes on 2 cores).
-        compute_slots_per_node=None,
+        # The cores a pipeline's waiting stages leave to the busy ones (Calibration.sharing_factor) come with the
+        # schedule's own work, which only a pipeline measures: both or neither. Alone, the sharing made pipelines
+        # look twice as fast as they ran (4 processes on 2 cores).
+        compute_slots_per_node=overheads.compute_slots if overheads.pipelines else None,
         observations=len(rows),
         residual=residual,
         source="the profile's measured overheads",
     )
+    if not overheads.pipelines:
+        return calibration
+    return dataclasses.replace(calibration, pipeline_overhead_s=_schedule_overhead(profile, calibration))
+
+
+def _schedule_overhead(profile: Profile, calibration: Calibration) -> float:
+    """What the pipeline probes took beyond the stage times ``calibration`` prices for them (their blocks, with
+    the sharing of cores, and transfers), per micro-batch and model chunk: the median over the probes, >= 0."""
+    cm = CostModel(profile, profile.measured_precision or "32-true", calibration=calibration)
+    overheads = profile.overheads
+    residuals = []
+    for probe in overheads.pipelines:
+        layer = profile.model.layer_types[probe.layer_type]
+        pp, m, v = probe.pp, probe.micro_batches, probe.virtual_stages
+        replicas = overheads.world_size // pp
+        ctx = StageContext(overheads.world_size, pp, probe.micro_batch * m * replicas, m, 1.0, v)
+        block = float(block_costs(cm, layer, StrategyArrays.build([LayerStrategy()]), ctx).time[0])
+        transfer = cm.p2p_time(ctx, layer.hidden_size, layer.seq_length)
+        stage_times = np.array(
+            [v * probe.blocks_per_chunk * block + p2p_transfers(pp, stage, v) * transfer for stage in range(pp)]
+        )
+        residuals.append(schedule_overhead(probe.seconds, stage_times, m, v))
+    return max(float(np.median(residuals)), 0.0)
 
 
 __all__ = ["CALL_TERMS", "applicable_calibration", "profile_calibration"]

@@ -71,6 +71,16 @@ def pipeline_step_time(stage_times: np.ndarray, micro_batches: int, virtual_stag
     return np.where(np.isinf(slowest), np.inf, step)
 
 
+def schedule_overhead(measured_s: float, stage_times: np.ndarray, micro_batches: int, virtual_stages: int = 1) -> float:
+    """The schedule's own time per micro-batch and model chunk (besides blocks and transfers) that turns stage
+    times per micro-batch without it into the ``measured_s`` a pipeline took: the step's excess over
+    :func:`pipeline_step_time`, over how many such times the schedule runs one after another (every stage adds it
+    once per chunk it holds: ``v`` per micro-batch). Negative where the step ran faster than its stage times."""
+    t, m, v = np.asarray(stage_times, dtype=float), micro_batches, virtual_stages
+    span = float(pipeline_step_time(np.full(t.shape[-1], float(v)), m, v))
+    return (measured_s - float(pipeline_step_time(t, m, v))) / span
+
+
 # ---------------------------------------------------------------------------------------------- partitions
 def balanced_partition(
     pp: int,
@@ -176,4 +186,5 @@ __all__ = [
     "partition_neighbours",
     "pipeline_step_time",
     "refine_partition",
+    "schedule_overhead",
 ]

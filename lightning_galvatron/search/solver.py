@@ -162,7 +162,7 @@ class FixedBatchSolver:
         p2p = np.array([p2p_transfers(pp, r, v) for r in range(pp)]) * cm.p2p_time(
             ctx, model.hidden_size, model.seq_length
         )
-        p2p = p2p + cm.pipeline_overhead(pp)
+        p2p = p2p + cm.pipeline_overhead(pp, v)
         max_blocks_override = max_blocks
         if v == 1:
             max_blocks = (

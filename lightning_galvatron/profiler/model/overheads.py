@@ -1,31 +1,39 @@
-"""Phase 5, overheads: what one block call and one optimizer step cost under each kind of strategy.
+"""Phase 5, overheads: what one block call and one optimizer step cost under each kind of strategy, and what a
+pipeline schedule adds.
 
 The cost model prices compute and communication; what FSDP2's hooks, DTensor's dispatch, a checkpoint's
-replay machinery and the optimizer's per-tensor work add is measured here (collective: every rank runs the
-same probes at the same time, so contention for shared cores is in them as it is in training), into a
-:class:`~lightning_galvatron.profiles.Overheads` that the search turns into per-call terms
-(:mod:`lightning_galvatron.search.overheads`). About a tenth of a second of calls per probe: these are costs
-of milliseconds that differ between strategies by whole factors, but a probe shorter than the scheduler's slices
-of a shared core measures the scheduler.
+replay machinery, the optimizer's per-tensor work and a pipeline schedule's own work (its bookkeeping, waits
+and transfers per micro-batch and model chunk; on shared cores, how fast the busy stages run while others
+wait) add is measured here (collective: every rank runs the same probes at the same time, so contention for
+shared cores is in them as it is in training), into a :class:`~lightning_galvatron.profiles.Overheads` that
+the search turns into per-call terms (:mod:`lightning_galvatron.search.overheads`). About a tenth of a second
+of calls per probe: these are costs of milliseconds that differ between strategies by whole factors, but a
+probe shorter than the scheduler's slices of a shared core measures the scheduler.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_galvatron.layout import rank_chunks
+from lightning_galvatron.model.call_state import hidden_states_of
 from lightning_galvatron.plan import LayerStrategy
 from lightning_galvatron.profiler.model.blocks import _backward, _BlockProfiler
 from lightning_galvatron.profiler.model.degrees import _Styles
 from lightning_galvatron.profiler.model.setup import _synchronize, agreed_repeats
 from lightning_galvatron.profiler.runtime import _cpu_cores
-from lightning_galvatron.profiles import CallProbe, LayerTypeProfile, OptimizerProbe, Overheads
+from lightning_galvatron.profiles import CallProbe, LayerTypeProfile, OptimizerProbe, Overheads, PipelineProbe
+from lightning_galvatron.runtime.structure import block_output_hidden
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +42,9 @@ log = logging.getLogger(__name__)
 CALL_POINT_S = 0.1
 OPTIMIZER_TENSORS = 8
 OPTIMIZER_SIZES = (256, 131072)  # elements per tensor and rank: per-tensor and per-element costs apart (beyond caches)
+#: The pipeline probes: (schedule, model chunks per rank, blocks per chunk, micro-batches; ``None``: one per stage).
+#: Every rank runs two blocks per micro-batch in each; one micro-batch leaves every stage idle half the step.
+PIPELINE_PROBES = (("1f1b", 1, 2, None), ("interleaved_1f1b", 2, 1, None), ("gpipe", 1, 2, 1))
 
 
 def measure_overheads(
@@ -44,7 +55,8 @@ def measure_overheads(
     device: torch.device,
 ) -> Overheads:
     """Call probes of each block type (plain, recomputed, ZeRO-2, ZeRO-3 over the world, each tensor-parallel
-    style at each measured degree) and optimizer probes; seconds are the slowest rank's. Collective."""
+    style at each measured degree), optimizer probes and, with two ranks or more, pipeline probes of the first
+    block type; seconds are the slowest rank's. Collective."""
     from torch.distributed._composable import checkpoint
 
     from lightning_galvatron.precision import mixed_precision_policy
@@ -74,7 +86,10 @@ def measure_overheads(
                 split = 1 if style == "none" else g
                 probes.append((k, LayerStrategy(tp=g, sp=style), _time_call(profiler, block, batch, split)))
     optimizer = _optimizer_probes(world, device, dp_mesh)
-    slowest = torch.tensor([s for *_, s in probes] + [s for *_, s in optimizer], dtype=torch.float64)
+    pipelines = _pipeline_probes(profilers[0], world, device) if world > 1 else []
+    slowest = torch.tensor(
+        [s for *_, s in probes] + [s for *_, s in optimizer] + [p.seconds for p in pipelines], dtype=torch.float64
+    )
     if device.type == "cuda":
         slowest = slowest.to(device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -84,10 +99,17 @@ def measure_overheads(
         for (k, strategy, _), s in zip(probes, seconds)
     )
     optimizer_probes = tuple(OptimizerProbe(n, e, d, s) for (n, e, d, _), s in zip(optimizer, seconds[len(probes) :]))
+    pipeline_probes = tuple(
+        dataclasses.replace(p, seconds=s) for p, s in zip(pipelines, seconds[len(probes) + len(optimizer) :])
+    )
     log.info(
         "per block call, forward and backward (%.1f s to measure): %s",
         time.perf_counter() - started,
         ", ".join(f"{c.strategy.short()} {c.seconds * 1e3:.1f} ms" for c in calls),
+    )
+    log.info(
+        "pipeline steps: %s",
+        ", ".join(f"pp{p.pp} {p.schedule} m{p.micro_batches} {p.seconds * 1e3:.1f} ms" for p in pipeline_probes),
     )
     return Overheads(
         world_size=world,
@@ -96,6 +118,7 @@ def measure_overheads(
         compute_slots=_cpu_cores() if device.type == "cpu" else None,
         block_tensors=tuple(sum(1 for _ in p.block.parameters()) for p in profilers),
         vocab_tensors=vocab_tensors,
+        pipelines=pipeline_probes,
     )
 
 
@@ -167,6 +190,90 @@ def _optimizer_probes(world: int, device: torch.device, mesh) -> list[tuple[int,
 
             out.append((OPTIMIZER_TENSORS, OPTIMIZER_TENSORS * size, dtensor, _median_seconds(once, device)))
     return out
+
+
+class _ProbeChunk(nn.Module):
+    """Copies of one block run in sequence on the hidden states a pipeline stage receives; the block's other
+    captured arguments (masks, position embeddings), resized to the micro-batch, are closed over."""
+
+    def __init__(self, profiler: _BlockProfiler, blocks: int, micro_batch: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(profiler.copy() for _ in range(blocks))
+        self._profiler = [profiler]  # a list: not registered as a submodule
+        self._args, self._kwargs = profiler.inputs(micro_batch)
+        self._where = hidden_states_of(self._args, self._kwargs)[0]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        profiler = self._profiler[0]
+        dtype = hidden.dtype
+        for block in self.blocks:
+            args, kwargs = list(self._args), dict(self._kwargs)
+            if isinstance(self._where, int):
+                args[self._where] = hidden
+            else:
+                kwargs[self._where] = hidden
+            with profiler.prec.autocast(profiler.device):
+                hidden = block_output_hidden(block(*args, **kwargs))
+        return hidden.to(dtype)  # what the stage declared it sends
+
+
+def _pipeline_probes(profiler: _BlockProfiler, world: int, device: torch.device) -> list[PipelineProbe]:
+    """Training steps of real ``torch.distributed.pipelining`` schedules (:data:`PIPELINE_PROBES`) of ``pp = 2``
+    stages (``world`` if odd) made of copies of ``profiler``'s block, ``world / pp`` pipelines side by side, at the
+    call probes' micro-batch: the median step of each (:func:`_median_seconds`). Against the stage times the model
+    prices from the block's own probes, they show what the schedule adds per micro-batch and model chunk.
+    Collective."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from lightning_galvatron.runtime.mesh import Layout, MeshCache
+    from lightning_galvatron.runtime.pipeline import SCHEDULE_CLASSES
+
+    pp = 2 if world % 2 == 0 else world
+    mesh = MeshCache.shared(device.type).mesh(Layout(world, pp, 1))["pp"]
+    group, stage = mesh.get_group(), mesh.get_local_rank()
+    micro_batch = int(profiler.hidden.shape[0])
+    shape = (micro_batch, *profiler.hidden.shape[1:])
+    out = []
+    for schedule_name, virtual, per_chunk, micro_batches in PIPELINE_PROBES:
+        m = micro_batches or pp
+        chunks = pp * virtual
+        activation = torch.empty(shape, dtype=profiler.hidden.dtype, device="meta", requires_grad=True)
+        stages = [
+            PipelineStage(
+                _ProbeChunk(profiler, per_chunk, micro_batch),
+                chunk,
+                chunks,
+                device,
+                input_args=activation,
+                output_args=activation,
+                group=group,
+            )
+            for chunk in rank_chunks(stage, pp, virtual)
+        ]
+        schedule = SCHEDULE_CLASSES[schedule_name](
+            stages if virtual > 1 else stages[0],
+            n_microbatches=m,
+            loss_fn=lambda output, target: output.float().square().mean(),
+            scale_grads=False,
+        )
+        inputs = torch.randn((m * micro_batch, *shape[1:]), dtype=profiler.hidden.dtype, device=device)
+        args = (inputs,) if stage == 0 else ()
+        kwargs = {"target": torch.zeros(m, device=device)} if stage == pp - 1 else {}
+        seconds = _median_seconds(partial(_schedule_step, schedule, stages, args, kwargs, device), device)
+        out.append(PipelineProbe(0, pp, schedule_name, m, virtual, per_chunk, micro_batch, seconds))
+    return out
+
+
+def _schedule_step(schedule: Any, stages: Sequence[Any], args: tuple, kwargs: dict, device: torch.device) -> float:
+    """Seconds of one training step of ``schedule`` (its stages' gradients dropped afterwards)."""
+    _synchronize(device)
+    start = time.perf_counter()
+    schedule.step(*args, **kwargs)
+    _synchronize(device)
+    seconds = time.perf_counter() - start
+    for stage in stages:
+        stage.submod.zero_grad(set_to_none=True)
+    return seconds
 
 
 __all__ = ["measure_overheads"]
