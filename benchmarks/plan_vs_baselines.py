@@ -6,9 +6,9 @@ processes (gloo; 2 is one process per core, closer to one GPU per process):
 * ``auto``: the **default path** -- ``GalvatronStrategy(memory_budget=...)`` with nothing else: no calibration
   file, a fresh (empty) profile cache for every run, so every run profiles, searches and runs its measured
   selection (trials) in ``setup``. Its setup time is reported separately and amortised over 1,000 steps;
-* every uniform plan the search knows, executed by the same runtime: DDP (also with 2 and 4 micro-batches),
-  ZeRO-2, ZeRO-3, ZeRO-3 with recomputation, tensor parallelism over all devices, pipelines of DDP blocks
-  (1F1B, GPipe, interleaved 1F1B);
+* every uniform plan the search knows, executed by the same runtime: DDP (also with 2 and 4 micro-batches, and
+  with recomputation), ZeRO-2, ZeRO-3, ZeRO-3 with recomputation, tensor parallelism over all devices, pipelines of
+  DDP blocks (1F1B, GPipe, interleaved 1F1B);
 * Lightning's ``DDPStrategy`` (PyTorch DDP) and ``ModelParallelStrategy`` with FSDP2 on every block
   (``harness.FSDP2GPT``), first-class baselines.
 
@@ -66,6 +66,7 @@ def uniform_plans(model: BenchModel, world: int) -> dict[str, ParallelPlan]:
         "ddp": uniform(S()),
         "ddp-m2": uniform(S(), micro_batches=2),  # micro-batches: a uniform way to shave activation memory
         "ddp-m4": uniform(S(), micro_batches=4),
+        "ddp-recompute": uniform(S(recompute=True), S()),  # activations recomputed: the other uniform way
         "zero2": uniform(S(dp_type="zero2")),
         "zero3": uniform(S(dp_type="zero3")),
         "zero3-recompute": uniform(S(dp_type="zero3", recompute=True), S(dp_type="zero3")),
