@@ -33,9 +33,10 @@ def setup_report(prediction: Prediction, block_names: Sequence[str] | None = Non
         lines += ["", _stages_table(prediction), ""]
         peak = estimate.peak_memory_bytes
         fits = "fits" if peak <= prediction.memory_budget_bytes else "DOES NOT FIT"
+        basis = " (the cost model calibrated from the trials)" if prediction.calibrated else ""
         lines.append(
-            f"Predicted: {estimate.step_time_s:.3g} s per step, {estimate.throughput_samples_per_s:.4g} samples/s; "
-            f"peak memory {format_bytes(peak)} per device: {fits} {budget}"
+            f"Predicted{basis}: {estimate.step_time_s:.3g} s per step, {estimate.throughput_samples_per_s:.4g} "
+            f"samples/s; peak memory {format_bytes(peak)} per device: {fits} {budget}"
         )
         if prediction.profile_note:
             lines.append(f"Profile: {prediction.profile_note}")

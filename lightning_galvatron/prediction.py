@@ -20,6 +20,7 @@ from lightning_galvatron.autoplan import AutoPlan, SearchSettings, default_memor
 from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.plan import ParallelPlan, PlanError
 from lightning_galvatron.profiles import Profile, ProfileError
+from lightning_galvatron.search.coefficients import Calibration
 from lightning_galvatron.search.estimate import Estimate
 
 
@@ -36,6 +37,7 @@ class Prediction:
     profile_note: str = ""  # where the profile came from
     search_report: str = ""  # what the search compared its plan with (rank 0)
     seconds: dict[str, float] = field(default_factory=dict)
+    calibrated: bool = False  # priced with the calibration measured selection fitted to its trials
 
     @property
     def searched(self) -> bool:
@@ -49,19 +51,33 @@ class Prediction:
 
 
 def searched_prediction(
-    auto: AutoPlan, chosen: ParallelPlan | None = None, *, optimizer: str = "adamw", precision: str = "bf16-mixed"
+    auto: AutoPlan,
+    chosen: ParallelPlan | None = None,
+    *,
+    optimizer: str = "adamw",
+    precision: str = "bf16-mixed",
+    calibration: Calibration | None = None,
 ) -> Prediction:
     """What the search predicted for its plan -- or for ``chosen``, where measured selection picked another of the
-    candidates (priced with the same profile, budget, optimizer and precision)."""
+    candidates (priced with the same profile, budget, optimizer and precision). With measured selection's
+    ``calibration`` the plan is priced with it, as the selection priced its candidates: the prediction the setup
+    report prints, the loggers get and the first training steps are compared with is then one figure."""
     seconds = auto.seconds["profile"]
     measured = f"cached ({seconds:.2f} s to load)" if auto.profile_cached else f"measured in {seconds:.2f} s"
     estimate, source = auto.estimate, "searched"
-    if chosen is not None and chosen != auto.plan:
+    plan = auto.plan if chosen is None else chosen
+    if plan != auto.plan:
+        source = "searched, chosen by measurement"
+    if plan != auto.plan or calibration is not None:
         from lightning_galvatron.search import evaluate
 
-        source = "searched, chosen by measurement"
         estimate = evaluate(
-            auto.profile, chosen, optimizer=optimizer, precision=precision, memory_budget_bytes=auto.memory_budget_bytes
+            auto.profile,
+            plan,
+            optimizer=optimizer,
+            precision=precision,
+            memory_budget_bytes=auto.memory_budget_bytes,
+            calibration=calibration,
         )
     return Prediction(
         plan=estimate.plan,
@@ -72,6 +88,7 @@ def searched_prediction(
         profile_note=f"{auto.profile.source}; {measured}",
         search_report=auto.report,
         seconds=dict(auto.seconds),
+        calibrated=calibration is not None,
     )
 
 

@@ -385,7 +385,10 @@ class GalvatronStrategy(ModelParallelStrategy):
                 f"Galvatron: the search changed the global batch size from {global_batch} to "
                 f"{plan.global_batch_size} (search_batch_size=True)"
             )
-        return plan, searched_prediction(auto, plan, optimizer=context["optimizer"], precision=context["precision"])
+        calibration = self.selection.calibration if self.selection is not None else None
+        return plan, searched_prediction(
+            auto, plan, optimizer=context["optimizer"], precision=context["precision"], calibration=calibration
+        )
 
     # ------------------------------------------------------------------ data: batch semantics
     @property

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from examples.gpt import GPTModule
 from lightning_galvatron import GalvatronStrategy
+from lightning_galvatron.display import setup_report
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiles import Profile
@@ -39,6 +40,9 @@ def _auto_cached_and_off(cache_dir: str) -> dict:
         explicit=explicit,
         plan=measured.plan,
         selection=measured.selection,
+        prediction=measured.prediction,
+        again_prediction=again.prediction,
+        off_prediction=off.prediction,
         again=again.selection,
         again_plan=again.plan,
         off_selection=off.selection,
@@ -66,6 +70,14 @@ def test_measured_selection_trains_exactly_the_chosen_plan_is_cached_and_can_be_
     assert again.from_cache and out["again_plan"] == out["plan"]
     assert again.trials == selection.trials and again.calibration == selection.calibration
     assert (tmp_path / "selections").is_dir() and again.cache_file.startswith(str(tmp_path / "selections"))
+
+    # The setup report, the loggers and the first steps' check use one prediction: the calibrated model's price of
+    # the chosen plan, from the trials or from the cache alike; without trials the search's own.
+    for prediction in (out["prediction"], out["again_prediction"]):
+        assert prediction.calibrated and prediction.plan == out["plan"]
+        assert prediction.estimate.step_time_s == pytest.approx(selection.chosen.calibrated_step_s)
+        assert "calibrated from the trials" in setup_report(prediction)
+    assert not out["off_prediction"].calibrated and "calibrated" not in setup_report(out["off_prediction"])
 
     # Off: the search's own plan, no trials.
     (profile_file,) = tmp_path.glob("*.json")
