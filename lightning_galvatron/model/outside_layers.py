@@ -39,6 +39,7 @@ from lightning_galvatron.runtime.structure import (
     block_output_hidden,
     hidden_states_of,
     parameter_holders,
+    with_hidden_states,
 )
 
 __all__ = ["OutsideLayers", "block_output_hidden", "hidden_states_of", "parameter_holders", "trace_outside_layers"]
@@ -174,10 +175,7 @@ class _Tracer(TorchFunctionMode):
                     )
             cut = hidden.detach().requires_grad_(hidden.is_floating_point())
             self.cuts.append(cut)
-            if isinstance(where, int):
-                args = (*args[:where], cut, *args[where + 1 :])
-            else:
-                kwargs = {**kwargs, where: cut}
+            args, kwargs = with_hidden_states(args, kwargs, cut)
             self.phase = INSIDE
             try:
                 with torch.no_grad():

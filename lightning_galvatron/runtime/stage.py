@@ -36,8 +36,8 @@ from lightning_galvatron.runtime.structure import (
     ModelStructure,
     OutsideLayers,
     block_output_hidden,
-    hidden_states_of,
     parameter_holders,
+    with_hidden_states,
 )
 
 
@@ -163,18 +163,11 @@ class _BlockCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.gate.blocks_started = True
         if self.receive is not None:
-            args, kwargs = _replace_hidden(args, kwargs, self.receive)
+            args, kwargs = with_hidden_states(args, kwargs, self.receive)
         out = self.block(*args, **kwargs)
         if self.hand_over is not None:
             raise Boundary(block_output_hidden(out).to(self.hand_over))
         return out
-
-
-def _replace_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
-    where, _ = hidden_states_of(args, kwargs)
-    if isinstance(where, int):
-        return (*args[:where], hidden, *args[where + 1 :]), kwargs
-    return args, {**kwargs, where: hidden}
 
 
 class _Gate:

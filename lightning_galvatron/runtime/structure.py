@@ -106,6 +106,14 @@ def hidden_states_of(args: tuple, kwargs: Mapping[str, Any]) -> tuple[int | str,
     raise PlanError("a block was called without a hidden-states tensor (a first positional tensor or hidden_states=)")
 
 
+def with_hidden_states(args: tuple, kwargs: Mapping[str, Any], hidden: torch.Tensor) -> tuple[tuple, dict]:
+    """A block call's inputs with ``hidden`` in place of its hidden states (found by :func:`hidden_states_of`)."""
+    where, _ = hidden_states_of(args, kwargs)
+    if isinstance(where, int):
+        return (*args[:where], hidden, *args[where + 1 :]), dict(kwargs)
+    return tuple(args), {**kwargs, where: hidden}
+
+
 def block_output_hidden(output: Any) -> torch.Tensor:
     """The hidden states a block returns: the output itself, or the first element of a tuple/list."""
     if isinstance(output, torch.Tensor):

@@ -142,13 +142,13 @@ def _schedule_overhead(profile: Profile, calibration: Calibration) -> float:
     the sharing of cores, and transfers), per micro-batch and model chunk: the median over the probes, >= 0."""
     cm = CostModel(profile, profile.measured_precision or "32-true", calibration=calibration)
     overheads = profile.overheads
-    residuals = []
+    plain, residuals = StrategyArrays.build([LayerStrategy()]), []
     for probe in overheads.pipelines:
         layer = profile.model.layer_types[probe.layer_type]
         pp, m, v = probe.pp, probe.micro_batches, probe.virtual_stages
         replicas = overheads.world_size // pp
         ctx = StageContext(overheads.world_size, pp, probe.micro_batch * m * replicas, m, 1.0, v)
-        block = float(block_costs(cm, layer, StrategyArrays.build([LayerStrategy()]), ctx).time[0])
+        block = float(block_costs(cm, layer, plain, ctx).time[0])
         transfer = cm.p2p_time(ctx, layer.hidden_size, layer.seq_length)
         stage_times = np.array(
             [v * probe.blocks_per_chunk * block + p2p_transfers(pp, stage, v) * transfer for stage in range(pp)]

@@ -369,9 +369,9 @@ def _confirm_close_call(records, runner, settings, budget, started, report, prog
     dist.broadcast_object_list(go, src=0)
     if not go[0]:
         return
+    longer = dataclasses.replace(settings, timed_steps=CONFIRM_STEPS * settings.timed_steps)
     for first in reversed(fitting):  # the runner-up first: the machine warms up over the trials
         progress(f"setup: trial of {first.name} again")
-        longer = dataclasses.replace(settings, timed_steps=CONFIRM_STEPS * settings.timed_steps)
         again, _ = runner.run(first.plan, longer, observe=False)
         index = records.index(first)
         if again.step_s is not None:

@@ -26,14 +26,13 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_galvatron.layout import rank_chunks
-from lightning_galvatron.model.call_state import hidden_states_of
 from lightning_galvatron.plan import LayerStrategy
 from lightning_galvatron.profiler.model.blocks import _backward, _BlockProfiler
 from lightning_galvatron.profiler.model.degrees import _Styles
 from lightning_galvatron.profiler.model.setup import _synchronize, agreed_repeats
 from lightning_galvatron.profiler.runtime import _cpu_cores
 from lightning_galvatron.profiles import CallProbe, LayerTypeProfile, OptimizerProbe, Overheads, PipelineProbe
-from lightning_galvatron.runtime.structure import block_output_hidden
+from lightning_galvatron.runtime.structure import block_output_hidden, with_hidden_states
 
 log = logging.getLogger(__name__)
 
@@ -201,17 +200,12 @@ class _ProbeChunk(nn.Module):
         self.blocks = nn.ModuleList(profiler.copy() for _ in range(blocks))
         self._profiler = [profiler]  # a list: not registered as a submodule
         self._args, self._kwargs = profiler.inputs(micro_batch)
-        self._where = hidden_states_of(self._args, self._kwargs)[0]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         profiler = self._profiler[0]
         dtype = hidden.dtype
         for block in self.blocks:
-            args, kwargs = list(self._args), dict(self._kwargs)
-            if isinstance(self._where, int):
-                args[self._where] = hidden
-            else:
-                kwargs[self._where] = hidden
+            args, kwargs = with_hidden_states(self._args, self._kwargs, hidden)
             with profiler.prec.autocast(profiler.device):
                 hidden = block_output_hidden(block(*args, **kwargs))
         return hidden.to(dtype)  # what the stage declared it sends
@@ -231,8 +225,8 @@ def _pipeline_probes(profiler: _BlockProfiler, world: int, device: torch.device)
     pp = 2 if world % 2 == 0 else world
     mesh = MeshCache.shared(device.type).mesh(Layout(world, pp, 1))["pp"]
     group, stage = mesh.get_group(), mesh.get_local_rank()
-    micro_batch = int(profiler.hidden.shape[0])
-    shape = (micro_batch, *profiler.hidden.shape[1:])
+    shape = tuple(profiler.hidden.shape)  # the call probes' micro-batch
+    micro_batch = shape[0]
     out = []
     for schedule_name, virtual, per_chunk, micro_batches in PIPELINE_PROBES:
         m = micro_batches or pp
