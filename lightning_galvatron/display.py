@@ -22,7 +22,7 @@ from lightning_galvatron.units import format_bytes
 def setup_report(prediction: Prediction, block_names: Sequence[str] | None = None) -> str:
     plan, estimate = prediction.plan, prediction.estimate
     devices = f"{plan.world_size} device{'s' if plan.world_size > 1 else ''}"
-    source = "searched" if prediction.searched else f"given: {prediction.source}"
+    source = prediction.source if prediction.searched else f"given: {prediction.source}"
     batch = f", global batch {plan.global_batch_size}" if plan.global_batch_size else ""
     lines = [f"Galvatron plan for {devices} ({source}){batch}", _shape(plan), ""]
     lines.append(_blocks_table(prediction, block_names))

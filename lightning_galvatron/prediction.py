@@ -29,7 +29,7 @@ class Prediction:
     """The plan that runs, where it came from, and its predicted time and memory (``estimate``) if known."""
 
     plan: ParallelPlan  # with the global batch it trains on, when known
-    source: str  # "searched", or where the given plan came from
+    source: str  # "searched" (or "searched, chosen by measurement"), or where the given plan came from
     memory_budget_bytes: int
     estimate: Estimate | None = None
     missing: str = ""  # why there is no estimate
@@ -41,7 +41,7 @@ class Prediction:
 
     @property
     def searched(self) -> bool:
-        return self.source == "searched"
+        return self.source.startswith("searched")
 
     def stage_peak_memory_bytes(self, rank: int) -> float | None:
         """The predicted peak memory of the pipeline stage that ``rank`` belongs to."""

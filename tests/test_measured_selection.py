@@ -275,3 +275,22 @@ def test_a_mixed_plan_must_beat_the_fastest_uniform_plan_by_more_than_the_trials
     steady = record("searched", mixed, [0.0995] * 9)  # both steady (GPU-like): 0.5 ms ahead is resolved
     assert _within_resolution(steady, [steady, record("uniform ddp", uniform, [0.1] * 9)]) is None
     assert _within_resolution(baseline, [close, baseline]) is None  # a uniform plan needs no proof
+
+
+@pytest.mark.parametrize(
+    ("source", "header"),
+    [
+        ("searched", "(searched)"),
+        ("searched, chosen by measurement", "(searched, chosen by measurement)"),
+        ("configs/plan.json", "(given: configs/plan.json)"),
+    ],
+)
+def test_the_report_names_a_plan_measurement_chose_as_searched_not_given(source, header):
+    """When the trials pick another candidate than the search's own, the plan is still searched (it read
+    "given: searched, chosen by measurement" on a CPU where the trials overturned the search)."""
+    from lightning_galvatron.prediction import Prediction
+
+    plan = ParallelPlan.uniform(1, 2, S(recompute=True), micro_batches=2, global_batch_size=8)
+    prediction = Prediction(plan, source, memory_budget_bytes=2**30, missing="not priced here")
+    assert prediction.searched == source.startswith("searched")
+    assert setup_report(prediction).splitlines()[0] == f"Galvatron plan for 1 device {header}, global batch 8"
