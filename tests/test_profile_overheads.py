@@ -9,11 +9,24 @@ import pytest
 
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
-from lightning_galvatron.profiles import CallProbe, OptimizerProbe, Overheads, PipelineProbe, Profile, ProfileError
+from lightning_galvatron.profiles import (
+    CallProbe,
+    OptimizerProbe,
+    Overheads,
+    PipelineProbe,
+    Profile,
+    ProfileError,
+    ReductionProbe,
+)
 from lightning_galvatron.search import evaluate, search
 from lightning_galvatron.search.coefficients import BLOCK_TERMS, Calibration, block_features
 from lightning_galvatron.search.cost import CostModel, StageContext, block_costs, forward_compute_time
-from lightning_galvatron.search.overheads import CALL_TERMS, applicable_calibration, profile_calibration
+from lightning_galvatron.search.overheads import (
+    CALL_TERMS,
+    COMPUTE_TERMS,
+    applicable_calibration,
+    profile_calibration,
+)
 from lightning_galvatron.search.pipeline import p2p_transfers, pipeline_step_time
 from lightning_galvatron.search.space import StrategyArrays
 from tests.test_search_cost import tiny_profile
@@ -52,18 +65,24 @@ def modelled(profile: Profile, probe: CallProbe) -> tuple[float, np.ndarray]:
     return float(analytic[0]), block_features(forward, layer.backward_to_forward, analytic, sa)[0]
 
 
-def synthetic(profile: Profile) -> Profile:
-    """``profile`` with the probes a machine that adds exactly :data:`TRUTH` per call would measure."""
+def synthetic(profile: Profile, compute_slots: int | None = None) -> Profile:
+    """``profile`` with the probes a machine that adds exactly :data:`TRUTH` per call would measure; with
+    ``compute_slots`` cores for its 4 ranks, one that also computes ``4 / compute_slots`` times slower than the
+    profile's fits (timed on a core to itself) say."""
     calls = []
+    scale = max(4 / compute_slots, 1.0) if compute_slots else 1.0
     for s in STRATEGIES:
         probe = CallProbe(0, s, 4, 2, 0.0)
         base, features = modelled(profile, probe)
         extra = sum(features[BLOCK_TERMS.index(t)] * TRUTH[t] for t in CALL_TERMS)
+        extra += (scale - 1) * sum(features[BLOCK_TERMS.index(t)] for t in COMPUTE_TERMS)
         calls.append(dataclasses.replace(probe, seconds=base + extra))
     optimizer = [  # 1e-4 s per tensor, 3e-4 per DTensor, 2 ns per element
         OptimizerProbe(8, n, d, 8 * (3e-4 if d else 1e-4) + 2e-9 * n) for d in (False, True) for n in (2048, 131072)
     ]
-    overheads = Overheads(4, tuple(calls), tuple(optimizer), compute_slots=2, block_tensors=(12,), vocab_tensors=3)
+    overheads = Overheads(
+        4, tuple(calls), tuple(optimizer), compute_slots=compute_slots, block_tensors=(12,), vocab_tensors=3
+    )
     return dataclasses.replace(profile, overheads=overheads)
 
 
@@ -137,8 +156,55 @@ def test_the_profile_calibration_recovers_the_per_call_terms():
     assert profile_calibration(tiny_profile()) is None
 
 
+def test_on_shared_cores_the_compute_runs_at_a_busy_ranks_speed():
+    """The profile's compute fits time a block on a core to itself; 4 ranks sharing 2 cores compute at half that
+    speed, every kind of compute (plain, tensor-parallel, Ulysses, the recompute replay) and the embedding and head
+    alike, and the per-call terms are what the probes add beyond that."""
+    calibration = profile_calibration(synthetic(tiny_profile(), compute_slots=2))
+    for term in COMPUTE_TERMS:
+        assert calibration.block[term] == 2.0
+    for term in CALL_TERMS:
+        assert calibration.block[term] == pytest.approx(TRUTH[term], rel=1e-5, abs=1e-9)
+    assert calibration.vocab_compute == 2.0 and calibration.block["communication"] == 1.0
+    assert calibration.residual == pytest.approx(0.0, abs=1e-6)
+    assert profile_calibration(synthetic(tiny_profile(), compute_slots=8)).block["compute"] == 1.0  # a core each
+
+
+#: What the synthetic machine's DDP leaves exposed per block and step, beyond the modelled all-reduce.
+REDUCTION_S = 4e-3
+
+
+def with_reductions(profile: Profile) -> Profile:
+    """``profile`` plus the reduction probe of a machine whose DDP adds :data:`REDUCTION_S` per block and step to a
+    backward of 4 blocks."""
+    plain = 0.05
+    probe = ReductionProbe(0, 4, 4, 2, plain, plain + 4 * REDUCTION_S)
+    return dataclasses.replace(profile, overheads=dataclasses.replace(profile.overheads, reductions=(probe,)))
+
+
+def test_reduction_probes_give_the_ddp_reduction_a_backward_leaves_exposed():
+    profile = with_reductions(synthetic(tiny_profile()))
+    assert Profile.from_json(profile.to_json()) == profile
+    bad = profile.to_dict()
+    bad["overheads"]["reductions"][0]["blocks"] = 0
+    with pytest.raises(ProfileError, match="reduction probe: blocks"):
+        Profile.from_dict(bad)
+    calibration = profile_calibration(profile)
+    assert calibration.ddp_reduction_s == pytest.approx(REDUCTION_S, rel=1e-6)
+    assert profile_calibration(synthetic(tiny_profile())).ddp_reduction_s == 0.0  # not probed: nothing added
+    # The model adds it once per step for every block whose gradients DDP sums over replicas, and only those.
+    without = dataclasses.replace(calibration, ddp_reduction_s=0.0)
+    for strategy, reduced in ((S(), 4), (S(dp_type="zero2"), 0), (S(tp=4), 0), (S(tp=2), 4)):
+        plan = ParallelPlan.uniform(4, 4, strategy, global_batch_size=8)
+        added = (
+            evaluate(profile, plan, precision=PRECISION, calibration=calibration).step_time_s
+            - evaluate(profile, plan, precision=PRECISION, calibration=without).step_time_s
+        )
+        assert added == pytest.approx(REDUCTION_S * reduced, abs=1e-12), strategy
+
+
 def test_pipeline_probes_give_the_sharing_of_cores_and_the_schedule_overhead():
-    profile = with_pipelines(synthetic(tiny_profile()))
+    profile = with_pipelines(synthetic(tiny_profile(), compute_slots=2))
     calibration = profile_calibration(profile)
     assert calibration.compute_slots_per_node == 2
     assert calibration.pipeline_overhead_s == pytest.approx(SCHEDULE_S, rel=1e-6)
@@ -221,7 +287,11 @@ def test_two_ranks_measure_call_and_optimizer_probes(pools):
         (2, "gpipe", 1, 1, 2),
     ]
     assert all(p.seconds > 0 and p.micro_batch == 2 for p in overheads.pipelines)
+    (reduction,) = overheads.reductions  # the runtime's DDP reducer over copies of the block, one per model block
+    assert (reduction.blocks, reduction.group_size, reduction.local_batch) == (len(profile.model.blocks), 2, 2)
+    assert reduction.plain_seconds > 0 and reduction.reduced_seconds > 0
     calibration = profile_calibration(profile)
+    assert calibration.ddp_reduction_s >= 0
     assert calibration.compute_slots_per_node == overheads.compute_slots and calibration.pipeline_overhead_s >= 0
     assert all(v >= 0 for v in calibration.block.values())
     # The fit explains the probes it came from better than the model without per-call terms does. (How closely

@@ -22,6 +22,7 @@ from lightning_galvatron.search.calibration import (
     nonnegative_least_squares,
 )
 from lightning_galvatron.search.cost import CostModel
+from lightning_galvatron.search.pipeline import step_span
 from tests.test_search_cost import tiny_profile
 
 PRECISION = "32-true"
@@ -221,6 +222,37 @@ def test_shared_cores_speed_up_pipeline_stages_only():
     )
 
 
+def test_the_trials_tell_whether_waiting_pipeline_stages_leave_their_cores_to_the_busy_ones():
+    """On 4 processes sharing 2 cores the calls of pipeline stages measured as slow as without a pipeline (waiting
+    ranks kept their cores), and assuming the sharing priced pipelines 10-30% fast: the fit keeps it only where the
+    trials' block calls show it."""
+    profile = tiny_profile(alpha=1.3).with_num_blocks(8)
+    plans = [
+        ParallelPlan.uniform(4, 8, S(), global_batch_size=16),
+        ParallelPlan.uniform(4, 8, S(dp_type="zero2"), global_batch_size=16),
+        ParallelPlan.uniform(4, 8, S(), pp=2, micro_batches=2, schedule="gpipe", global_batch_size=16),
+    ]
+    shared = Calibration(compute_slots_per_node=2)
+
+    def observed(sharing: bool) -> list:
+        out = []
+        for obs in synthetic_observations(profile, TRUTH, plans):
+            plan = obs.plan
+            factor = shared.sharing_factor(plan.pp, plan.micro_batches, 4, plan.virtual_stages) if sharing else 1.0
+            blocks = tuple(
+                dataclasses.replace(t, forward_s=t.forward_s * factor, backward_s=t.backward_s * factor)
+                for t in obs.blocks
+            )
+            out.append(dataclasses.replace(obs, blocks=blocks, compute_slots=2))
+        return out
+
+    assert observed(True)[-1].blocks[0].call_s < observed(False)[-1].blocks[0].call_s  # the pipeline's calls differ
+    for sharing, slots in ((True, 2), (False, None)):
+        fitted = fit_calibration(profile, observed(sharing), precision=PRECISION)
+        assert fitted.compute_slots_per_node == slots
+        assert fitted.residual == pytest.approx(0.0, abs=1e-6)  # every call explained, the pipeline's too
+
+
 def test_a_prior_decides_what_the_observations_cannot_and_moves_the_rest_little():
     profile = tiny_profile(alpha=1.3).with_num_blocks(8)
     # Trials of DDP and ZeRO plans at one batch size: no Ulysses or Megatron block was measured.
@@ -263,7 +295,8 @@ def test_the_embedding_and_head_split_between_compute_and_calls_only_where_the_t
     def observed(plans):
         out = []
         for obs in synthetic_observations(profile, TRUTH, plans):
-            outside = obs.plan.micro_batches * (2.0 * _analytic_parts(cm, obs.plan).vocab_compute + call)
+            parts = _analytic_parts(cm, obs.plan)  # its communication as modelled
+            outside = obs.plan.micro_batches * (2.0 * parts.vocab_compute + call + parts.vocab_communication)
             out.append(
                 dataclasses.replace(
                     obs, step_s=obs.step_s + outside, forward_backward_s=obs.forward_backward_s + outside
@@ -285,3 +318,61 @@ def test_the_embedding_and_head_split_between_compute_and_calls_only_where_the_t
     fitted = fit_calibration(profile, observed(two_sizes), precision=PRECISION, prior=prior)
     assert fitted.vocab_compute == pytest.approx(2.0, rel=0.1)
     assert fitted.vocab_call_s == pytest.approx(call, rel=0.1)
+    assert fitted.ddp_reduction_s == pytest.approx(0.0, abs=1e-4)  # the plans differ in DDP, which added nothing
+
+
+def test_the_trials_measure_the_ddp_reduction_a_backward_leaves_exposed():
+    """DDP's last buckets are summed after backward (outside every block's timing), once per step: plans with and
+    without DDP blocks, or with DDP over different micro-batches, tell that time per reduced block from the
+    embedding/head's; the calibrated model then prices it once per step and reduced block, pipeline stages too.
+    Plans that all reduce the same blocks per micro-batch cannot tell it: it stays the prior's."""
+    profile = tiny_profile(alpha=1.3).with_num_blocks(8)
+    cm = CostModel(profile, PRECISION)
+    reduction = 0.003  # per DDP block and step
+
+    def observed(plans):
+        out = []
+        for obs in synthetic_observations(profile, TRUTH, plans):
+            parts = _analytic_parts(cm, obs.plan)
+            outside = obs.plan.micro_batches * (2.0 * parts.vocab_compute + parts.vocab_communication)
+            outside += reduction * parts.reduced_blocks[0]
+            out.append(
+                dataclasses.replace(
+                    obs, step_s=obs.step_s + outside, forward_backward_s=obs.forward_backward_s + outside
+                )
+            )
+        return out
+
+    ddp, zero3 = S(), S(dp_type="zero3")
+    mixed = [
+        ParallelPlan.uniform(4, 8, ddp, global_batch_size=16),
+        ParallelPlan.uniform(4, 8, zero3, global_batch_size=16),
+    ]
+    prior = dataclasses.replace(TRUTH, vocab_compute=1.5, ddp_reduction_s=0.0)
+    fitted = fit_calibration(profile, observed(mixed), precision=PRECISION, prior=prior)
+    assert fitted.ddp_reduction_s == pytest.approx(reduction, rel=0.05)
+    assert fitted.vocab_compute == pytest.approx(2.0, rel=0.05)
+
+    # Priced once per step and reduced block, carried per micro-batch as every per-step term (the optimizer's) is:
+    # a plan of 4 micro-batches and each stage of a pipeline alike.
+    with_reduction = dataclasses.replace(TRUTH, ddp_reduction_s=reduction)
+    for plan, reduced in (
+        (ParallelPlan.uniform(4, 8, ddp, micro_batches=4, global_batch_size=16), [8]),
+        (ParallelPlan.uniform(4, 8, zero3, global_batch_size=16), [0]),
+        (ParallelPlan.uniform(4, 8, ddp, pp=2, micro_batches=2, schedule="gpipe", global_batch_size=16), [4, 4]),
+        (ParallelPlan.uniform(4, 8, S(tp=4), global_batch_size=16), [0]),  # no replicas: nothing to sum
+    ):
+        base = evaluate(profile, plan, precision=PRECISION, calibration=TRUTH).stages
+        priced = evaluate(profile, plan, precision=PRECISION, calibration=with_reduction).stages
+        added = [p.time_per_micro_batch_s - b.time_per_micro_batch_s for p, b in zip(priced, base)]
+        span = step_span(plan.pp, plan.micro_batches, plan.virtual_stages)  # the step counts it once
+        assert added == pytest.approx([reduction * r / span for r in reduced], abs=1e-12), plan
+
+    same = [
+        ParallelPlan.uniform(4, 8, ddp, global_batch_size=16),
+        ParallelPlan.uniform(4, 8, S(recompute=True), global_batch_size=16),
+    ]
+    kept = fit_calibration(
+        profile, observed(same), precision=PRECISION, prior=dataclasses.replace(prior, ddp_reduction_s=0.002)
+    )
+    assert kept.ddp_reduction_s == 0.002

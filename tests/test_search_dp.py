@@ -21,7 +21,7 @@ from lightning_galvatron.plan import even_partition
 from lightning_galvatron.search.cost import CostModel, StageContext, block_costs, relocation_matrix, vocab_costs
 from lightning_galvatron.search.dp import LayerDP, Step, cap_cells, cell_bytes
 from lightning_galvatron.search.engine import search, solve_configuration
-from lightning_galvatron.search.pipeline import in_flight_micro_batches, p2p_transfers, pipeline_step_time
+from lightning_galvatron.search.pipeline import in_flight_micro_batches, p2p_transfers, pipeline_step_time, step_span
 from lightning_galvatron.search.space import (
     SearchOptions,
     StrategyArrays,
@@ -75,7 +75,7 @@ class Oracle:
                 lay = np.array([index[layout_of(s, n)] for s in self.candidates[t]])
                 per_type.append(
                     (
-                        costs.step_share(m),
+                        costs.step_share(step_span(pp, m, v)),
                         costs.memory(k),
                         lay,
                         relocation_matrix(cm, layouts, ctx, lt.hidden_size, lt.seq_length),
@@ -95,7 +95,7 @@ class Oracle:
             for part, present in (("embedding", r == 0), ("head", r == pp - 1)):
                 if present:
                     vc = vocab_costs(cm, va, ctx, part)
-                    time += vc.step_share(m)[0]
+                    time += vc.step_share(step_span(pp, m, v))[0]
                     memory += vc.memory(k)[0]
             time += p2p_transfers(pp, r, v) * cm.p2p_time(ctx, model.hidden_size, model.seq_length)
             memory += profile.hardware.memory_overhead_bytes

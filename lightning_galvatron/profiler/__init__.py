@@ -36,7 +36,7 @@ from lightning_galvatron.profiles import Profile
 
 log = logging.getLogger(__name__)
 
-OVERHEADS_VERSION = 4  # of what the overhead probes measure: a new one re-profiles cached models
+OVERHEADS_VERSION = 5  # of what the overhead probes measure: a new one re-profiles cached models
 
 
 def profile(

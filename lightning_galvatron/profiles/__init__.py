@@ -73,7 +73,7 @@ from lightning_galvatron.profiles.hardware import (
     lookup_collective,
 )
 from lightning_galvatron.profiles.model import LayerTypeProfile, ModelProfile, VocabProfile
-from lightning_galvatron.profiles.overheads import CallProbe, OptimizerProbe, Overheads, PipelineProbe
+from lightning_galvatron.profiles.overheads import CallProbe, OptimizerProbe, Overheads, PipelineProbe, ReductionProbe
 
 PROFILE_FORMAT = "lightning_galvatron.profile"
 PROFILE_VERSION = 1
@@ -214,6 +214,7 @@ __all__ = [
     "PipelineProbe",
     "Profile",
     "ProfileError",
+    "ReductionProbe",
     "VocabProfile",
     "bus_volume",
     "load_profile",

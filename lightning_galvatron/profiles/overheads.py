@@ -4,8 +4,9 @@ The model half of a profile prices compute, the hardware half communication; nei
 hooks, DTensor's dispatch under tensor parallelism, a recomputed block's checkpoint, the optimizer's
 per-tensor work or a pipeline schedule's own work add. On small models and CPUs that is most of a step, and
 it differs between strategies. The profiler times it directly (:mod:`lightning_galvatron.profiler.overheads`):
-one block of each type, forward and backward, under each kind of strategy, the optimizer step over plain
-tensors and DTensors, and steps of real pipeline schedules over copies of a block; the search turns the
+one block of each type, forward and backward, under each kind of strategy (plain at two batch sizes), the optimizer
+step over plain tensors and DTensors, steps of real pipeline schedules over copies of a block, and copies of a block
+with and without DDP's gradient reduction; the search turns the
 probes into a calibration (:mod:`lightning_galvatron.search.overheads`).
 
 JSON (``"overheads"`` at the top level of a profile; absent in profiles measured before it)::
@@ -15,7 +16,9 @@ JSON (``"overheads"`` at the top level of a profile; absent in profiles measured
                 "local_batch": 2, "seconds": 0.031}, ...],
      "optimizer": [{"tensors": 8, "elements": 2048, "dtensor": false, "seconds": 0.0012}, ...],
      "pipelines": [{"layer_type": 0, "pp": 2, "schedule": "1f1b", "micro_batches": 2, "virtual_stages": 1,
-                    "blocks_per_chunk": 2, "micro_batch": 4, "seconds": 0.046}, ...]}
+                    "blocks_per_chunk": 2, "micro_batch": 4, "seconds": 0.046}, ...],
+     "reductions": [{"layer_type": 0, "blocks": 8, "group_size": 4, "local_batch": 4, "plain_seconds": 0.054,
+                     "reduced_seconds": 0.085}]}
 """
 
 from __future__ import annotations
@@ -145,13 +148,57 @@ class PipelineProbe:
 
 
 @dataclass(frozen=True)
+class ReductionProbe:
+    """Forward and backward of copies of one block type in sequence, without and with the runtime's DDP gradient
+    reduction over the world (``runtime.gradient_sync.GradientReducer``, buckets as in training): the slowest
+    rank's seconds of each (medians of their steps). What the second takes beyond the first is the reduction the
+    backward leaves exposed -- the buckets still in flight when it ends, and the wait for the slowest rank.
+
+    Attributes:
+        layer_type: index into the profile's layer types.
+        blocks: block copies, as many as the model has of that type (at most a few).
+        group_size: ranks whose gradients were summed (the world of the probe).
+        local_batch: samples each rank processed.
+    """
+
+    layer_type: int
+    blocks: int
+    group_size: int
+    local_batch: int
+    plain_seconds: float
+    reduced_seconds: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layer_type, int) or isinstance(self.layer_type, bool) or self.layer_type < 0:
+            raise ProfileError(f"reduction probe: layer_type must be an integer >= 0, got {self.layer_type!r}")
+        for name in ("blocks", "group_size", "local_batch"):
+            _positive_int(f"reduction probe: {name}", getattr(self, name))
+        _finite_nonneg("reduction probe: plain_seconds", self.plain_seconds)
+        _finite_nonneg("reduction probe: reduced_seconds", self.reduced_seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layer_type": self.layer_type,
+            "blocks": self.blocks,
+            "group_size": self.group_size,
+            "local_batch": self.local_batch,
+            "plain_seconds": self.plain_seconds,
+            "reduced_seconds": self.reduced_seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> ReductionProbe:
+        return cls(**_fields(data, where, cls=cls))
+
+
+@dataclass(frozen=True)
 class Overheads:
     """The probes of one profiling run.
 
     Attributes:
         world_size: ranks that measured them (all at once, so contention for shared cores is in them).
-        calls, optimizer, pipelines: the probes (``pipelines`` empty in profiles measured before them, or on
-            one rank).
+        calls, optimizer, pipelines, reductions: the probes (``pipelines`` and ``reductions`` empty in profiles
+            measured before them, or on one rank).
         compute_slots: CPU cores the node's ranks share (``None`` on GPUs: a device per rank).
         block_tensors: parameter tensors of one block, per layer type (the optimizer's per-tensor work).
         vocab_tensors: parameter tensors outside the blocks (embedding, head, final norm).
@@ -164,6 +211,7 @@ class Overheads:
     block_tensors: tuple[int, ...] = ()
     vocab_tensors: int = 0
     pipelines: tuple[PipelineProbe, ...] = ()
+    reductions: tuple[ReductionProbe, ...] = ()
 
     def __post_init__(self) -> None:
         _positive_int("overheads: world_size", self.world_size)
@@ -175,11 +223,12 @@ class Overheads:
         object.__setattr__(self, "calls", tuple(self.calls))
         object.__setattr__(self, "optimizer", tuple(self.optimizer))
         object.__setattr__(self, "pipelines", tuple(self.pipelines))
+        object.__setattr__(self, "reductions", tuple(self.reductions))
         object.__setattr__(self, "block_tensors", tuple(self.block_tensors))
 
     def check(self, layer_types: int) -> None:
         """Every probe names one of the profile's ``layer_types``."""
-        for kind, probes in (("call", self.calls), ("pipeline", self.pipelines)):
+        for kind, probes in (("call", self.calls), ("pipeline", self.pipelines), ("reduction", self.reductions)):
             for probe in probes:
                 if probe.layer_type >= layer_types:
                     raise ProfileError(
@@ -200,12 +249,18 @@ class Overheads:
             "calls": [c.to_dict() for c in self.calls],
             "optimizer": [o.to_dict() for o in self.optimizer],
             "pipelines": [p.to_dict() for p in self.pipelines],
+            "reductions": [r.to_dict() for r in self.reductions],
         }
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "overheads") -> Overheads:
         kwargs = _fields(data, where, cls=cls)
-        for name, probe in (("calls", CallProbe), ("optimizer", OptimizerProbe), ("pipelines", PipelineProbe)):
+        for name, probe in (
+            ("calls", CallProbe),
+            ("optimizer", OptimizerProbe),
+            ("pipelines", PipelineProbe),
+            ("reductions", ReductionProbe),
+        ):
             items = kwargs.get(name, ())
             if not isinstance(items, (list, tuple)):
                 raise ProfileError(f"{where}.{name} must be a list, got {type(items).__name__}")
@@ -215,4 +270,4 @@ class Overheads:
         return cls(**kwargs)
 
 
-__all__ = ["CallProbe", "OptimizerProbe", "Overheads", "PipelineProbe"]
+__all__ = ["CallProbe", "OptimizerProbe", "Overheads", "PipelineProbe", "ReductionProbe"]

@@ -36,12 +36,13 @@ from lightning_galvatron.search.cost import (
     CostModel,
     StageContext,
     block_costs,
+    ddp_reduced,
     forward_compute_time,
     local_micro_batch,
     relocation_time,
     vocab_costs,
 )
-from lightning_galvatron.search.pipeline import p2p_transfers, schedule_overhead
+from lightning_galvatron.search.pipeline import p2p_transfers, schedule_overhead, step_span
 from lightning_galvatron.search.space import StrategyArrays, layout_of
 
 
@@ -143,7 +144,8 @@ def fit_calibration(
 
     Block terms: non-negative least squares over every measured block call, each weighted by the inverse
     of its time (relative errors count). Embedding/head: from plans without a pipeline, the forward and
-    backward time outside the blocks per micro-batch, against the modelled compute. Optimizer: per tensor
+    backward time outside the blocks per micro-batch, against the modelled compute, with the DDP reduction per
+    step and reduced block (the wait for it is outside the blocks too). Optimizer: per tensor
     and element, over the ranks. Step and pipeline overheads: what the measured steps have beyond the
     calibrated prediction (medians), the pipeline's per micro-batch and model chunk.
 
@@ -157,34 +159,53 @@ def fit_calibration(
         raise ValueError("fit_calibration needs at least one observation")
     cm = CostModel(profile, precision, optimizer)
     model = profile.model
-    rows, targets = [], []
+    rows, calls, relocations, busy = [], [], [], []
     tensors: dict[str, list[int]] = {}
     slots = [o.compute_slots for o in observations if o.compute_slots is not None]
-    sharing = Calibration(compute_slots_per_node=int(statistics.median(slots)) if slots else None)
+    shared = Calibration(compute_slots_per_node=int(statistics.median(slots)) if slots else None)
     ranks_per_node = min(profile.hardware.devices_per_node, observations[0].plan.world_size)
     for obs in observations:
         parts = _analytic_parts(cm, obs.plan)
-        # Block terms hold with every rank busy: a pipeline's measurements are brought to that first.
-        busy = sharing.sharing_factor(
+        factor = shared.sharing_factor(
             obs.plan.pp, obs.plan.micro_batches, min(ranks_per_node, obs.plan.world_size), obs.plan.virtual_stages
         )
         for timing in obs.blocks:
             forward, beta, analytic, relocation, strategy = parts.blocks[timing.index]
-            features = block_features(np.array([forward]), beta, np.array([analytic]), _arrays([strategy]))[0]
-            rows.append(features)
-            targets.append(max(timing.call_s / busy - relocation, 0.0))
+            rows.append(block_features(np.array([forward]), beta, np.array([analytic]), _arrays([strategy]))[0])
+            calls.append(timing.call_s)
+            relocations.append(relocation)
+            busy.append(factor)
             if timing.parameter_tensors:
                 tensors.setdefault(model.block_type(timing.index).name, []).append(timing.parameter_tensors)
-    a, y = np.array(rows), np.array(targets)
-    weights = 1.0 / np.sqrt(np.maximum(y, 1e-6))
+    a, measured_calls, relocations = np.array(rows), np.array(calls), np.array(relocations)
     prior_block = None if prior is None else prior.coefficients
-    coefficients = nonnegative_least_squares(*_with_prior(a * weights[:, None], y * weights, prior_block))
-    residual = float(np.sqrt(np.mean(((a @ coefficients - y) * weights) ** 2))) if len(y) else 0.0
+
+    def block_fit(factors: np.ndarray) -> tuple[np.ndarray, float, float]:
+        """Block terms with every rank busy (a pipeline's calls brought to that by ``factors`` first), their
+        weighted residual, and their relative misfit of the calls as measured."""
+        y = np.maximum(measured_calls / factors - relocations, 0.0)
+        weights = 1.0 / np.sqrt(np.maximum(y, 1e-6))
+        coefficients = nonnegative_least_squares(*_with_prior(a * weights[:, None], y * weights, prior_block))
+        residual = float(np.sqrt(np.mean(((a @ coefficients - y) * weights) ** 2))) if len(y) else 0.0
+        predicted = (a @ coefficients + relocations) * factors
+        misfit = float(np.mean(((predicted - measured_calls) / np.maximum(measured_calls, 1e-9)) ** 2))
+        return coefficients, residual, misfit
+
+    # Whether a pipeline's waiting stages leave their cores to the busy ones (Calibration.sharing_factor): the
+    # trials' own block calls tell. Where waiting ranks keep their cores (on 4 processes sharing 2 cores, the calls
+    # of pipeline stages measured as slow as without a pipeline), assuming they do priced pipelines 10-30% fast.
+    coefficients, residual, misfit = block_fit(np.array(busy))
+    sharing = shared
+    if shared.compute_slots_per_node is not None and any(f != 1.0 for f in busy):
+        alone = block_fit(np.ones(len(busy)))
+        if alone[2] < misfit:
+            (coefficients, residual, misfit), sharing = alone, Calibration()
     block = {t: float(c) for t, c in zip(BLOCK_TERMS, coefficients)}
     tensors_per_type = {name: int(statistics.median(v)) for name, v in tensors.items()}
 
-    # Embedding and head: per micro-batch, what the forward and backward spend outside the blocks.
-    vocab_rows, vocab_targets = [], []
+    # Embedding and head: per micro-batch, what the forward and backward spend outside the blocks; with it, per
+    # step, the DDP reduction the backward leaves exposed (its wait comes after the first block's backward).
+    vocab_rows, vocab_targets, reduced = [], [], []
     for obs in observations:
         if obs.plan.pp != 1 or not obs.blocks or obs.forward_backward_s <= 0:
             continue
@@ -193,23 +214,28 @@ def fit_calibration(
         outside = obs.forward_backward_s - sum(t.call_s * t.calls_per_step for t in obs.blocks)
         vocab_rows.append(parts.vocab_compute)
         vocab_targets.append(max(outside / m - parts.vocab_communication, 0.0))
-    vocab_compute, vocab_call = 1.0, 0.0
+        reduced.append(parts.reduced_blocks[0] / m)
+    fixed = {"compute": 1.0, "call": 0.0, "reduction": 0.0}
     if prior is not None:
-        vocab_compute, vocab_call = prior.vocab_compute, prior.vocab_call_s
+        fixed = {"compute": prior.vocab_compute, "call": prior.vocab_call_s, "reduction": prior.ddp_reduction_s}
+    vocab_compute, vocab_call, reduction = fixed.values()
     if vocab_rows:
-        rows, yv = np.array(vocab_rows), np.array(vocab_targets)
+        columns = {"compute": np.array(vocab_rows), "call": np.ones(len(vocab_rows)), "reduction": np.array(reduced)}
+        yv = np.array(vocab_targets)
         wv = 1.0 / np.maximum(yv, 1e-6)
-        if rows.max() >= VOCAB_SPREAD * rows.min():
-            # Micro-batches of different sizes tell the compute from the per-call time; the prior leans on both.
-            av = np.stack([rows, np.ones(len(rows))], axis=1)
-            prior_vocab = None if prior is None else np.array([vocab_compute, vocab_call])
-            fitted = nonnegative_least_squares(*_with_prior(av * wv[:, None], yv * wv, prior_vocab))
-            vocab_compute, vocab_call = (float(x) for x in fitted)
-        else:
-            # One size cannot: the per-call time stays the prior's and the compute takes the rest (fitted both
-            # ways, a plan of 4 micro-batches paid the head's time 4 times and was priced 1.6-1.9x too slow).
-            rest = np.maximum(yv - vocab_call, 0.0)
-            vocab_compute = float(nonnegative_least_squares((rows * wv)[:, None], rest * wv)[0])
+        # Micro-batches of different sizes tell the compute from the per-call time, and plans that differ in the
+        # blocks DDP reduces per micro-batch tell the reduction: those are fitted to the data alone; what they
+        # cannot tell stays the prior's (fitted anyway, a plan of 4 micro-batches paid the head's time 4 times and
+        # was priced 1.6-1.9x too slow).
+        spread = {
+            name: column.max() > 0 and column.max() >= VOCAB_SPREAD * column.min() for name, column in columns.items()
+        }
+        free = ["compute", *(["call"] if spread["compute"] else []), *(["reduction"] if spread["reduction"] else [])]
+        rest = yv - sum(fixed[name] * column for name, column in columns.items() if name not in free)
+        a = np.stack([columns[name] for name in free], axis=1)
+        fitted = nonnegative_least_squares(a * wv[:, None], np.maximum(rest, 0.0) * wv)
+        values = {**fixed, **{name: float(x) for name, x in zip(free, fitted)}}
+        vocab_compute, vocab_call, reduction = values["compute"], values["call"], values["reduction"]
 
     # Optimizer: seconds per plain tensor, per DTensor and per element, over every rank.
     measured = [o for o in observations if o.optimizer_s > 0 and o.optimizer_tensors > 0]
@@ -245,13 +271,14 @@ def fit_calibration(
         block=block,
         vocab_compute=vocab_compute,
         vocab_call_s=vocab_call,
+        ddp_reduction_s=reduction,
         optimizer_s_per_tensor=per_tensor,
         optimizer_s_per_element=per_element,
         optimizer_s_per_dtensor=per_dtensor,
         tensors_per_layer_type=tensors_per_type,
         vocab_tensors=max(int(statistics.median(vocab_tensors)), 0) if vocab_tensors else 0,
         compute_slots_per_node=sharing.compute_slots_per_node,
-        observations=len(y),
+        observations=len(measured_calls),
         residual=residual,
         source=source,
     )
@@ -304,7 +331,8 @@ def _with_prior(a: np.ndarray, y: np.ndarray, prior: np.ndarray | None) -> tuple
 
 def _measured_stage_times(cm: CostModel, plan: ParallelPlan, group: Sequence[Observation]) -> list[float] | None:
     """Per stage, time per micro-batch: its measured blocks (median over its ranks), the calibrated
-    embedding/head on the end stages and the modelled transfers."""
+    embedding/head on the end stages, the calibrated DDP reduction (per step, carried per micro-batch as
+    :func:`~.estimate.evaluate` carries it: :func:`~.pipeline.step_span`) and the modelled transfers."""
     n = plan.devices_per_stage
     per_stage: dict[int, list[float]] = {}
     for obs in group:
@@ -316,9 +344,12 @@ def _measured_stage_times(cm: CostModel, plan: ParallelPlan, group: Sequence[Obs
     ctx = StageContext(plan.world_size, plan.pp, plan.global_batch_size, plan.micro_batches, 1.0, plan.virtual_stages)
     vsa = _arrays([plan.vocab])
     model = cm.profile.model
+    reduction = cm.calibration.ddp_reduction_s if cm.calibration is not None else 0.0
+    reduced = _analytic_parts(cm, plan).reduced_blocks if reduction else [0] * plan.pp
+    span = step_span(plan.pp, plan.micro_batches, plan.virtual_stages)
     out = []
     for stage in range(plan.pp):
-        time = statistics.median(per_stage[stage])
+        time = statistics.median(per_stage[stage]) + reduction * reduced[stage] / span
         if stage == 0:
             time += float(vocab_costs(cm, vsa, ctx, "embedding").time[0])
         if stage == plan.pp - 1:
@@ -335,6 +366,7 @@ class _Parts:
     blocks: dict[int, tuple[float, float, float, float, LayerStrategy]]  # forward, beta, analytic, relocation, strategy
     vocab_compute: float  # embedding + head compute (forward and backward) per micro-batch
     vocab_communication: float
+    reduced_blocks: list[int]  # per stage: blocks whose gradients DDP sums over replicas
 
 
 def _arrays(strategies: Sequence[LayerStrategy]) -> StrategyArrays:
@@ -373,7 +405,10 @@ def _analytic_parts(cm: CostModel, plan: ParallelPlan) -> _Parts:
         for fit in (vocab.embedding_forward_time, vocab.head_forward_time)
     )
     analytic = sum(float(vocab_costs(cm, vsa, ctx, part).time[0]) for part in ("embedding", "head"))
-    return _Parts(blocks, compute, max(analytic - compute, 0.0))
+    reduced = [
+        sum(int(ddp_reduced(_arrays([plan.layers[i]]), n)[0]) for i in plan.stage_layers(stage)) for stage in range(pp)
+    ]
+    return _Parts(blocks, compute, max(analytic - compute, 0.0), reduced)
 
 
 __all__ = [  # the coefficients are re-exported: this is where calibrations have always been imported from

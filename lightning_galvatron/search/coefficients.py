@@ -36,7 +36,10 @@ tensor plus ``c_element`` per parameter element a rank holds; every step adds a 
 (the training loop), and a pipeline adds ``pipeline_overhead_s`` per micro-batch and model chunk on every stage
 (the schedule's own work besides the transfers). Where the ranks of a node share fewer cores than they are
 (several CPU processes per core), a pipeline's stages, idle during its fill and drain, leave cores to the
-busy ones: their work is scaled by :meth:`Calibration.sharing_factor`.
+busy ones: their work is scaled by :meth:`Calibration.sharing_factor`. Every block whose gradients DDP sums over
+replicas adds ``ddp_reduction_s`` once per step: the reduction its backward leaves exposed (the runtime's last
+buckets launch when backward ends, and the sum waits for the slowest rank), which the model's overlap of the
+all-reduce with backward does not see.
 
 This module holds the coefficients and how the cost model applies them (:func:`block_features`,
 :func:`vocab_time`); the fit is :mod:`lightning_galvatron.search.calibration`, which uses the cost model.
@@ -104,6 +107,7 @@ class Calibration:
         step_overhead_s: fixed time per training step.
         pipeline_overhead_s: per micro-batch and model chunk of each pipeline stage (``v`` chunks per stage when
             interleaved).
+        ddp_reduction_s: per step and block whose gradients DDP sums over replicas, beyond the modelled all-reduce.
         compute_slots_per_node: ranks of a node that can compute at full speed at once, when fewer than the
             ranks (processes sharing CPU cores): see :meth:`sharing_factor`. ``None``: devices are not shared.
         observations: how many block calls the fit used; residual: their relative RMS misfit.
@@ -120,6 +124,7 @@ class Calibration:
     vocab_tensors: int = 0
     step_overhead_s: float = 0.0
     pipeline_overhead_s: float = 0.0
+    ddp_reduction_s: float = 0.0
     compute_slots_per_node: int | None = None
     observations: int = 0
     residual: float = 0.0
@@ -187,7 +192,9 @@ class Calibration:
             f"embedding/head x{self.vocab_compute:.2f} + {ms(self.vocab_call_s)} per micro-batch; optimizer "
             f"{self.optimizer_s_per_tensor * 1e6:.0f} us/tensor ({self.optimizer_s_per_dtensor_or_tensor * 1e6:.0f} "
             f"us/DTensor) + {self.optimizer_s_per_element * 1e9:.1f} ns/element; "
-            f"step {ms(self.step_overhead_s)}, pipeline {ms(self.pipeline_overhead_s)} per micro-batch and model chunk"
+            f"step {ms(self.step_overhead_s)}, "
+            f"pipeline {ms(self.pipeline_overhead_s)} per micro-batch and model chunk, "
+            f"DDP reduction {ms(self.ddp_reduction_s)} per block and step"
             + (f"; {self.compute_slots_per_node} compute slots per node" if self.compute_slots_per_node else "")
             + " "
             f"({self.observations} block calls, misfit {self.residual:.0%})"

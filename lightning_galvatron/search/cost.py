@@ -20,8 +20,8 @@ What a block costs per micro-batch (what the runtime executes):
 * FSDP2 parameter all-gathers (ZeRO-3: forward and backward, ZeRO-2: forward), overlapped with
   compute;
 * gradient reduction once per optimizer step (DDP all-reduce; ZeRO reduce-scatter), overlapped with
-  the backward of the last micro-batch. ZeRO reduces every micro-batch instead when its gradients
-  stay sharded (see :func:`accumulates_unsharded_gradients`).
+  the backward of the last micro-batch (calibrated, DDP adds what its backward leaves exposed). ZeRO reduces
+  every micro-batch instead when its gradients stay sharded (see :func:`accumulates_unsharded_gradients`).
 
 Overlap of ``x`` and ``y`` costs ``max(x, y) + (alpha - 1) * min(x, y)`` with the profile's overlap
 coefficient ``alpha``.
@@ -365,9 +365,10 @@ class LayerCosts:
     state_bytes: np.ndarray
     activation_bytes: np.ndarray
 
-    def step_share(self, micro_batches: int) -> np.ndarray:
-        """Time per micro-batch with the step's extra spread over the micro-batches: ``t + E/m``."""
-        return self.time + self.last_extra / micro_batches
+    def step_share(self, span: float) -> np.ndarray:
+        """Time per micro-batch carrying the step's extra, ``t + E/span``, with ``span`` the schedule's step in
+        stage times (:func:`~.pipeline.step_span`; ``m`` without a pipeline): the step then counts ``E`` once."""
+        return self.time + self.last_extra / span
 
     def memory(self, in_flight: float) -> np.ndarray:
         return self.state_bytes + in_flight * self.activation_bytes
@@ -424,6 +425,8 @@ def _costs(
         elements = np.where(sa.dp_code > 0, weights / d, weights)
         dtensors = (sa.dp_code > 0) | sa.splits_weights  # ZeRO shards and tensor-parallel splits: DTensors
         extra = (last - time) + cal.optimizer_time(parameter_tensors, elements, dtensors)  # after the pipeline's flush
+        if not vocab:
+            extra = extra + cal.ddp_reduction_s * ddp_reduced(sa, n)
         ranks_per_node = min(cm.profile.hardware.devices_per_node, ctx.world_size)
         calibrated = calibrated * cal.sharing_factor(ctx.pp, ctx.micro_batches, ranks_per_node, ctx.virtual_stages)
         time, last = calibrated, calibrated + extra
@@ -433,6 +436,12 @@ def _costs(
         state_bytes=model_state_bytes(cm, sa, ctx, parameters),
         activation_bytes=activation_bytes(cm, sa, b, per_degree, recompute_bytes, replicated_bytes),
     )
+
+
+def ddp_reduced(sa: StrategyArrays, devices_per_stage: int) -> np.ndarray:
+    """Which candidates' gradients DDP sums over replicas (``ddp`` with more than one copy of the weights)."""
+    replicas = devices_per_stage // np.where(sa.splits_weights, sa.tp, 1)
+    return (sa.dp_code == 0) & (replicas > 1)
 
 
 def block_costs(cm: CostModel, layer: LayerTypeProfile, sa: StrategyArrays, ctx: StageContext) -> LayerCosts:

@@ -21,7 +21,7 @@ from lightning_galvatron.search.cost import (
     vocab_costs,
 )
 from lightning_galvatron.search.overheads import applicable_calibration
-from lightning_galvatron.search.pipeline import in_flight_micro_batches, p2p_transfers, pipeline_step_time
+from lightning_galvatron.search.pipeline import in_flight_micro_batches, p2p_transfers, pipeline_step_time, step_span
 from lightning_galvatron.search.space import StrategyArrays, layout_of
 from lightning_galvatron.search.working import plan_working_memory_bytes
 from lightning_galvatron.units import parse_bytes
@@ -174,6 +174,7 @@ def evaluate(
     budget = None if memory_budget_bytes is None else parse_bytes(memory_budget_bytes)
     warnings = plan_problems(plan, model)  # what the runtime would refuse: still priced, as a what-if
     W, pp, m, v = plan.world_size, plan.pp, plan.micro_batches, plan.virtual_stages
+    span = step_span(pp, m, v)
     hw = profile.hardware
     stages, blocks = [], []
     for rank in range(pp):
@@ -203,7 +204,7 @@ def evaluate(
                     )
                 block_time = float(c.time[0]) + move
                 extra = float(c.last_extra[0])
-                time += block_time + extra / m
+                time += block_time + extra / span
                 blocks.append(
                     BlockEstimate(
                         i,
@@ -224,7 +225,7 @@ def evaluate(
         for part, present in (("embedding", rank == 0), ("head", rank == pp - 1)):
             if present:
                 c = vocab_costs(cm, vocab_arrays, ctx, part)
-                time += float(c.step_share(m)[0])
+                time += float(c.step_share(span)[0])
                 vocab_bytes += float(c.memory(k)[0])
         time += p2p_transfers(pp, rank, v) * cm.p2p_time(
             ctx, model.hidden_size, model.seq_length

@@ -2,11 +2,12 @@
 
 A :class:`~.coefficients.Calibration` fitted from trials (:func:`~.calibration.fit_calibration`) needs
 training steps of several plans. Most of what it corrects -- a fixed time per block call of each mechanism
-(FSDP2, DTensor under tensor parallelism, recomputation), the optimizer's work per tensor and a pipeline
-schedule's own work per micro-batch and model chunk, with the cores its waiting stages leave to the busy ones
-where processes share cores -- the profiler measures directly (:class:`~lightning_galvatron.profiles.Overheads`):
-:func:`profile_calibration` fits those terms to the probes the same way, with compute and communication kept as
-the profile prices them.
+(FSDP2, DTensor under tensor parallelism, recomputation), the optimizer's work per tensor, a pipeline schedule's
+own work per micro-batch and model chunk, with the cores its waiting stages leave to the busy ones where processes
+share cores, and the DDP reduction a backward leaves exposed -- the profiler measures directly
+(:class:`~lightning_galvatron.profiles.Overheads`): :func:`profile_calibration` fits those terms to the probes the
+same way, with compute and communication kept as the profile prices them (the compute at the speed one rank of
+a node gets when all are busy: :func:`busy_compute_scale`).
 
 :func:`applicable_calibration` is the one rule of which calibration prices a plan: an explicit one (a file,
 or what measured selection fitted from its trials) wins; else the profile's; else none (the model alone).
@@ -71,9 +72,12 @@ def _fit(profile: Profile) -> Calibration | None:
 
     Per block call: the probe's seconds less what the model prices for the same block, strategy, group and
     local batch (compute and communication), fitted to the per-call terms by non-negative least squares,
-    relative errors counting. Optimizer: seconds per plain tensor, per DTensor and per element from its
-    probes. Pipeline (where the profile has pipeline probes): the sharing of cores between stages and the
-    schedule's own work (:func:`_schedule_overhead`). Step and embedding/head overheads are not probed: 0.
+    relative errors counting. The compute is the profile's (measured on a core to itself) at the speed every rank
+    computes with all busy: :func:`busy_compute_scale`. Optimizer: seconds per plain tensor, per DTensor and per
+    element from its probes. Pipeline (where the profile has pipeline probes): the sharing of cores between
+    stages and the schedule's own work (:func:`_schedule_overhead`). DDP (where it has reduction probes): what a
+    backward leaves exposed per block (:func:`_ddp_reduction`). Step and per-call embedding/head overheads are not
+    probed: 0.
     """
     overheads = profile.overheads
     if overheads is None:
@@ -91,11 +95,12 @@ def _fit(profile: Profile) -> Calibration | None:
         analytic = block_costs(cm, layer, sa, ctx).time
         rows.append(block_features(forward, layer.backward_to_forward, analytic, sa)[0])
         targets.append(probe.seconds)
-    block = dict(IDENTITY_BLOCK)
+    scale = busy_compute_scale(profile)
+    block = {**IDENTITY_BLOCK, **{t: scale for t in COMPUTE_TERMS}}
     residual = 0.0
     if rows:
         a, y = np.array(rows), np.array(targets)
-        modelled = np.array([IDENTITY_BLOCK.get(t, 0.0) for t in BLOCK_TERMS])
+        modelled = np.array([block.get(t, 0.0) for t in BLOCK_TERMS])
         columns = [BLOCK_TERMS.index(t) for t in CALL_TERMS]
         weights = 1.0 / np.sqrt(np.maximum(y, 1e-6))
         rest = y - a @ modelled
@@ -119,11 +124,13 @@ def _fit(profile: Profile) -> Calibration | None:
     names = [t.name for t in model.layer_types]
     calibration = Calibration(
         block=block,
+        vocab_compute=scale,  # the embedding and head compute on the same shared cores
         optimizer_s_per_tensor=per_tensor,
         optimizer_s_per_element=per_element,
         optimizer_s_per_dtensor=per_dtensor,
         tensors_per_layer_type=dict(zip(names, overheads.block_tensors)),
         vocab_tensors=overheads.vocab_tensors,
+        ddp_reduction_s=_ddp_reduction(profile),
         # The cores a pipeline's waiting stages leave to the busy ones (Calibration.sharing_factor) come with the
         # schedule's own work, which only a pipeline measures: both or neither. Alone, the sharing made pipelines
         # look twice as fast as they ran (4 processes on 2 cores).
@@ -135,6 +142,35 @@ def _fit(profile: Profile) -> Calibration | None:
     if not overheads.pipelines:
         return calibration
     return dataclasses.replace(calibration, pipeline_overhead_s=_schedule_overhead(profile, calibration))
+
+
+#: The block terms that scale the profiled compute.
+COMPUTE_TERMS = ("compute", "compute_tensor_parallel", "compute_ulysses", "recompute")
+
+
+def busy_compute_scale(profile: Profile) -> float:
+    """How much slower than the profile's compute fits every rank computes with all of a node's ranks busy: the
+    fits time a block on a core to itself (their quiet end), and ``r`` ranks sharing ``c < r`` cores get ``c / r``
+    of a core each (the premise of :meth:`~.coefficients.Calibration.sharing_factor` too); 1 on devices of their
+    own. Not fitted: the probes time one batch size, where a slower compute and a time per call look the same, and
+    a block probed at a quarter of it ran as if alone (calls shorter than the scheduler's slices of a core)."""
+    overheads = profile.overheads
+    slots = overheads.compute_slots if overheads is not None else None
+    ranks = min(profile.hardware.devices_per_node, overheads.world_size) if overheads is not None else 1
+    return max(ranks / slots, 1.0) if slots else 1.0
+
+
+def _ddp_reduction(profile: Profile) -> float:
+    """Per block and step, what the reduction probes' backward with DDP's gradient reduction took beyond the same
+    without it: the median over the probes, >= 0; 0 without probes.
+
+    Added to the model's own price of the reduction (its all-reduce, overlapped with backward), not in its place:
+    on 4 processes sharing 2 cores that price alone matched the probe (4.6 against 4.0 ms per block) yet left
+    uniform DDP 17% fast, and the sum priced it within 4% (``benchmarks/cost_model_accuracy.py``). The all-reduce
+    that runs beside backward also takes the cores backward computes on, which the probe's difference does not
+    show and the overlap's price does."""
+    values = [(r.reduced_seconds - r.plain_seconds) / r.blocks for r in profile.overheads.reductions]
+    return max(float(np.median(values)), 0.0) if values else 0.0
 
 
 def _schedule_overhead(profile: Profile, calibration: Calibration) -> float:
@@ -157,4 +193,4 @@ def _schedule_overhead(profile: Profile, calibration: Calibration) -> float:
     return max(float(np.median(residuals)), 0.0)
 
 
-__all__ = ["CALL_TERMS", "applicable_calibration", "profile_calibration"]
+__all__ = ["CALL_TERMS", "COMPUTE_TERMS", "applicable_calibration", "busy_compute_scale", "profile_calibration"]

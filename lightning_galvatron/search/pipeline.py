@@ -71,6 +71,14 @@ def pipeline_step_time(stage_times: np.ndarray, micro_batches: int, virtual_stag
     return np.where(np.isinf(slowest), np.inf, step)
 
 
+def step_span(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """How many stage times per micro-batch the schedule's step lasts when every stage takes the same (``m``
+    without a pipeline; ``m + pp - 1`` for 1F1B and GPipe). A time once per step (the gradient reduction and the
+    optimizer after the last backward) is carried in the stage times per micro-batch divided by it, so that the
+    step counts it once, not ``span / m`` times (a pipeline of 4 stages and 1 micro-batch counted it 4 times)."""
+    return float(pipeline_step_time(np.ones(pp), micro_batches, virtual_stages))
+
+
 def schedule_overhead(measured_s: float, stage_times: np.ndarray, micro_batches: int, virtual_stages: int = 1) -> float:
     """The schedule's own time per micro-batch and model chunk (besides blocks and transfers) that turns stage
     times per micro-batch without it into the ``measured_s`` a pipeline took: the step's excess over
@@ -187,4 +195,5 @@ __all__ = [
     "pipeline_step_time",
     "refine_partition",
     "schedule_overhead",
+    "step_span",
 ]

@@ -162,7 +162,9 @@ def measure_model(
         if overheads and dist.is_available() and dist.is_initialized():
             in_blocks = {id(p) for b in blocks for p in b.parameters()}
             vocab_tensors = sum(1 for p in module.parameters() if id(p) not in in_blocks)
-            measured = measure_overheads(profilers, layer_types, degrees, vocab_tensors, device)
+            measured = measure_overheads(
+                profilers, layer_types, degrees, vocab_tensors, device, [len(t.members) for t in types]
+            )
     first = layer_types[0]
     block_index = {i: k for k, t in enumerate(types) for i in t.members}
     model = ModelProfile(

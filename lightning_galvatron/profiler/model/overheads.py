@@ -1,14 +1,15 @@
 """Phase 5, overheads: what one block call and one optimizer step cost under each kind of strategy, and what a
-pipeline schedule adds.
+pipeline schedule and DDP's gradient reduction add.
 
 The cost model prices compute and communication; what FSDP2's hooks, DTensor's dispatch, a checkpoint's
-replay machinery, the optimizer's per-tensor work and a pipeline schedule's own work (its bookkeeping, waits
+replay machinery, the optimizer's per-tensor work, a pipeline schedule's own work (its bookkeeping, waits
 and transfers per micro-batch and model chunk; on shared cores, how fast the busy stages run while others
-wait) add is measured here (collective: every rank runs the same probes at the same time, so contention for
-shared cores is in them as it is in training), into a :class:`~lightning_galvatron.profiles.Overheads` that
-the search turns into per-call terms (:mod:`lightning_galvatron.search.overheads`). About a tenth of a second
-of calls per probe: these are costs of milliseconds that differ between strategies by whole factors, but a
-probe shorter than the scheduler's slices of a shared core measures the scheduler.
+wait) and the DDP reduction a backward leaves exposed add is measured here (collective: every rank runs the same
+probes at the same time, so contention for shared cores is in them as it is in training), into a
+:class:`~lightning_galvatron.profiles.Overheads` that the search turns into per-call terms
+(:mod:`lightning_galvatron.search.overheads`). About a tenth of a second of calls per probe: these are costs of
+milliseconds that differ between strategies by whole factors, but a probe shorter than the scheduler's slices of a
+shared core measures the scheduler.
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ from lightning_galvatron.profiler.model.blocks import _backward, _BlockProfiler
 from lightning_galvatron.profiler.model.degrees import _Styles
 from lightning_galvatron.profiler.model.setup import _synchronize, agreed_repeats
 from lightning_galvatron.profiler.runtime import _cpu_cores
-from lightning_galvatron.profiles import CallProbe, LayerTypeProfile, OptimizerProbe, Overheads, PipelineProbe
+from lightning_galvatron.profiles import (
+    CallProbe,
+    LayerTypeProfile,
+    OptimizerProbe,
+    Overheads,
+    PipelineProbe,
+    ReductionProbe,
+)
 from lightning_galvatron.runtime.structure import block_output_hidden, with_hidden_states
 
 log = logging.getLogger(__name__)
@@ -44,6 +52,10 @@ OPTIMIZER_SIZES = (256, 131072)  # elements per tensor and rank: per-tensor and 
 #: The pipeline probes: (schedule, model chunks per rank, blocks per chunk, micro-batches; ``None``: one per stage).
 #: Every rank runs two blocks per micro-batch in each; one micro-batch leaves every stage idle half the step.
 PIPELINE_PROBES = (("1f1b", 1, 2, None), ("interleaved_1f1b", 2, 1, None), ("gpipe", 1, 2, 1))
+#: The reduction probe runs as many copies of a block as the model has of its type, at most this many and at most
+#: this many bytes of parameters (two of the runtime's buckets: enough for one to overlap backward and one to wait).
+REDUCTION_BLOCKS = 8
+REDUCTION_BYTES = 50 * 2**20
 
 
 def measure_overheads(
@@ -52,10 +64,12 @@ def measure_overheads(
     degrees: Sequence[int],
     vocab_tensors: int,
     device: torch.device,
+    blocks_per_type: Sequence[int] | None = None,
 ) -> Overheads:
     """Call probes of each block type (plain, recomputed, ZeRO-2, ZeRO-3 over the world, each tensor-parallel
-    style at each measured degree), optimizer probes and, with two ranks or more, pipeline probes of the first
-    block type; seconds are the slowest rank's. Collective."""
+    style at each measured degree), optimizer probes and, with two ranks or more, pipeline and
+    reduction probes of the first block type (over ``blocks_per_type[0]`` copies, within :data:`REDUCTION_BLOCKS`
+    and :data:`REDUCTION_BYTES`); seconds are the slowest rank's. Collective."""
     from torch.distributed._composable import checkpoint
 
     from lightning_galvatron.precision import mixed_precision_policy
@@ -86,8 +100,15 @@ def measure_overheads(
                 probes.append((k, LayerStrategy(tp=g, sp=style), _time_call(profiler, block, batch, split)))
     optimizer = _optimizer_probes(world, device, dp_mesh)
     pipelines = _pipeline_probes(profilers[0], world, device) if world > 1 else []
+    block_bytes = sum(p.numel() * p.element_size() for p in profilers[0].block.parameters())
+    copies = max(min((blocks_per_type or [1])[0], REDUCTION_BLOCKS, REDUCTION_BYTES // max(block_bytes, 1)), 1)
+    reductions = [_reduction_probe(profilers[0], copies, dp_mesh.get_group(), device)] if world > 1 else []
     slowest = torch.tensor(
-        [s for *_, s in probes] + [s for *_, s in optimizer] + [p.seconds for p in pipelines], dtype=torch.float64
+        [s for *_, s in probes]
+        + [s for *_, s in optimizer]
+        + [p.seconds for p in pipelines]
+        + [s for r in reductions for s in (r.plain_seconds, r.reduced_seconds)],
+        dtype=torch.float64,
     )
     if device.type == "cuda":
         slowest = slowest.to(device)
@@ -97,9 +118,14 @@ def measure_overheads(
         CallProbe(k, strategy, world, int(profilers[k].hidden.shape[0]), s)
         for (k, strategy, _), s in zip(probes, seconds)
     )
-    optimizer_probes = tuple(OptimizerProbe(n, e, d, s) for (n, e, d, _), s in zip(optimizer, seconds[len(probes) :]))
-    pipeline_probes = tuple(
-        dataclasses.replace(p, seconds=s) for p, s in zip(pipelines, seconds[len(probes) + len(optimizer) :])
+    seconds = seconds[len(probes) :]
+    optimizer_probes = tuple(OptimizerProbe(n, e, d, s) for (n, e, d, _), s in zip(optimizer, seconds))
+    seconds = seconds[len(optimizer) :]
+    pipeline_probes = tuple(dataclasses.replace(p, seconds=s) for p, s in zip(pipelines, seconds))
+    seconds = seconds[len(pipelines) :]
+    reduction_probes = tuple(
+        dataclasses.replace(r, plain_seconds=seconds[2 * i], reduced_seconds=seconds[2 * i + 1])
+        for i, r in enumerate(reductions)
     )
     log.info(
         "per block call, forward and backward (%.1f s to measure): %s",
@@ -107,8 +133,11 @@ def measure_overheads(
         ", ".join(f"{c.strategy.short()} {c.seconds * 1e3:.1f} ms" for c in calls),
     )
     log.info(
-        "pipeline steps: %s",
+        "pipeline steps: %s; blocks without and with DDP's gradient reduction: %s",
         ", ".join(f"pp{p.pp} {p.schedule} m{p.micro_batches} {p.seconds * 1e3:.1f} ms" for p in pipeline_probes),
+        ", ".join(
+            f"{r.blocks} x {r.plain_seconds * 1e3:.1f} / {r.reduced_seconds * 1e3:.1f} ms" for r in reduction_probes
+        ),
     )
     return Overheads(
         world_size=world,
@@ -118,6 +147,7 @@ def measure_overheads(
         block_tensors=tuple(sum(1 for _ in p.block.parameters()) for p in profilers),
         vocab_tensors=vocab_tensors,
         pipelines=pipeline_probes,
+        reductions=reduction_probes,
     )
 
 
@@ -256,6 +286,45 @@ def _pipeline_probes(profiler: _BlockProfiler, world: int, device: torch.device)
         seconds = _median_seconds(partial(_schedule_step, schedule, stages, args, kwargs, device), device)
         out.append(PipelineProbe(0, pp, schedule_name, m, virtual, per_chunk, micro_batch, seconds))
     return out
+
+
+def _reduction_probe(
+    profiler: _BlockProfiler, copies: int, group: dist.ProcessGroup, device: torch.device
+) -> ReductionProbe:
+    """Forward and backward of ``copies`` copies of ``profiler``'s block in sequence at the call probes' batch,
+    without and then with the runtime's own DDP gradient reduction over ``group`` (each copy registered as a
+    layer, bucketed as training buckets them): the median seconds of each (:func:`_median_seconds`). Collective."""
+    from lightning_galvatron.runtime.gradient_sync import GradientReducer
+
+    batch = int(profiler.hidden.shape[0])
+    chunk = _ProbeChunk(profiler, copies, batch)
+    hidden = profiler.hidden.detach().clone().requires_grad_(True)
+
+    def once() -> float:
+        _synchronize(device)
+        start = time.perf_counter()
+        _backward(chunk(hidden))
+        _synchronize(device)
+        seconds = time.perf_counter() - start
+        chunk.zero_grad(set_to_none=True)
+        hidden.grad = None
+        return seconds
+
+    plain = _median_seconds(once, device)
+    reducer = GradientReducer()
+    for block in chunk.blocks:
+        reducer.add(block.parameters(), group)
+    reducer.build()
+
+    def reduced() -> float:
+        seconds = once()
+        reducer.optimizer_stepped()  # the summed gradients were consumed (dropped): the next backward may sum again
+        return seconds
+
+    try:
+        return ReductionProbe(0, copies, dist.get_world_size(group), batch, plain, _median_seconds(reduced, device))
+    finally:
+        reducer.remove()
 
 
 def _schedule_step(schedule: Any, stages: Sequence[Any], args: tuple, kwargs: dict, device: torch.device) -> float:
