@@ -53,7 +53,6 @@ from lightning_galvatron.search.pipeline import (
     p2p_transfers,
     pipeline_step_time,
     refine_partition,
-    step_span,
 )
 from lightning_galvatron.search.space import (
     PipelineConfig,
@@ -156,10 +155,9 @@ class FixedBatchSolver:
         head = vocab_costs(cm, vsa, StageContext(W, pp, B, m, in_flight[-1], v), "head")
         vocab_time = np.zeros((pp, len(vocab)))
         vocab_memory = np.zeros((pp, len(vocab)))
-        span = step_span(pp, m, v)
-        vocab_time[0] += emb.step_share(span)
+        vocab_time[0] += emb.step_share(config.span)
         vocab_memory[0] += emb.memory(in_flight[0])
-        vocab_time[-1] += head.step_share(span)
+        vocab_time[-1] += head.step_share(config.span)
         vocab_memory[-1] += head.memory(in_flight[-1])
         p2p = np.array([p2p_transfers(pp, r, v) for r in range(pp)]) * cm.p2p_time(
             ctx, model.hidden_size, model.seq_length
@@ -197,7 +195,7 @@ class FixedBatchSolver:
     ) -> float:
         """Lower bound on the step: every block at its fastest, perfectly balanced stages (max >= mean)."""
         m = config.micro_batches
-        fastest = np.array([c.step_share(step_span(config.pp, m, config.virtual_stages)).min() for c in costs])
+        fastest = np.array([c.step_share(config.span).min() for c in costs])
         total = fastest[self.types].sum() + vocab_time.sum(axis=0).min() + p2p.sum()
         return float(pipeline_step_time(np.full(config.pp, total / config.pp), m, config.virtual_stages))
 
@@ -243,7 +241,7 @@ class FixedBatchSolver:
         """One DP step per layer type at ``k`` micro-batches in flight, dominated candidates removed."""
         out = []
         for t, c in enumerate(shape.costs):
-            time = c.step_share(step_span(shape.config.pp, shape.config.micro_batches, shape.config.virtual_stages))
+            time = c.step_share(shape.config.span)
             memory = c.memory(k)
             keep = _undominated(time, memory, shape.layout_index[t], [shape.relocation[t], *shape.relocation])
             out.append(
@@ -406,10 +404,9 @@ class FixedBatchSolver:
         return None if best[1] is None else best
 
     def partition_candidates(self, shape: Shape, k_values: list[float]) -> list[tuple[int, ...]]:
-        pp, m = shape.config.pp, shape.config.micro_batches
+        pp = shape.config.pp
         J = shape.max_blocks
-        span = step_span(pp, m, shape.config.virtual_stages)
-        fastest = np.array([c.step_share(span).min() for c in shape.costs])[self.types]
+        fastest = np.array([c.step_share(shape.config.span).min() for c in shape.costs])[self.types]
         smallest = np.array([[c.memory(k).min() for c in shape.costs] for k in shape.in_flight])[:, self.types]
         time_consts = shape.vocab_time.min(axis=1) + shape.p2p
         memory_consts = shape.vocab_memory.min(axis=1) + shape.working[:, 1:].max()

@@ -28,6 +28,7 @@ from lightning_galvatron.plan import DP_TYPES, LayerStrategy, divisors
 from lightning_galvatron.profiles import LayerTypeProfile, VocabProfile
 from lightning_galvatron.rules import layer_problem, pipeline_problem, schedule_problem, vocab_problem
 from lightning_galvatron.search.options import SearchOptions
+from lightning_galvatron.search.pipeline import step_span
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,11 @@ class PipelineConfig:
     schedule: str
     micro_batches: int
     virtual_stages: int = 1
+
+    @property
+    def span(self) -> float:
+        """The step in stage times per micro-batch (:func:`~.pipeline.step_span`)."""
+        return step_span(self.pp, self.micro_batches, self.virtual_stages)
 
 
 def pipeline_degrees(world_size: int, num_blocks: int, options: SearchOptions, block_lists: int = 1) -> list[int]:
