@@ -12,6 +12,7 @@ from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.search import evaluate, search
 from lightning_galvatron.search.calibration import (
     BLOCK_TERMS,
+    CALIBRATION_VERSION,
     BlockTiming,
     Calibration,
     Observation,
@@ -195,6 +196,11 @@ def test_calibration_json_round_trip(tmp_path):
     path = tmp_path / "calibration.json"
     TRUTH.save(path)
     assert Calibration.load(path) == TRUTH
+    # A file of version 1 (before the DDP reduction term) loads without it; a newer version is refused by name.
+    old = {k: v for k, v in TRUTH.to_dict().items() if k != "ddp_reduction_s"}
+    assert Calibration.from_dict({**old, "version": 1}) == TRUTH
+    with pytest.raises(ValueError, match="newer than this lightning_galvatron understands"):
+        Calibration.from_dict({**old, "version": CALIBRATION_VERSION + 1})
     with pytest.raises(ValueError, match="unknown block terms"):
         Calibration(block={"warp_speed": 1.0})
     with pytest.raises(ValueError, match=">= 0"):

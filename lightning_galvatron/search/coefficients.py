@@ -62,7 +62,7 @@ import numpy as np
 from lightning_galvatron.jsonfile import read_json_object
 
 CALIBRATION_FORMAT = "lightning_galvatron.calibration"
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: ddp_reduction_s (files of version 1 load, without it)
 
 #: Per-block-call terms, in the order of the feature columns (see the module docstring).
 BLOCK_TERMS = (
