@@ -2,12 +2,12 @@
 
 The model half of a profile prices compute, the hardware half communication; neither sees what FSDP2's
 hooks, DTensor's dispatch under tensor parallelism, a recomputed block's checkpoint, the optimizer's
-per-tensor work or a pipeline schedule's own work add. On small models and CPUs that is most of a step, and
-it differs between strategies. The profiler times it directly (:mod:`lightning_galvatron.profiler.overheads`):
-one block of each type, forward and backward, under each kind of strategy (plain at two batch sizes), the optimizer
-step over plain tensors and DTensors, steps of real pipeline schedules over copies of a block, and copies of a block
-with and without DDP's gradient reduction; the search turns the
-probes into a calibration (:mod:`lightning_galvatron.search.overheads`).
+per-tensor work, a pipeline schedule's own work or the DDP reduction a backward leaves exposed add. On small
+models and CPUs that is most of a step, and it differs between strategies. The profiler times it directly
+(:mod:`lightning_galvatron.profiler.overheads`): one block of each type, forward and backward, under each kind of
+strategy, the optimizer step over plain tensors and DTensors, steps of real pipeline schedules over copies of a
+block, and copies of a block without and with DDP's gradient reduction; the search turns the probes into a
+calibration (:mod:`lightning_galvatron.search.overheads`).
 
 JSON (``"overheads"`` at the top level of a profile; absent in profiles measured before it)::
 
@@ -23,11 +23,17 @@ JSON (``"overheads"`` at the top level of a profile; absent in profiles measured
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_galvatron.plan import SCHEDULES, LayerStrategy, PlanError
 from lightning_galvatron.profiles.fields import ProfileError, _fields, _finite_nonneg, _positive_int
+
+
+def _layer_type(where: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ProfileError(f"{where}: layer_type must be an integer >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -48,8 +54,7 @@ class CallProbe:
     seconds: float
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layer_type, int) or isinstance(self.layer_type, bool) or self.layer_type < 0:
-            raise ProfileError(f"call probe: layer_type must be an integer >= 0, got {self.layer_type!r}")
+        _layer_type("call probe", self.layer_type)
         _positive_int("call probe: group_size", self.group_size)
         _positive_int("call probe: local_batch", self.local_batch)
         _finite_nonneg("call probe: seconds", self.seconds)
@@ -92,7 +97,7 @@ class OptimizerProbe:
         _finite_nonneg("optimizer probe: seconds", self.seconds)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tensors": self.tensors, "elements": self.elements, "dtensor": self.dtensor, "seconds": self.seconds}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> OptimizerProbe:
@@ -122,8 +127,7 @@ class PipelineProbe:
     seconds: float
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layer_type, int) or isinstance(self.layer_type, bool) or self.layer_type < 0:
-            raise ProfileError(f"pipeline probe: layer_type must be an integer >= 0, got {self.layer_type!r}")
+        _layer_type("pipeline probe", self.layer_type)
         for name in ("pp", "micro_batches", "virtual_stages", "blocks_per_chunk", "micro_batch"):
             _positive_int(f"pipeline probe: {name}", getattr(self, name))
         if self.schedule not in SCHEDULES:
@@ -131,16 +135,7 @@ class PipelineProbe:
         _finite_nonneg("pipeline probe: seconds", self.seconds)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "layer_type": self.layer_type,
-            "pp": self.pp,
-            "schedule": self.schedule,
-            "micro_batches": self.micro_batches,
-            "virtual_stages": self.virtual_stages,
-            "blocks_per_chunk": self.blocks_per_chunk,
-            "micro_batch": self.micro_batch,
-            "seconds": self.seconds,
-        }
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> PipelineProbe:
@@ -169,22 +164,14 @@ class ReductionProbe:
     reduced_seconds: float
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layer_type, int) or isinstance(self.layer_type, bool) or self.layer_type < 0:
-            raise ProfileError(f"reduction probe: layer_type must be an integer >= 0, got {self.layer_type!r}")
+        _layer_type("reduction probe", self.layer_type)
         for name in ("blocks", "group_size", "local_batch"):
             _positive_int(f"reduction probe: {name}", getattr(self, name))
         _finite_nonneg("reduction probe: plain_seconds", self.plain_seconds)
         _finite_nonneg("reduction probe: reduced_seconds", self.reduced_seconds)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "layer_type": self.layer_type,
-            "blocks": self.blocks,
-            "group_size": self.group_size,
-            "local_batch": self.local_batch,
-            "plain_seconds": self.plain_seconds,
-            "reduced_seconds": self.reduced_seconds,
-        }
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> ReductionProbe:

@@ -199,7 +199,7 @@ def fit_calibration(
     if shared.compute_slots_per_node is not None and any(f != 1.0 for f in busy):
         alone = block_fit(np.ones(len(busy)))
         if alone[2] < misfit:
-            (coefficients, residual, misfit), sharing = alone, Calibration()
+            (coefficients, residual, _), sharing = alone, Calibration()
     block = {t: float(c) for t, c in zip(BLOCK_TERMS, coefficients)}
     tensors_per_type = {name: int(statistics.median(v)) for name, v in tensors.items()}
 
@@ -345,7 +345,7 @@ def _measured_stage_times(cm: CostModel, plan: ParallelPlan, group: Sequence[Obs
     vsa = _arrays([plan.vocab])
     model = cm.profile.model
     reduction = cm.calibration.ddp_reduction_s if cm.calibration is not None else 0.0
-    reduced = _analytic_parts(cm, plan).reduced_blocks if reduction else [0] * plan.pp
+    reduced = _reduced_blocks(plan)
     span = step_span(plan.pp, plan.micro_batches, plan.virtual_stages)
     out = []
     for stage in range(plan.pp):
@@ -405,10 +405,13 @@ def _analytic_parts(cm: CostModel, plan: ParallelPlan) -> _Parts:
         for fit in (vocab.embedding_forward_time, vocab.head_forward_time)
     )
     analytic = sum(float(vocab_costs(cm, vsa, ctx, part).time[0]) for part in ("embedding", "head"))
-    reduced = [
-        sum(int(ddp_reduced(_arrays([plan.layers[i]]), n)[0]) for i in plan.stage_layers(stage)) for stage in range(pp)
-    ]
-    return _Parts(blocks, compute, max(analytic - compute, 0.0), reduced)
+    return _Parts(blocks, compute, max(analytic - compute, 0.0), _reduced_blocks(plan))
+
+
+def _reduced_blocks(plan: ParallelPlan) -> list[int]:
+    """Per stage: the blocks whose gradients DDP sums over replicas."""
+    n = plan.devices_per_stage
+    return [int(ddp_reduced(_arrays([plan.layers[i] for i in plan.stage_layers(s)]), n).sum()) for s in range(plan.pp)]
 
 
 __all__ = [  # the coefficients are re-exported: this is where calibrations have always been imported from

@@ -85,8 +85,7 @@ def schedule_overhead(measured_s: float, stage_times: np.ndarray, micro_batches:
     :func:`pipeline_step_time`, over how many such times the schedule runs one after another (every stage adds it
     once per chunk it holds: ``v`` per micro-batch). Negative where the step ran faster than its stage times."""
     t, m, v = np.asarray(stage_times, dtype=float), micro_batches, virtual_stages
-    span = float(pipeline_step_time(np.full(t.shape[-1], float(v)), m, v))
-    return (measured_s - float(pipeline_step_time(t, m, v))) / span
+    return (measured_s - float(pipeline_step_time(t, m, v))) / (v * step_span(t.shape[-1], m, v))
 
 
 # ---------------------------------------------------------------------------------------------- partitions

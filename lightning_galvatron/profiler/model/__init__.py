@@ -35,8 +35,9 @@ the count is cross-checked against the allocator (logged, never fatal).
 
 5. **Overheads** (:func:`measure_model` for :func:`~lightning_galvatron.profiler.profile`, with a live
    process group): forward and backward of one call of each block type under each kind of strategy, the
-   optimizer step, and steps of real pipeline schedules over copies of the first block, as the strategies
-   and schedules add to the compute and communication above (:class:`~lightning_galvatron.profiles.Overheads`).
+   optimizer step, steps of real pipeline schedules over copies of the first block, and copies of it without and
+   with DDP's gradient reduction, as the strategies and schedules add to the compute and communication above
+   (:class:`~lightning_galvatron.profiles.Overheads`).
 
 One file per phase: :mod:`.capture` (1), :mod:`.vocabulary` (2), :mod:`.blocks` (3), :mod:`.degrees`
 (4), :mod:`.overheads` (5), :mod:`.saved` (the counter) and :mod:`.setup` (block types, precision,
@@ -132,7 +133,7 @@ def measure_model(
     overheads: bool = False,
 ) -> tuple[ModelProfile, Overheads | None]:
     """:func:`profile_model`, and with ``overheads`` (needs a live process group) the per-call overheads
-    of its blocks, of the optimizer and of pipeline schedules (phase 5)."""
+    of its blocks, of the optimizer, of pipeline schedules and of DDP's gradient reduction (phase 5)."""
     if any(p.is_meta for p in module.parameters()):
         raise ValueError("the model has parameters on the meta device: profile it after its weights are materialised")
     sizes = sorted({int(b) for b in batch_sizes})
