@@ -194,25 +194,29 @@ def apply_plan(
     # Each block list (an encoder, a decoder) starts from and returns to the vocabulary layout: its first
     # block reads embeddings, its last block's output is used by layers outside the blocks (or as the
     # decoder's memory, which then reaches each decoder block along the batch).
+    # Where every block keeps the vocabulary layout (data parallel and ZeRO plans), nothing ever moves: the
+    # hooks would only cost Python on every call, so none are installed.
+    relocating = any(layout != vocab_layout for layout in layouts)
     outputs = BlockOutputs()
     for index in local_blocks:
         block, strategy = all_blocks[index], plan.layers[index]
         tp_plan = tp_plans[index] if isinstance(tp_plans[index], BlockTensorParallelPlan) else None
         source = vocab_layout if index in starts else layouts[index - 1]
-        applied.hooks += relocate_inputs(
-            block,
-            source,
-            layouts[index],
-            micro_batch,
-            position,
-            stage_group,
-            first=index == 0,
-            extras_source=vocab_layout,
-            carried=outputs.of(index - 1) if index not in starts else None,
-            folded=tp_plan.folded_inputs if tp_plan is not None else {},
-            positions=tp_plan.position_inputs if tp_plan is not None else {},
-        )
-        applied.hooks.append(outputs.record(block, index))
+        if relocating:
+            applied.hooks += relocate_inputs(
+                block,
+                source,
+                layouts[index],
+                micro_batch,
+                position,
+                stage_group,
+                first=index == 0,
+                extras_source=vocab_layout,
+                carried=outputs.of(index - 1) if index not in starts else None,
+                folded=tp_plan.folded_inputs if tp_plan is not None else {},
+                positions=tp_plan.position_inputs if tp_plan is not None else {},
+            )
+            applied.hooks.append(outputs.record(block, index))
         layout = Layout.of(plan, strategy)
         if strategy.sp == "ulysses":
             apply_ulysses(
@@ -228,7 +232,7 @@ def apply_plan(
             apply_recompute(block)
         apply_data_parallel(block, strategy, _gradient_mesh(meshes, plan, strategy), mp_policy, applied.gradients)
     for end in ends:
-        if end in local_blocks:
+        if relocating and end in local_blocks:
             applied.hooks.append(
                 relocate_output(all_blocks[end], layouts[end], vocab_layout, micro_batch, position, stage_group)
             )

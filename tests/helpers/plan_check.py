@@ -84,7 +84,7 @@ def describe_rank(strategy: Any) -> dict[str, Any]:
                 recompute=checkpoint.state(block) is not None,
                 ulysses=tuple(dist.get_process_group_ranks(group)) if group is not None else None,
             )
-    return dict(params=params, blocks=blocks)
+    return dict(params=params, blocks=blocks, relocation_hooks=len(applied.hooks))
 
 
 # ---------------------------------------------------------------------------------------------- what the plan says
@@ -187,6 +187,12 @@ def assert_plan_applied(strategy: Any, reference: Callable[[], nn.Module]) -> No
         total = sum(described[r]["params"][name]["local_numel"] for r in holders)
         numel = _numel(shapes[name])
         expect(total == numel, f"{name}: the shards on ranks {sorted(holders)} hold {total} elements, not {numel}")
+
+    # Without tensor or sequence parallelism every activation stays in the data-parallel layout: nothing to move, so
+    # no relocation hook should run on every call.
+    if all(s.tp == 1 for s in (plan.vocab, *plan.layers)):
+        for rank, d in enumerate(described):
+            expect(d["relocation_hooks"] == 0, f"rank {rank}: {d['relocation_hooks']} relocation hooks, nothing moves")
 
     # Blocks: on the ranks of their stage only, split and synchronised as their strategies say.
     in_blocks = set()
