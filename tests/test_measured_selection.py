@@ -256,25 +256,33 @@ def test_the_calibrated_search_leaves_out_what_no_trial_measured():
     assert unmeasured([ddp, tp_pipeline]) == {"zero2", "recompute", "tp_without_sp", "ulysses", "strided"}
 
 
-def test_a_mixed_plan_must_beat_the_fastest_uniform_plan_by_more_than_the_trials_can_resolve():
-    from lightning_galvatron.selection.measured import TrialRecord, _within_resolution
+def test_extra_machinery_must_beat_a_simpler_plan_by_more_than_the_trials_can_resolve():
+    from lightning_galvatron.selection.measured import TrialRecord, _simplest_within_resolution
 
     uniform = ParallelPlan.uniform(2, 4, S(), micro_batches=2)
     mixed = ParallelPlan(world_size=2, layers=(S(),) * 2 + (S(recompute=True),) * 2)
+    pipeline = ParallelPlan.uniform(2, 4, S(), pp=2, micro_batches=4)
     assert uniform.is_uniform and not mixed.is_uniform
 
-    def record(name, plan, steps):
-        return TrialRecord(name, plan, 0.1, 1.0, statistics.median(steps), 1, steps=tuple(steps))
+    def record(name, plan, steps, **kwargs):
+        return TrialRecord(name, plan, 0.1, 1.0, statistics.median(steps), 1, steps=tuple(steps), **kwargs)
 
     noisy = [0.100, 0.092, 0.108, 0.097, 0.104, 0.110, 0.095, 0.101, 0.106]
     baseline = record("uniform ddp", uniform, [s + 0.001 for s in noisy])
     close = record("searched", mixed, noisy)  # 1 ms ahead, steps spread over 18 ms: not resolved
-    assert _within_resolution(close, [close, baseline]) is baseline
+    assert _simplest_within_resolution(close, [close, baseline]) is baseline
     clear = record("searched", mixed, [s - 0.015 for s in noisy])  # 16 ms ahead: resolved
-    assert _within_resolution(clear, [clear, baseline]) is None
+    assert _simplest_within_resolution(clear, [clear, baseline]) is clear
     steady = record("searched", mixed, [0.0995] * 9)  # both steady (GPU-like): 0.5 ms ahead is resolved
-    assert _within_resolution(steady, [steady, record("uniform ddp", uniform, [0.1] * 9)]) is None
-    assert _within_resolution(baseline, [close, baseline]) is None  # a uniform plan needs no proof
+    steady_baseline = record("uniform ddp", uniform, [0.1] * 9)
+    assert _simplest_within_resolution(steady, [steady, steady_baseline]) is steady
+    # A pipeline is uniform too, but more machinery than DDP over micro-batches.
+    piped = record("pp2", pipeline, [s - 0.002 for s in noisy])
+    assert _simplest_within_resolution(piped, [piped, baseline, close]) is baseline
+    # Simpler but not measured (stopped early) or clearly slower: the fastest stays.
+    stopped = record("ddp", ParallelPlan.uniform(2, 4, S()), [0.5], stopped_early=True)
+    assert _simplest_within_resolution(clear, [clear, stopped]) is clear
+    assert _simplest_within_resolution(stopped, [stopped]) is stopped
 
 
 @pytest.mark.parametrize(
