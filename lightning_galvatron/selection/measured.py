@@ -527,6 +527,7 @@ def _simplest_within_resolution(fastest: TrialRecord, fitting: list[TrialRecord]
     processes a mixed plan measured 0.3% ahead of DDP over 2 micro-batches (100.7 against 101.0 ms) and trained 7%
     behind it, and an interleaved pipeline picked on trials 1-5% ahead of DDP over 2 micro-batches trained 8%
     behind it."""
+
     def indistinguishable(t: TrialRecord) -> bool:
         margin = RESOLUTION * math.hypot(_median_error(fastest.steps), _median_error(t.steps))
         return t is fastest or (not t.stopped_early and t.step_s <= fastest.step_s + margin)
