@@ -276,6 +276,7 @@ def test_extra_machinery_must_beat_a_simpler_plan_by_more_than_the_trials_can_re
     steady = record("searched", mixed, [0.0995] * 9)  # both steady (GPU-like): 0.5 ms ahead is resolved
     steady_baseline = record("uniform ddp", uniform, [0.1] * 9)
     assert _simplest_within_resolution(steady, [steady, steady_baseline]) is steady
+    assert _simplest_within_resolution(baseline, [close, baseline]) is baseline  # the simplest fastest needs no proof
     # A pipeline is uniform too, but more machinery than DDP over micro-batches.
     piped = record("pp2", pipeline, [s - 0.002 for s in noisy])
     assert _simplest_within_resolution(piped, [piped, baseline, close]) is baseline
