@@ -1,4 +1,5 @@
-"""Reading the JSON files users hand us (plans, profiles, calibrations, configs): one message per way it can fail.
+"""Reading the JSON files users hand us (plans, profiles, calibrations, configs): one message per way it can fail;
+and writing the ones we cache, atomically.
 
 Every message names the file and what is wrong with it (missing, unreadable, not JSON, not a JSON object), so a
 typo in a path or a truncated file never surfaces as a traceback from deep inside a parser.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,20 @@ def read_json_object(path: str | os.PathLike, what: str, error: type[Exception] 
     if not isinstance(data, dict):
         raise error(f"{name} must hold a JSON object ({{...}}), not a {_json_type(data)}")
     return data
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file in ``path``'s directory (made if missing) and rename it over ``path``: a
+    reader (another rank, another run) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _json_type(value: Any) -> str:

@@ -18,3 +18,21 @@ def pools():
     manager = PoolManager()
     yield manager
     manager.shutdown()
+
+
+@pytest.fixture(scope="session")
+def cluster_measurements(tmp_path_factory):
+    """The session's cached cluster measurements (interconnect, optimizer probes): they do not depend on the model,
+    so each world size is measured once for the whole suite (``tests/test_profiler_distributed.py`` tests the
+    cold path)."""
+    return tmp_path_factory.mktemp("clusters")
+
+
+@pytest.fixture
+def profile_cache(tmp_path, cluster_measurements):
+    """A profile cache of the test's own (every model is profiled cold) that shares the session's cluster
+    measurements (``<cache>/clusters`` links to :func:`cluster_measurements`)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "clusters").symlink_to(cluster_measurements, target_is_directory=True)
+    return cache

@@ -50,8 +50,8 @@ def _auto_where_ddp_does_not_fit(cache_dir: str) -> dict:
     return dict(result=result, plan=plan, budget=budget, peaks=peaks, chosen_peak=chosen_peak)
 
 
-def test_auto_plan_fits_a_budget_that_excludes_ddp_and_matches_one_process(pools, tmp_path):
-    out = pools(4).run(_auto_where_ddp_does_not_fit, str(tmp_path / "cache"))[0]
+def test_auto_plan_fits_a_budget_that_excludes_ddp_and_matches_one_process(pools, profile_cache):
+    out = pools(4).run(_auto_where_ddp_does_not_fit, str(profile_cache))[0]
     assert out["peaks"]["zero3"] < out["budget"] < out["peaks"]["ddp"]
     plan = out["plan"]
     assert plan != ParallelPlan.uniform(4, 4, S(), global_batch_size=8)  # pure DDP does not fit
@@ -59,20 +59,20 @@ def test_auto_plan_fits_a_budget_that_excludes_ddp_and_matches_one_process(pools
     assert_close_runs(out["result"], run_single(), **FP32_TOL)
 
 
-def test_budget_nothing_fits_names_the_smallest(pools, tmp_path):
-    strategy_kwargs = dict(memory_budget="1KB", profile_cache=str(tmp_path), save_plan=False)
+def test_budget_nothing_fits_names_the_smallest(pools, profile_cache):
+    strategy_kwargs = dict(memory_budget="1KB", profile_cache=str(profile_cache), save_plan=False)
     with pytest.raises(AssertionError, match=r"automatic plan search failed: .*smallest budget"):
         pools(4).run(run_distributed, strategy_kwargs=strategy_kwargs, plan="auto")
 
 
-def test_corrupt_cache_is_reprofiled_with_a_warning(pools, tmp_path):
+def test_corrupt_cache_is_reprofiled_with_a_warning(pools, profile_cache):
     kwargs = dict(
-        strategy_kwargs=dict(memory_budget="1GB", profile_cache=str(tmp_path), save_plan=False, trials=QUICK_TRIALS),
+        strategy_kwargs=dict(memory_budget="1GB", profile_cache=str(profile_cache), save_plan=False, trials=False),
         plan="auto",
         max_steps=1,
     )
     pools(4).run(run_distributed, **kwargs)
-    (cached,) = list(tmp_path.glob("*.json"))
+    (cached,) = list(profile_cache.glob("*.json"))
     cached.write_text("{not json")
     warnings = pools(4).run(_run_collecting_warnings, kwargs)
     assert any(str(cached) in w for w in warnings[0])
@@ -115,18 +115,18 @@ def _env() -> dict:
     return dict(os.environ)
 
 
-def test_example_auto_caches_its_profile_and_the_cli_search_agrees(tmp_path):
+def test_example_auto_caches_its_profile_and_the_cli_search_agrees(tmp_path, profile_cache):
     """Second run reuses the profile and the measured selection; `lightning-galvatron search` on the saved profile
     gives the plan the strategy's search gave (the first candidate of the trials, which chose among them)."""
-    first = _example("configs/gpt_tiny_cpu_auto.yaml", tmp_path / "cache", tmp_path / "logs")
+    first = _example("configs/gpt_tiny_cpu_auto.yaml", profile_cache, tmp_path / "logs")
     assert re.search(r"Profile: lightning_galvatron.profiler: 32-true on 4 x cpu \(gloo\); measured in [\d.]+ s", first)
     assert "Galvatron: measured selection (" in first
-    second = _example("configs/gpt_tiny_cpu_auto.yaml", tmp_path / "cache", tmp_path / "logs")
+    second = _example("configs/gpt_tiny_cpu_auto.yaml", profile_cache, tmp_path / "logs")
     assert re.search(r"Profile: .*; cached \([\d.]+ s to load\)", second)
     assert "Galvatron: measured selection (from the cache" in second
     run = sorted((tmp_path / "logs" / "gpt_tiny_cpu_auto").glob("version_*"))[-1]
     chosen = ParallelPlan.load(run / "galvatron_plan.json")
-    (cached,) = (tmp_path / "cache" / "selections").glob("*.json")
+    (cached,) = (profile_cache / "selections").glob("*.json")
     selection = Selection.from_dict(json.loads(cached.read_text()))
     assert selection.plan == chosen and chosen in [t.plan for t in selection.trials]
     searched = tmp_path / "searched.json"

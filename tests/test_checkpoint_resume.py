@@ -102,9 +102,9 @@ def _fit(
     )
 
 
-def test_the_issue_reproduction_resumes_with_identical_losses(pools, tmp_path):
+def test_the_issue_reproduction_resumes_with_identical_losses(pools, tmp_path, profile_cache):
     """A DDP-only pipeline (no DTensor parameter anywhere), ModelCheckpoint every 16 steps, resume from step 32."""
-    directory, cache = str(tmp_path / "ck"), str(tmp_path / "cache")
+    directory, cache = str(tmp_path / "ck"), str(profile_cache)
     common = dict(train_samples=512, max_steps=40, checkpoint_every=16, checkpoint_dir=directory)
     first = pools(4).run(_fit, DDP_PIPELINE, cache, **common)[0]
     assert not first["dtensors"]
@@ -132,10 +132,10 @@ def _resumed_matches(resumed: dict, first: dict, uninterrupted: dict, exact: boo
     )
 
 
-def test_resume_across_plan_kinds_and_world_sizes(pools, tmp_path):
+def test_resume_across_plan_kinds_and_world_sizes(pools, tmp_path, profile_cache):
     """Save under one plan, resume under another: the README example's automatic plans at 2 and 4 devices (the
     4-device one a DDP pipeline here), ZeRO-3 with tensor parallelism, a mixed pipeline, pure DDP."""
-    cache = str(tmp_path / "cache")
+    cache = str(profile_cache)
     epoch = dict(train_samples=64)  # 4 steps per epoch
     ck = {name: str(tmp_path / f"{name}.ckpt") for name in ("auto4", "tp_zero3", "pp2_tp2", "auto2")}
 
@@ -170,8 +170,8 @@ def _initial_state() -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in GPTModule(**EXAMPLE_MODEL).state_dict().items()}
 
 
-def test_resume_into_the_automatic_plan_on_one_device(pools, tmp_path):
-    cache, checkpoint = str(tmp_path / "cache"), str(tmp_path / "ddp2.ckpt")
+def test_resume_into_the_automatic_plan_on_one_device(pools, tmp_path, profile_cache):
+    cache, checkpoint = str(profile_cache), str(tmp_path / "ddp2.ckpt")
     pools(2).run(_fit, ParallelPlan.uniform(2, 4, S()), cache, train_samples=64, max_epochs=1, save_path=checkpoint)
     pools(1).run(_fit, "auto", cache, train_samples=64, max_epochs=2, ckpt_path=checkpoint)
 

@@ -48,12 +48,12 @@ def _column(rows: list[dict[str, str]], key: str) -> list[float]:
     return [float(r[key]) for r in rows if r.get(key)]
 
 
-def test_hugging_face_causal_lm_fine_tune(tmp_path):
+def test_hugging_face_causal_lm_fine_tune(tmp_path, profile_cache):
     out = _run(
         "examples/hf_causal_lm.py",
         "configs/hf_causal_lm.yaml",
         tmp_path / "logs",
-        tmp_path / "cache",
+        profile_cache,
         "--trainer.max_steps",
         "6",
         "--trainer.val_check_interval",
@@ -66,7 +66,7 @@ def test_hugging_face_causal_lm_fine_tune(tmp_path):
     assert len(_column(rows, "train_loss")) == 3 and len(_column(rows, "val_loss")) == 1
 
 
-def test_encoder_classifier_before_and_after_differ_in_one_line_and_log_the_same_curve(tmp_path):
+def test_encoder_classifier_before_and_after_differ_in_one_line_and_log_the_same_curve(tmp_path, profile_cache):
     before = yaml.safe_load((REPO / "configs/encoder_classifier_ddp.yaml").read_text())
     after = yaml.safe_load((REPO / "configs/encoder_classifier_galvatron.yaml").read_text())
     assert (before["trainer"].pop("strategy"), after["trainer"].pop("strategy")) == ("ddp", "galvatron")
@@ -80,7 +80,7 @@ def test_encoder_classifier_before_and_after_differ_in_one_line_and_log_the_same
             "examples/encoder_classifier.py",
             f"configs/encoder_classifier_{name}.yaml",
             logs,
-            tmp_path / "cache",
+            profile_cache,
             *short,
         )
         runs[name] = _metrics(logs, "encoder_classifier")

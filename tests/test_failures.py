@@ -229,8 +229,8 @@ def _profile_with_a_foreign_cache_file(cache: str) -> tuple[str, int, int]:
     return "\n".join(str(w.message) for w in caught), again.model.layer_types[0].parameters, stored["fingerprint"]
 
 
-def test_a_cached_profile_of_another_model_is_measured_again(pools, tmp_path):
-    messages, parameters, stored = pools(2).run(_profile_with_a_foreign_cache_file, str(tmp_path / "cache"))[0]
+def test_a_cached_profile_of_another_model_is_measured_again(pools, profile_cache):
+    messages, parameters, stored = pools(2).run(_profile_with_a_foreign_cache_file, str(profile_cache))[0]
     assert re.search(
         r"ignoring the cached profile .*/cache/\w+\.json: it was measured on another model or cluster "
         r"\(its fingerprint differs in model\); profiling again and overwriting it",

@@ -150,14 +150,17 @@ def _matrix(pools, cache_dir: str, name: str) -> tuple[RunResult, dict[str, RunR
 
 
 @pytest.fixture(scope="module")
-def profile_cache(tmp_path_factory) -> str:
-    """One profile cache for the module: the hardware is profiled once, each model once (both automatic plans)."""
-    return str(tmp_path_factory.mktemp("profiles"))
+def family_profiles(tmp_path_factory, cluster_measurements) -> str:
+    """One profile cache for the module: each model is profiled once (both automatic plans), the cluster once for
+    the session (the shared cluster measurements)."""
+    cache = tmp_path_factory.mktemp("profiles")
+    (cache / "clusters").symlink_to(cluster_measurements, target_is_directory=True)
+    return str(cache)
 
 
 @pytest.mark.parametrize("name, case", [pytest.param(n, c, id=f"{n}-{c}") for n in FAMILIES for c in CASES])
-def test_family_matches_one_process(pools, profile_cache, name, case):
-    expected, results = _matrix(pools, profile_cache, name)
+def test_family_matches_one_process(pools, family_profiles, name, case):
+    expected, results = _matrix(pools, family_profiles, name)
     outcome = results[case]
     refusal = REFUSED.get((name, case))
     if refusal is not None:

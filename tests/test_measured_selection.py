@@ -52,8 +52,8 @@ def _auto_cached_and_off(cache_dir: str) -> dict:
     )
 
 
-def test_measured_selection_trains_exactly_the_chosen_plan_is_cached_and_can_be_off(pools, tmp_path):
-    out = pools(2).run(_auto_cached_and_off, str(tmp_path))[0]
+def test_measured_selection_trains_exactly_the_chosen_plan_is_cached_and_can_be_off(pools, profile_cache):
+    out = pools(2).run(_auto_cached_and_off, str(profile_cache))[0]
     selection = out["selection"]
     assert len(selection.trials) >= 2 and not selection.from_cache
     assert all(t.step_s is not None and t.step_s > 0 and t.peak_bytes > 0 for t in selection.trials), selection.report()
@@ -77,7 +77,7 @@ def test_measured_selection_trains_exactly_the_chosen_plan_is_cached_and_can_be_
     again = out["again"]
     assert again.from_cache and out["again_plan"] == out["plan"]
     assert again.trials == selection.trials and again.calibration == selection.calibration
-    assert (tmp_path / "selections").is_dir() and again.cache_file.startswith(str(tmp_path / "selections"))
+    assert (profile_cache / "selections").is_dir() and again.cache_file.startswith(str(profile_cache / "selections"))
 
     # The setup report, the loggers and the first steps' check use one prediction: the calibrated model's price of
     # the chosen plan, from the trials or from the cache alike; without trials the search's own.
@@ -88,7 +88,7 @@ def test_measured_selection_trains_exactly_the_chosen_plan_is_cached_and_can_be_
     assert not out["off_prediction"].calibrated and "calibrated" not in setup_report(out["off_prediction"])
 
     # Off: the search's own plan, no trials.
-    (profile_file,) = tmp_path.glob("*.json")
+    (profile_file,) = profile_cache.glob("*.json")
     searched = search(Profile.load(profile_file), 2, "1GB", global_batch_size=8, precision="32-true", optimizer="adamw")
     assert out["off_selection"] is None and out["off_plan"] == searched.plan
 

@@ -238,9 +238,9 @@ AUTO = {
 
 
 @pytest.mark.parametrize("name", list(AUTO))
-def test_auto_plan_matches_single_process(pools, tmp_path, name):
+def test_auto_plan_matches_single_process(pools, profile_cache, name):
     model, batch, limits = AUTO[name]
-    out = pools(4).run(_auto_plan_between_zero3_and_ddp, model, batch, str(tmp_path), **limits)[0]
+    out = pools(4).run(_auto_plan_between_zero3_and_ddp, model, batch, str(profile_cache), **limits)[0]
     plan = out["plan"]
     assert out["peaks"]["zero3"] < out["budget"] < out["peaks"]["ddp"]
     assert plan != ParallelPlan.uniform(4, plan.num_layers, S(), global_batch_size=batch)  # pure DDP does not fit

@@ -66,8 +66,8 @@ def _read(log_dir: str) -> tuple[dict, list[dict[str, str]]]:
     return hparams, rows
 
 
-def test_plan_prediction_and_measurements_reach_the_csv_logger(pools, tmp_path):
-    pool, cache = pools(2), str(tmp_path / "cache")
+def test_plan_prediction_and_measurements_reach_the_csv_logger(pools, tmp_path, profile_cache):
+    pool, cache = pools(2), str(profile_cache)
 
     # plan="auto": hparams.yaml records the searched plan (not "plan: auto"), metrics.csv both step times
     searched = pool.run(_train, str(tmp_path / "auto"), "auto", cache)[0]

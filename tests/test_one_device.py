@@ -41,7 +41,7 @@ pytestmark = pytest.mark.timeout(600)
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_readme_command_on_one_device_trains(tmp_path):
+def test_readme_command_on_one_device_trains(tmp_path, profile_cache):
     command = [
         sys.executable,
         "examples/gpt.py",
@@ -63,7 +63,7 @@ def test_readme_command_on_one_device_trains(tmp_path):
         "--trainer.logger.init_args.save_dir",
         str(tmp_path),
     ]
-    env = {**os.environ, "LIGHTNING_GALVATRON_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "LIGHTNING_GALVATRON_CACHE": str(profile_cache)}
     out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=500, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "Galvatron: one device: nothing communicates, so no hardware profile is measured" in out.stdout + out.stderr
@@ -104,8 +104,8 @@ def _auto_plan_with_tight_memory(cache_dir: str) -> dict:
     return dict(result=result, plan=strategy.plan, budget=budget, plain=plain)
 
 
-def test_auto_plan_on_one_device_saves_memory_and_matches_one_process(pools, tmp_path):
-    out = pools(1).run(_auto_plan_with_tight_memory, str(tmp_path))[0]
+def test_auto_plan_on_one_device_saves_memory_and_matches_one_process(pools, profile_cache):
+    out = pools(1).run(_auto_plan_with_tight_memory, str(profile_cache))[0]
     plan = out["plan"]
     assert plan.world_size == 1 and out["budget"] < out["plain"]
     assert plan.micro_batches > 1 or any(s.recompute for s in plan.layers), plan

@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from lightning_galvatron.model.discovery import find_blocks
-from lightning_galvatron.profiler.cache import ENV_VAR, ProfileCache, cache_key, default_cache_dir, model_signature
+from lightning_galvatron.profiler.cache import (
+    ENV_VAR,
+    ProfileCache,
+    cache_key,
+    cluster_fingerprint,
+    default_cache_dir,
+    model_signature,
+)
+from lightning_galvatron.profiles import OptimizerProbe
 from tests.helpers.training import tiny_gpt
 from tests.search_profiles import synthetic_profile
 
@@ -73,3 +81,28 @@ def test_default_directory_and_env_override(monkeypatch, tmp_path):
 def test_keys_are_file_names():
     with pytest.raises(ValueError, match="cache key"):
         ProfileCache("/tmp").path("../escape")
+
+
+def _cluster(**changes):
+    what = dict(device_kind="cpu", world_size=4, devices_per_node=4, backend="gloo", hosts=["a"] * 4) | changes
+    return cluster_fingerprint(**what)
+
+
+def test_cluster_measurements_round_trip_and_belong_to_their_cluster(tmp_path):
+    """The model-independent part (interconnect, optimizer probes) is stored apart and found only for the very
+    cluster it was measured on: another host, world size or backend is another file; a corrupt file is named."""
+    cache = ProfileCache(tmp_path)
+    profile = synthetic_profile(np.random.default_rng(0), num_blocks=3)
+    optimizer = (OptimizerProbe(8, 2048, False, 1e-4), OptimizerProbe(8, 2048, True, 3e-4))
+    assert cache.load_cluster(_cluster()) is None
+    path = cache.save_cluster(_cluster(), profile.hardware, optimizer)
+    assert path.parent == tmp_path / "clusters" and [p.name for p in path.parent.iterdir()] == [path.name]
+    assert cache.load_cluster(_cluster()) == (profile.hardware, optimizer)
+    for other in (dict(hosts=["a", "a", "b", "b"]), dict(world_size=2, hosts=["a"] * 2), dict(backend="nccl")):
+        assert cache.cluster_path(_cluster(**other)) != path and cache.load_cluster(_cluster(**other)) is None
+    path.write_text("{")
+    with pytest.warns(UserWarning, match=r"ignoring the cached cluster measurements .*clusters.*measuring again"):
+        assert cache.load_cluster(_cluster()) is None
+    path.write_text(json.dumps({"fingerprint": _cluster(hosts=["b"] * 4)}))  # copied from another machine
+    with pytest.warns(UserWarning, match=r"measured on another cluster"):
+        assert cache.load_cluster(_cluster()) is None

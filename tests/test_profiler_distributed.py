@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import warnings
 from pathlib import Path
 
@@ -51,6 +53,13 @@ def test_four_ranks_get_one_profile_that_the_search_accepts(pools, tmp_path):
     assert any("corrupt cached profile" in m and path.name in m for m in results[0][2])
     assert all(r[3] == results[0][3] for r in results)
     assert Profile.load(path).to_dict() == results[0][3]
+    # The model was measured again, the cluster (interconnect, optimizer) came from its own cache file.
+    remeasured = results[0][3]
+    assert remeasured["overheads"]["calls"] != first["overheads"]["calls"]
+    assert remeasured["hardware"] == first["hardware"]
+    assert remeasured["overheads"]["optimizer"] == first["overheads"]["optimizer"]
+    (cluster,) = (tmp_path / "clusters").glob("*.json")
+    assert json.loads(cluster.read_text())["fingerprint"]["hosts"] == [socket.gethostname()] * 4
 
     result = Profile.from_dict(first)
     (layer,) = result.model.layer_types

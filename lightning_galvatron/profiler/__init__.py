@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import warnings
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.profiler.cache import (
     ProfileCache,
     cache_key,
+    cluster_fingerprint,
     contradiction,
     default_cache_dir,
     fingerprint,
@@ -32,7 +34,7 @@ from lightning_galvatron.profiler.cache import (
 )
 from lightning_galvatron.profiler.hardware import profile_hardware
 from lightning_galvatron.profiler.model import Step, measure_model, profile_model
-from lightning_galvatron.profiles import Profile
+from lightning_galvatron.profiles import HardwareProfile, OptimizerProbe, Profile
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +128,16 @@ def profile(
         return None
 
     started = time.perf_counter()
-    hardware = profile_hardware(world_size, devices_per_node, device_type=device.type, budget_s=hardware_budget_s)
+    cluster_on = _cluster_fingerprint(device_kind, world_size, devices_per_node, backend, hardware_budget_s, device)
+    known = [_cached_cluster(store, cluster_on) if rank == 0 else None]
+    _broadcast(known, device)
+    if known[0] is not None:
+        hardware = HardwareProfile.from_dict(known[0]["hardware"])
+        optimizer = tuple(OptimizerProbe.from_dict(o, "optimizer") for o in known[0]["optimizer"])
+        log.info("using the cached measurements of the cluster %s", store.cluster_path(cluster_on))
+    else:
+        hardware = profile_hardware(world_size, devices_per_node, device_type=device.type, budget_s=hardware_budget_s)
+        optimizer = None
     model, overheads = measure_model(
         module,
         structure,
@@ -137,6 +148,7 @@ def profile(
         degrees=degrees,
         device=device,
         overheads=True,
+        optimizer_probes=optimizer,
     )
     result = Profile(
         model,
@@ -149,6 +161,8 @@ def profile(
     chosen = [result.to_dict() if rank == 0 else None]
     if store is not None and rank == 0 and key is not None:
         store.save(key, result)
+        if known[0] is None and overheads is not None and overheads.optimizer:
+            store.save_cluster(cluster_on, hardware, overheads.optimizer)
     _broadcast(chosen, device)
     return Profile.from_dict(chosen[0])
 
@@ -161,6 +175,32 @@ def _cache(cache: ProfileCache | str | os.PathLike | bool | None) -> ProfileCach
     if isinstance(cache, ProfileCache):
         return cache
     return ProfileCache(cache)
+
+
+def _cluster_fingerprint(
+    device_kind: str, world_size: int, devices_per_node: int, backend: str, budget_s: float, device: torch.device
+) -> dict[str, Any]:
+    """What the model-independent measurements (the interconnect, the optimizer) were taken on; collective (every
+    rank's host name: another set of nodes is another cluster)."""
+    hosts: list[Any] = [None] * world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    return cluster_fingerprint(
+        device_kind=device_kind,
+        world_size=world_size,
+        devices_per_node=devices_per_node,
+        backend=backend,
+        hosts=hosts,
+        extra={"hardware_budget_s": budget_s, "overheads": OVERHEADS_VERSION},
+    )
+
+
+def _cached_cluster(store: ProfileCache | None, measured_on: dict[str, Any]) -> dict[str, Any] | None:
+    """The cached cluster measurements as plain data (to broadcast), or ``None``."""
+    found = store.load_cluster(measured_on) if store is not None else None
+    if found is None:
+        return None
+    hardware, optimizer = found
+    return {"hardware": hardware.to_dict(), "optimizer": [o.to_dict() for o in optimizer]}
 
 
 def _broadcast(objects: list[Any], device: torch.device) -> None:

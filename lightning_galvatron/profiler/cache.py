@@ -17,6 +17,11 @@ so a reader never sees half a file; a file that cannot be read anyway (corrupt, 
 version) is reported with a warning naming it and treated as missing, and the caller profiles again
 and overwrites it.
 
+What does not depend on the model -- the interconnect (:func:`~lightning_galvatron.profiler.profile_hardware`)
+and the optimizer's per-tensor and per-element costs -- is cached apart, under ``<directory>/clusters/``, keyed by
+:func:`cluster_fingerprint` (the device kind, backend, world size, devices per node, the nodes' host names and
+the torch version): a new model on the same cluster measures only itself.
+
 A file is not trusted for its name alone: each profile carries its :func:`fingerprint` (what the key is
 the digest of), and a cached profile whose fingerprint differs from the live one, or whose content
 contradicts the live model (:func:`contradiction`: block count, parameters per block, devices per node)
@@ -29,13 +34,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_galvatron.profiles import PROFILE_VERSION, Profile, ProfileError
+from lightning_galvatron.jsonfile import write_atomically
+from lightning_galvatron.profiles import PROFILE_VERSION, HardwareProfile, OptimizerProbe, Profile, ProfileError
 
 ENV_VAR = "LIGHTNING_GALVATRON_CACHE"
 
@@ -99,10 +104,39 @@ def fingerprint(
     return json.loads(json.dumps(content, sort_keys=True, default=str))  # exactly what a JSON file gives back
 
 
+def cluster_fingerprint(
+    *,
+    device_kind: str,
+    world_size: int,
+    devices_per_node: int,
+    backend: str,
+    hosts: list[str],
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Everything the model-independent measurements depend on, as plain JSON: the cluster's shape and kind and
+    its nodes (``hosts``: the host name of every rank, in rank order), the profile format and the torch version."""
+    import torch
+
+    content = {
+        "device": device_kind,
+        "world_size": world_size,
+        "devices_per_node": devices_per_node,
+        "backend": backend,
+        "hosts": list(hosts),
+        "format_version": PROFILE_VERSION,
+        "torch": torch.__version__,
+        "extra": dict(extra or {}),
+    }
+    return json.loads(json.dumps(content, sort_keys=True, default=str))
+
+
+def _digest(content: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]
+
+
 def cache_key(model_signature: str, **what: Any) -> str:
     """The hex digest (32 characters) of the :func:`fingerprint` (same arguments): the cache file's name."""
-    text = json.dumps(fingerprint(model_signature, **what), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return _digest(fingerprint(model_signature, **what))
 
 
 def contradiction(profile: Profile, structure: Any, devices_per_node: int) -> str | None:
@@ -166,15 +200,44 @@ class ProfileCache:
     def save(self, key: str, profile: Profile) -> Path:
         """Write atomically: a temporary file in the same directory, renamed over the target."""
         path = self.path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=path.parent)
+        write_atomically(path, profile.to_json() + "\n")
+        return path
+
+    def cluster_path(self, fingerprint: Mapping[str, Any]) -> Path:
+        return self.directory / "clusters" / f"{_digest(fingerprint)}.json"
+
+    def load_cluster(self, fingerprint: Mapping[str, Any]) -> tuple[HardwareProfile, tuple[OptimizerProbe, ...]] | None:
+        """The hardware profile and optimizer probes measured on the cluster ``fingerprint`` (a
+        :func:`cluster_fingerprint`) describes, or ``None`` (with a warning when a file is there but unusable)."""
+        path = self.cluster_path(fingerprint)
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(profile.to_json() + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict) or data.get("fingerprint") != dict(fingerprint):
+                raise ProfileError("it was measured on another cluster (its fingerprint differs)")
+            optimizer = data.get("optimizer")
+            if not isinstance(optimizer, list) or not optimizer:
+                raise ProfileError("it has no optimizer probes")
+            return (
+                HardwareProfile.from_dict(data.get("hardware")),
+                tuple(OptimizerProbe.from_dict(o, f"optimizer[{i}]") for i, o in enumerate(optimizer)),
+            )
+        except FileNotFoundError:
+            return None
+        except (OSError, ProfileError, TypeError, ValueError) as err:
+            warnings.warn(f"ignoring the cached cluster measurements {path} ({err}); measuring again", stacklevel=2)
+            return None
+
+    def save_cluster(
+        self, fingerprint: Mapping[str, Any], hardware: HardwareProfile, optimizer: tuple[OptimizerProbe, ...]
+    ) -> Path:
+        """Store what :meth:`load_cluster` returns (atomically, as :meth:`save`)."""
+        path = self.cluster_path(fingerprint)
+        content = {
+            "fingerprint": dict(fingerprint),
+            "hardware": hardware.to_dict(),
+            "optimizer": [o.to_dict() for o in optimizer],
+        }
+        write_atomically(path, json.dumps(content, indent=1, sort_keys=True) + "\n")
         return path
 
 
@@ -182,6 +245,7 @@ __all__ = [
     "ENV_VAR",
     "ProfileCache",
     "cache_key",
+    "cluster_fingerprint",
     "contradiction",
     "default_cache_dir",
     "fingerprint",

@@ -27,7 +27,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -37,6 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_galvatron.jsonfile import write_atomically
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.search.calibration import Calibration
 from lightning_galvatron.search.report import plan_summary, text_table
@@ -214,15 +214,7 @@ class SelectionCache:
 
     def save(self, key: str, selection: Selection) -> Path:
         path = self.path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(selection.to_dict(), indent=1) + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(path, json.dumps(selection.to_dict(), indent=1) + "\n")
         return path
 
 

@@ -72,7 +72,7 @@ from lightning_galvatron.profiler.model.setup import (
     block_signature,
 )
 from lightning_galvatron.profiler.model.vocabulary import _profile_vocab
-from lightning_galvatron.profiles import ModelProfile, Overheads
+from lightning_galvatron.profiles import ModelProfile, OptimizerProbe, Overheads
 
 
 def profile_model(
@@ -131,9 +131,11 @@ def measure_model(
     device: torch.device | str | None = None,
     name: str | None = None,
     overheads: bool = False,
+    optimizer_probes: Sequence[OptimizerProbe] | None = None,
 ) -> tuple[ModelProfile, Overheads | None]:
     """:func:`profile_model`, and with ``overheads`` (needs a live process group) the per-call overheads
-    of its blocks, of the optimizer, of pipeline schedules and of DDP's gradient reduction (phase 5)."""
+    of its blocks, of the optimizer (unless ``optimizer_probes`` of this cluster are given: they do not depend on
+    the model), of pipeline schedules and of DDP's gradient reduction (phase 5)."""
     if any(p.is_meta for p in module.parameters()):
         raise ValueError("the model has parameters on the meta device: profile it after its weights are materialised")
     sizes = sorted({int(b) for b in batch_sizes})
@@ -164,7 +166,13 @@ def measure_model(
             in_blocks = {id(p) for b in blocks for p in b.parameters()}
             vocab_tensors = sum(1 for p in module.parameters() if id(p) not in in_blocks)
             measured = measure_overheads(
-                profilers, layer_types, degrees, vocab_tensors, device, [len(t.members) for t in types]
+                profilers,
+                layer_types,
+                degrees,
+                vocab_tensors,
+                device,
+                [len(t.members) for t in types],
+                optimizer_probes=optimizer_probes,
             )
     first = layer_types[0]
     block_index = {i: k for k, t in enumerate(types) for i in t.members}

@@ -65,11 +65,13 @@ def measure_overheads(
     vocab_tensors: int,
     device: torch.device,
     blocks_per_type: Sequence[int] | None = None,
+    optimizer_probes: Sequence[OptimizerProbe] | None = None,
 ) -> Overheads:
     """Call probes of each block type (plain, recomputed, ZeRO-2, ZeRO-3 over the world, each tensor-parallel
-    style at each measured degree), optimizer probes and, with two ranks or more, pipeline and
-    reduction probes of the first block type (over ``blocks_per_type[0]`` copies, within :data:`REDUCTION_BLOCKS`
-    and :data:`REDUCTION_BYTES`); seconds are the slowest rank's. Collective."""
+    style at each measured degree), optimizer probes (unless given: they are the cluster's, not the model's) and,
+    with two ranks or more, pipeline and reduction probes of the first block type (over ``blocks_per_type[0]``
+    copies, within :data:`REDUCTION_BLOCKS` and :data:`REDUCTION_BYTES`); seconds are the slowest rank's.
+    Collective."""
     from torch.distributed._composable import checkpoint
 
     from lightning_galvatron.precision import mixed_precision_policy
@@ -98,7 +100,7 @@ def measure_overheads(
                 block = profiler.split_copy(g, world, style)
                 split = 1 if style == "none" else g
                 probes.append((k, LayerStrategy(tp=g, sp=style), _time_call(profiler, block, batch, split)))
-    optimizer = _optimizer_probes(world, device, dp_mesh)
+    optimizer = _optimizer_probes(world, device, dp_mesh) if optimizer_probes is None else []
     pipelines = _pipeline_probes(profilers[0], world, device) if world > 1 else []
     block_bytes = sum(p.numel() * p.element_size() for p in profilers[0].block.parameters())
     copies = max(min((blocks_per_type or [1])[0], REDUCTION_BLOCKS, REDUCTION_BYTES // max(block_bytes, 1)), 1)
@@ -119,7 +121,8 @@ def measure_overheads(
         for (k, strategy, _), s in zip(probes, seconds)
     )
     seconds = seconds[len(probes) :]
-    optimizer_probes = tuple(OptimizerProbe(n, e, d, s) for (n, e, d, _), s in zip(optimizer, seconds))
+    if optimizer:
+        optimizer_probes = tuple(OptimizerProbe(n, e, d, s) for (n, e, d, _), s in zip(optimizer, seconds))
     seconds = seconds[len(optimizer) :]
     pipeline_probes = tuple(dataclasses.replace(p, seconds=s) for p, s in zip(pipelines, seconds))
     seconds = seconds[len(pipelines) :]
