@@ -4,7 +4,9 @@
 the profile up in the on-disk cache on rank 0, otherwise measures the hardware
 (:mod:`.hardware`) and the model (:mod:`.model`) on all ranks, stores rank 0's result and
 broadcasts it, so every rank returns the very same profile and the search that follows picks the
-same plan everywhere.
+same plan everywhere. What does not depend on the model (the interconnect, the optimizer probes) is
+looked up in the cache's cluster part first (:meth:`ProfileCache.load_cluster`): a new model on the
+same cluster measures only itself.
 """
 
 from __future__ import annotations
