@@ -28,11 +28,20 @@ def cluster_measurements(tmp_path_factory):
     return tmp_path_factory.mktemp("clusters")
 
 
+@pytest.fixture(scope="session")
+def linked_profile_cache(cluster_measurements):
+    """``linked_profile_cache(directory)``: ``directory`` made a profile cache of its own (every model is profiled
+    cold) whose ``clusters/`` links to the session's :func:`cluster_measurements`."""
+
+    def make(directory):
+        directory.mkdir(exist_ok=True)
+        (directory / "clusters").symlink_to(cluster_measurements, target_is_directory=True)
+        return directory
+
+    return make
+
+
 @pytest.fixture
-def profile_cache(tmp_path, cluster_measurements):
-    """A profile cache of the test's own (every model is profiled cold) that shares the session's cluster
-    measurements (``<cache>/clusters`` links to :func:`cluster_measurements`)."""
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    (cache / "clusters").symlink_to(cluster_measurements, target_is_directory=True)
-    return cache
+def profile_cache(tmp_path, linked_profile_cache):
+    """A profile cache of the test's own that shares the session's cluster measurements."""
+    return linked_profile_cache(tmp_path / "cache")

@@ -150,12 +150,10 @@ def _matrix(pools, cache_dir: str, name: str) -> tuple[RunResult, dict[str, RunR
 
 
 @pytest.fixture(scope="module")
-def family_profiles(tmp_path_factory, cluster_measurements) -> str:
+def family_profiles(tmp_path_factory, linked_profile_cache) -> str:
     """One profile cache for the module: each model is profiled once (both automatic plans), the cluster once for
     the session (the shared cluster measurements)."""
-    cache = tmp_path_factory.mktemp("profiles")
-    (cache / "clusters").symlink_to(cluster_measurements, target_is_directory=True)
-    return str(cache)
+    return str(linked_profile_cache(tmp_path_factory.mktemp("profiles")))
 
 
 @pytest.mark.parametrize("name, case", [pytest.param(n, c, id=f"{n}-{c}") for n in FAMILIES for c in CASES])

@@ -130,9 +130,11 @@ def profile(
         return None
 
     started = time.perf_counter()
-    cluster_on = _cluster_fingerprint(device_kind, world_size, devices_per_node, backend, hardware_budget_s, device)
-    known = [_cached_cluster(store, cluster_on) if rank == 0 else None]
-    _broadcast(known, device)
+    known: list[Any] = [None]
+    if store is not None:  # the same on every rank (from ``cache``)
+        cluster_on = _cluster_fingerprint(device_kind, world_size, devices_per_node, backend, hardware_budget_s)
+        known = [_cached_cluster(store, cluster_on) if rank == 0 else None]
+        _broadcast(known, device)
     if known[0] is not None:
         hardware = HardwareProfile.from_dict(known[0]["hardware"])
         optimizer = tuple(OptimizerProbe.from_dict(o, "optimizer") for o in known[0]["optimizer"])
@@ -180,7 +182,7 @@ def _cache(cache: ProfileCache | str | os.PathLike | bool | None) -> ProfileCach
 
 
 def _cluster_fingerprint(
-    device_kind: str, world_size: int, devices_per_node: int, backend: str, budget_s: float, device: torch.device
+    device_kind: str, world_size: int, devices_per_node: int, backend: str, budget_s: float
 ) -> dict[str, Any]:
     """What the model-independent measurements (the interconnect, the optimizer) were taken on; collective (every
     rank's host name: another set of nodes is another cluster)."""
@@ -196,9 +198,9 @@ def _cluster_fingerprint(
     )
 
 
-def _cached_cluster(store: ProfileCache | None, measured_on: dict[str, Any]) -> dict[str, Any] | None:
+def _cached_cluster(store: ProfileCache, measured_on: dict[str, Any]) -> dict[str, Any] | None:
     """The cached cluster measurements as plain data (to broadcast), or ``None``."""
-    found = store.load_cluster(measured_on) if store is not None else None
+    found = store.load_cluster(measured_on)
     if found is None:
         return None
     hardware, optimizer = found

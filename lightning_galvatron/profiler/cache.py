@@ -87,8 +87,6 @@ def fingerprint(
     ``sample_shapes`` is any JSON-able description of one sample (e.g. the shapes and dtypes of the
     batch's tensors without the batch dimension): it carries the sequence length.
     """
-    import torch
-
     content = {
         "model": hashlib.sha256(model_signature.encode()).hexdigest()[:32],
         "precision": precision,
@@ -97,11 +95,9 @@ def fingerprint(
         "world_size": world_size,
         "devices_per_node": devices_per_node,
         "backend": backend,
-        "format_version": PROFILE_VERSION,
-        "torch": torch.__version__,
         "extra": dict(extra or {}),
     }
-    return json.loads(json.dumps(content, sort_keys=True, default=str))  # exactly what a JSON file gives back
+    return _as_measured_on(content)
 
 
 def cluster_fingerprint(
@@ -115,19 +111,24 @@ def cluster_fingerprint(
 ) -> dict[str, Any]:
     """Everything the model-independent measurements depend on, as plain JSON: the cluster's shape and kind and
     its nodes (``hosts``: the host name of every rank, in rank order), the profile format and the torch version."""
-    import torch
-
     content = {
         "device": device_kind,
         "world_size": world_size,
         "devices_per_node": devices_per_node,
         "backend": backend,
         "hosts": list(hosts),
-        "format_version": PROFILE_VERSION,
-        "torch": torch.__version__,
         "extra": dict(extra or {}),
     }
-    return json.loads(json.dumps(content, sort_keys=True, default=str))
+    return _as_measured_on(content)
+
+
+def _as_measured_on(content: Mapping[str, Any]) -> dict[str, Any]:
+    """``content`` with the profile format and the torch version (new kernels, new numbers), exactly as a JSON file
+    gives it back."""
+    import torch
+
+    stamped = {**content, "format_version": PROFILE_VERSION, "torch": torch.__version__}
+    return json.loads(json.dumps(stamped, sort_keys=True, default=str))
 
 
 def _digest(content: Mapping[str, Any]) -> str:
