@@ -19,7 +19,10 @@ Settings (budgets per device, derived from the peaks the uniform plans *measured
 * ``zero3-recompute-only``: halfway between ZeRO-3 with recomputation's peak and the next smallest (only it fits);
 * ``max_pp=1``: the ``no-ddp`` budget with pipelines switched off (``GalvatronStrategy(max_pp=1)``), where the best
   plan may mix strategies per block; it is compared with the fitting baselines without a pipeline (the user ruled
-  pipelines out), and its gain over the best of them that is a uniform plan is the per-layer search's.
+  pipelines out), and its gain over the best of them that is a uniform plan is the per-layer search's. What a mixed
+  plan *can* gain is measured too: hand-built mixed plans (``mixed-m{1,2}-rc{k}``: DDP, the first ``k`` blocks
+  recomputed, over 1 or 2 micro-batches; never counted as baselines) run beside the others, and the fastest that
+  fits is reported against the best uniform plan.
 
 A configuration *fits* a budget if its measured peak per rank (allocator-level, ``harness.py``) does. Runs are
 interleaved over ``--rounds`` rounds; throughput ratios ``auto / other`` are taken per round and their median
@@ -77,6 +80,30 @@ def uniform_plans(model: BenchModel, world: int) -> dict[str, ParallelPlan]:
     if W > 2:
         plans[f"pp{W}-gpipe-m4"] = uniform(S(), pp=W, schedule="gpipe", micro_batches=4)
     return plans
+
+
+#: Name prefix of the hand-built mixed plans (:func:`mixed_plans`): measured to bound the per-layer search's gain,
+#: never counted as a baseline (no user picks them without the search).
+MIXED = "mixed-"
+
+
+def mixed_plans(model: BenchModel, world: int) -> dict[str, ParallelPlan]:
+    """Mixed plans of the kind the per-layer search trains when pure DDP does not fit and pipelines are off: DDP
+    with the first ``k`` blocks recomputed and the rest not, over 1 or 2 micro-batches, for every ``k`` between
+    none and all. Measured beside the uniform plans, the fastest that fits is what a mixed plan can gain on this
+    machine (the ceiling the default path's ``max_pp=1`` figure is read against)."""
+    L, B, W = model.n_layer, model.global_batch, world
+    return {
+        f"{MIXED}m{m}-rc{k}": ParallelPlan(
+            world_size=W,
+            layers=tuple(S(recompute=i < k) for i in range(L)),
+            vocab=S(),
+            micro_batches=m,
+            global_batch_size=B,
+        )
+        for m in (1, 2)
+        for k in range(1, L)
+    }
 
 
 def run(spec: dict, model: BenchModel, warmup: int, timed: int, memory: bool) -> dict:
@@ -204,7 +231,7 @@ def measure_world(pools: Pools, world: int, model: BenchModel, args: Any, scratc
     """Every configuration on ``world`` processes, ``args.rounds`` rounds; budgets from the first round's peaks."""
     baselines = {
         name: {"kind": "galvatron", "kwargs": {"plan": plan.to_dict()}}
-        for name, plan in uniform_plans(model, world).items()
+        for name, plan in {**uniform_plans(model, world), **mixed_plans(model, world)}.items()
     }
     baselines.update({name: {"kind": name} for name in LIGHTNING})
     runs: dict[str, list[dict]] = {}
@@ -226,7 +253,7 @@ def measure_world(pools: Pools, world: int, model: BenchModel, args: Any, scratc
     for name, spec in baselines.items():
         measure(name, spec, True)
     peaks = {name: _peak(rs) for name, rs in runs.items() if _peak(rs) is not None}
-    settings = budgets(peaks)
+    settings = budgets({name: peak for name, peak in peaks.items() if not name.startswith(MIXED)})
     for name, setting in settings.items():
         print(f"  budget {name}: {mib(setting['budget_bytes']) if setting['budget_bytes'] else '-'} ({setting['why']})")
 
@@ -332,12 +359,25 @@ def ratios(runs: dict[str, list[dict]], settings: dict[str, dict]) -> dict[str, 
         fitting = {k: v for k, v in row["versus"].items() if v["fits"]}
         if setting.get("strategy", {}).get("max_pp") == 1:  # the user ruled pipelines out: so do the baselines
             fitting = {k: v for k, v in fitting.items() if not k.startswith("pp")}
+        mixed = {k: v for k, v in fitting.items() if k.startswith(MIXED)}
+        fitting = {k: v for k, v in fitting.items() if k not in mixed}
         if fitting:
             best = min(fitting, key=lambda k: fitting[k]["step_s"])
             row["best_baseline"] = best
             uniform = {k: v for k, v in fitting.items() if k not in LIGHTNING}
             if uniform:
                 row["best_uniform"] = min(uniform, key=lambda k: uniform[k]["step_s"])
+        # The mixed plans have no pipeline: they bound the per-layer search's gain where pipelines are off.
+        if mixed and setting.get("strategy", {}).get("max_pp") == 1:
+            row["best_mixed"] = min(mixed, key=lambda k: mixed[k]["step_s"])
+            if "best_uniform" in row:  # per round, as every ratio: the best uniform plan's step over the mixed one's
+                best_uniform = runs[row["best_uniform"]]
+                pairs = [
+                    (u, x)
+                    for u, x in zip(best_uniform, runs[row["best_mixed"]])
+                    if "error" not in u and "error" not in x
+                ]
+                row["mixed_over_uniform"] = statistics.median(u["step_time_s"] / x["step_time_s"] for u, x in pairs)
         out[name] = row
     return out
 
@@ -370,14 +410,19 @@ def report_world(result: dict, world: int, model: BenchModel) -> None:
                 f"{'yes' if v['fits'] else 'NO':>5s} "
                 f"{v['throughput_ratio']:7.2f}x {v['amortised_ratio']:8.2f}x"
             )
-        for label in ("best_baseline", "best_uniform"):
+        for label in ("best_baseline", "best_uniform", "best_mixed"):
             if label in row:
                 v = row["versus"][row[label]]
                 print(
-                    f"  default path vs the {label.replace('_', ' ')} that fits ({row[label]}): "
-                    f"{v['throughput_ratio']:.2f}x "
+                    f"  default path vs the {label.replace('_', ' ')} {'plan ' if label == 'best_mixed' else ''}"
+                    f"that fits ({row[label]}): {v['throughput_ratio']:.2f}x "
                     f"steady, {v['amortised_ratio']:.2f}x with setup amortised over {AMORTISED_STEPS} steps"
                 )
+        if "mixed_over_uniform" in row:
+            print(
+                f"  the best mixed plan that fits ({row['best_mixed']}) vs the best uniform ({row['best_uniform']}): "
+                f"{row['mixed_over_uniform']:.2f}x (what the per-layer search can gain here)"
+            )
 
 
 def plot(results: dict, path: Path, model: BenchModel) -> None:
