@@ -23,7 +23,8 @@ whose gradient is missing on every rank keeps ``grad=None`` as in single-process
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -111,6 +112,20 @@ def _like(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
     return local
 
 
+def _weakly(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
+    """A gradient hook that calls ``method`` while its object lives. A parameter's hooks are held from C++, where the
+    garbage collector cannot see the cycle parameter -> hook -> reducer -> bucket -> parameter: a bound method as the
+    hook kept every model a process had fitted alive after its Trainer and strategy were gone."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: nn.Parameter) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(param)
+
+    return hook
+
+
 @dataclass
 class GradientReducer:
     """Sums the gradients of registered parameters over their dp groups once per optimizer step."""
@@ -170,7 +185,7 @@ class GradientReducer:
         for bucket in self._buckets:
             for p in bucket.params:
                 self._bucket_of[id(p)] = bucket
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_gradient))
+                self._hooks.append(p.register_post_accumulate_grad_hook(_weakly(self._on_gradient)))
         self._pending = []
 
     @property
