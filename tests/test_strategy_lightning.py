@@ -275,15 +275,20 @@ def test_user_registered_tensor_parallel_plan(pools):
     assert_close_runs(result, expected, **FP32_TOL)
 
 
-def _parameters_alive_after_fit(plan: ParallelPlan) -> list[str]:
-    """Fit through the strategy keeping only weak references to the trained parameters; the names of those still
-    alive once the Trainer, strategy and module are dropped."""
+def _parameters_left_after_fit(strategy_kwargs: dict) -> tuple[list[str], int]:
+    """Fit through the strategy keeping only weak references to the trained parameters: the names of those still
+    alive once the Trainer, strategy and module are dropped, and how many more parameters the process holds than
+    before (copies made for profiling or trials included)."""
     import gc
     import weakref
 
     from torch.utils.data import DataLoader
 
     from tests.helpers.training import dataset, tiny_gpt
+
+    def live_parameters() -> int:
+        gc.collect()
+        return sum(isinstance(o, torch.nn.Parameter) for o in gc.get_objects())
 
     trained: list[tuple[str, weakref.ref]] = []
 
@@ -295,7 +300,7 @@ def _parameters_alive_after_fit(plan: ParallelPlan) -> list[str]:
         trainer = L.Trainer(
             accelerator="cpu",
             devices=4,
-            strategy=GalvatronStrategy(plan=plan, save_plan=False),
+            strategy=GalvatronStrategy(save_plan=False, **strategy_kwargs),
             max_steps=2,
             logger=False,
             enable_checkpointing=False,
@@ -305,15 +310,20 @@ def _parameters_alive_after_fit(plan: ParallelPlan) -> list[str]:
         )
         trainer.fit(tiny_gpt(), DataLoader(dataset(32), batch_size=2))
 
+    before = live_parameters()
     fit()
-    gc.collect()
-    return [name for name, ref in trained if ref() is not None]
+    more = live_parameters() - before  # collects first
+    return [name for name, ref in trained if ref() is not None], more
 
 
-def test_a_fitted_model_is_freed_with_its_trainer(pools):
+@pytest.mark.parametrize("automatic", [False, True], ids=["mixed_pipelined_plan", "automatic_plan"])
+def test_a_fitted_model_is_freed_with_its_trainer(pools, profile_cache, automatic):
     """Sweeps and notebooks fit many models in one process. The ddp layers' gradient hooks once kept every fitted
-    model alive (a cycle through hooks held from C++, which the garbage collector cannot see); a plan with ddp,
-    ZeRO-3, tensor-parallel and recomputed blocks over a pipeline must leave nothing behind."""
+    model alive, and the profiler every block copy it measured (cycles through objects held in C++, which the
+    garbage collector cannot see). A plan with ddp, ZeRO-3, tensor-parallel and recomputed blocks over a pipeline,
+    and the automatic plan (profile, search, trials), must leave nothing behind."""
+    from tests.helpers.training import QUICK_TRIALS
+
     plan = ParallelPlan(
         world_size=4,
         layers=(S(), S(dp_type="zero3"), S(tp=2), S(recompute=True)),
@@ -322,5 +332,11 @@ def test_a_fitted_model_is_freed_with_its_trainer(pools):
         schedule="1f1b",
         micro_batches=2,
     )
-    for alive in pools(4).run(_parameters_alive_after_fit, plan):
+    kwargs = (
+        dict(memory_budget="2GB", profile_cache=str(profile_cache), trials=QUICK_TRIALS)
+        if automatic
+        else dict(plan=plan)
+    )
+    for alive, more in pools(4).run(_parameters_left_after_fit, kwargs):
         assert alive == [], f"{len(alive)} parameters outlived their Trainer, e.g. {alive[:3]}"
+        assert more == 0, f"the process holds {more} more parameters than before the fit"

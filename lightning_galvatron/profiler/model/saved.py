@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
@@ -47,7 +48,11 @@ class SavedTensorCounter:
         elif key not in self.seen:
             self.seen.add(key)
             self.bytes[self.phase] += _storage_bytes(tensor)
-        return tensor
+        # Detached: a saved output packed as itself points back, through its grad_fn, at the node that holds it, a
+        # cycle through C++ that the garbage collector cannot free (it kept every profiled block copy, and the
+        # parameters its graph reached, alive in the process). Fake tensors (the dry run) stay as they were: freeing
+        # their graphs after their fake mode is gone crashed the interpreter at a later collection (torch 2.13).
+        return tensor if isinstance(local_tensor(tensor), FakeTensor) else tensor.detach()
 
     def __enter__(self) -> SavedTensorCounter:
         self._hooks.__enter__()
