@@ -58,6 +58,17 @@ REFUSED = {
 }
 
 
+#: pp=2 with 1F1B on an uneven partition, over ddp, ZeRO-3, tensor-parallel and recomputed blocks.
+PP_1F1B_MIXED = ParallelPlan(
+    world_size=4,
+    layers=(S(), S(dp_type="zero3"), S(tp=2), S(recompute=True)),
+    pp=2,
+    partition=(1, 3),
+    schedule="1f1b",
+    micro_batches=2,
+)
+
+
 def _widest_degree(blocks: list, sp: str) -> int:
     """4 where every block's plan runs it, else 2 (grouped-query attention with 2 key/value heads)."""
     plans = [tensor_parallel_plan(b) for b in blocks]
@@ -106,16 +117,7 @@ def cases(name: str) -> dict[str, dict]:
                 vocab=S(tp=2),
             )
         ),
-        "pp_1f1b": dict(
-            plan=ParallelPlan(
-                world_size=4,
-                layers=(S(), S(dp_type="zero3"), S(tp=2), S(recompute=True)),
-                pp=2,
-                partition=(1, 3),
-                schedule="1f1b",
-                micro_batches=2,
-            )
-        ),
+        "pp_1f1b": dict(plan=PP_1F1B_MIXED),
         "pp_interleaved": dict(
             plan=ParallelPlan.uniform(
                 4,

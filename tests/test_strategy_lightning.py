@@ -284,7 +284,7 @@ def _parameters_left_after_fit(strategy_kwargs: dict) -> tuple[list[str], int]:
 
     from torch.utils.data import DataLoader
 
-    from tests.helpers.training import dataset, tiny_gpt
+    from tests.helpers.training import _trainer, dataset, tiny_gpt
 
     def live_parameters() -> int:
         gc.collect()
@@ -297,17 +297,8 @@ def _parameters_left_after_fit(strategy_kwargs: dict) -> tuple[list[str], int]:
             trained.extend((name, weakref.ref(p)) for name, p in pl_module.named_parameters())
 
     def fit() -> None:  # everything it makes goes out of scope when it returns
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=4,
-            strategy=GalvatronStrategy(save_plan=False, **strategy_kwargs),
-            max_steps=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[Remember()],
-        )
+        trainer, _ = _trainer(GalvatronStrategy(save_plan=False, **strategy_kwargs), 4, "32-true", max_steps=2)
+        trainer.callbacks.append(Remember())
         trainer.fit(tiny_gpt(), DataLoader(dataset(32), batch_size=2))
 
     before = live_parameters()
@@ -323,19 +314,12 @@ def test_a_fitted_model_is_freed_with_its_trainer(pools, profile_cache, automati
     garbage collector cannot see). A plan with ddp, ZeRO-3, tensor-parallel and recomputed blocks over a pipeline,
     and the automatic plan (profile, search, trials), must leave nothing behind."""
     from tests.helpers.training import QUICK_TRIALS
+    from tests.test_family_matrix import PP_1F1B_MIXED
 
-    plan = ParallelPlan(
-        world_size=4,
-        layers=(S(), S(dp_type="zero3"), S(tp=2), S(recompute=True)),
-        pp=2,
-        partition=(1, 3),
-        schedule="1f1b",
-        micro_batches=2,
-    )
     kwargs = (
         dict(memory_budget="2GB", profile_cache=str(profile_cache), trials=QUICK_TRIALS)
         if automatic
-        else dict(plan=plan)
+        else dict(plan=PP_1F1B_MIXED)
     )
     for alive, more in pools(4).run(_parameters_left_after_fit, kwargs):
         assert alive == [], f"{len(alive)} parameters outlived their Trainer, e.g. {alive[:3]}"
