@@ -31,7 +31,7 @@ from lightning_galvatron.search.space import (
     pipeline_degrees,
     vocab_candidates,
 )
-from lightning_galvatron.search.working import RESERVE_LEVELS, working_memory_bytes
+from lightning_galvatron.search.working import RESERVE_LEVELS, level_bounds
 from tests.search_profiles import synthetic_profile
 
 ENUMERATION_LIMIT = 120_000
@@ -99,7 +99,8 @@ class Oracle:
                     memory += vc.memory(k)[0]
             time += p2p_transfers(pp, r, v) * cm.p2p_time(ctx, model.hidden_size, model.seq_length)
             memory += profile.hardware.memory_overhead_bytes
-            # The search solves each reserve level apart: a level's assignments hold back its reserve.
+            # The search solves each reserve level apart: a level's assignments hold back its reserve, which with one
+            # chunk per rank depends on what the last block stores (the replay only adds what exceeds it).
             rank_types = [model.layer_types[t] for t in sorted({model.blocks[i] for i in blocks})]
             recomputes = np.zeros(len(choices), dtype=bool)
             gathers = np.zeros(len(choices), dtype=bool)
@@ -107,10 +108,21 @@ class Oracle:
                 cands = self.candidates[model.blocks[i]]
                 recomputes |= np.array([c.recompute for c in cands])[choices[:, pos]]
                 gathers |= np.array([c.dp_type == "zero3" for c in cands])[choices[:, pos]]
+            last_type = model.blocks[blocks[-1]]
+            last_costs = block_costs(
+                cm, model.layer_types[last_type], StrategyArrays.build(self.candidates[last_type]), ctx
+            )
+            last_recomputes = np.array([c.recompute for c in self.candidates[last_type]])[choices[:, -1]]
+            last_stores = last_costs.activation_bytes[choices[:, -1]]
             levels = {}
             for level, (recompute, gather) in RESERVE_LEVELS.items():
                 admitted = (recompute | ~recomputes) & (gather | ~gathers)
-                reserve = working_memory_bytes(cm, rank_types, ctx, level)
+                replay, gathered = level_bounds(cm, rank_types, ctx, level)
+                if v == 1:
+                    freed = np.where(last_recomputes, 0.0, last_stores)
+                    reserve = gathered + replay - np.minimum(replay, freed)
+                else:
+                    reserve = replay + gathered
                 levels[level] = np.where(admitted, memory + reserve, np.inf)
             self.rank_blocks.append(blocks)
             self.rank_time.append(time)

@@ -229,3 +229,48 @@ def test_a_plain_plan_holds_back_no_reserve_for_recomputation_or_gathering(profi
     r = search(profile, 8, budget, global_batch_size=16, options=SearchOptions(max_pp=1), baselines=False)
     assert all(s.dp_type != "zero3" and not s.recompute for s in r.plan.layers)
     assert r.peak_memory_bytes_per_device <= budget
+
+
+def test_a_replay_needs_only_what_the_blocks_after_it_freed(profile):
+    """Backward frees the blocks after a recomputed one before it replays: recomputing the first blocks of a stage
+    whose last block stores a replay's worth needs no reserve, evaluate() and the search both know it, and the search
+    finds such a plan where a reserve for every recomputed block would not have fit it."""
+    from lightning_galvatron.search.cost import CostModel, StageContext
+    from lightning_galvatron.search.engine import search_memory_per_stage
+    from lightning_galvatron.search.options import SearchOptions
+    from lightning_galvatron.search.working import working_memory_bytes
+
+    L = profile.model.num_blocks
+    plain, recomputed = LayerStrategy(), LayerStrategy(recompute=True)
+    replay = working_memory_bytes(
+        CostModel(profile), profile.model.layer_types, StageContext(8, 1, 16, 1), "recomputed"
+    )
+    assert replay > 0
+
+    def priced(layers):
+        plan = ParallelPlan(world_size=8, layers=tuple(layers), vocab=plain, global_batch_size=16)
+        return plan, evaluate(profile, plan)
+
+    for layers, working in (
+        ([recomputed] * L, replay),  # the last block replays with nothing freed behind it
+        ([plain] * (L - 1) + [recomputed], replay),
+        ([recomputed] * (L // 2) + [plain] * (L - L // 2), 0.0),
+        ([plain] * 3 + [recomputed] * (L - 4) + [plain], 0.0),
+    ):
+        plan, estimate = priced(layers)
+        assert estimate.stages[0].working_bytes == pytest.approx(working, rel=1e-9, abs=1)
+        # The search prices a stage's reserve by its last block: exact here.
+        (searched,) = search_memory_per_stage(profile, plan)
+        assert searched == pytest.approx(estimate.peak_memory_bytes, rel=1e-9)
+
+    mixed, estimate = priced([recomputed] * (L - 2) + [plain] * 2)
+    budget = int(estimate.peak_memory_bytes * 1.002)  # the DP's rounding (memory_tolerance) needs 0.1%
+    assert budget < estimate.peak_memory_bytes + replay  # a reserve for its recomputed blocks would not fit it
+    options = SearchOptions(max_pp=1, max_tp=1, disable={"zero2", "zero3"}, memory_tolerance=0.001)
+    found = search(profile, 8, budget, global_batch_size=16, options=options, baselines=False)
+    assert found.peak_memory_bytes_per_device <= budget
+    assert found.step_time_s <= estimate.step_time_s * (1 + 1e-9)
+    assert any(s.recompute for s in found.plan.layers) and not found.plan.layers[-1].recompute
+    # Recomputed blocks come first in the plan (each replay then has the most freed behind it).
+    flags = [s.recompute for s in found.plan.layers]
+    assert flags == sorted(flags, reverse=True)

@@ -17,7 +17,10 @@ both statements against exhaustive enumeration.
 
 One run gives the answer for every prefix length and every cap (:meth:`LayerDP.tables`), so stages
 with the same blocks and micro-batches in flight, and every embedding/head strategy (which only
-changes the cap), share it.
+changes the cap), share it. A prefix may also pay a *closing* memory that depends on the strategy of
+its last block (the search's working reserve, :func:`~.working.closing_reserve`): it is added where the
+prefix ends, not carried to the next block, and rounded up to whole cells like a block's memory (one
+rounding more per stage, which the engine's cell size allows for).
 """
 
 from __future__ import annotations
@@ -120,8 +123,24 @@ class LayerDP:
         padded = np.concatenate([np.full((pad, entry.shape[1]), INF), entry], axis=0)
         return np.take(padded, gather) + step.time[order][None, :]
 
-    def tables(self, keep: bool = False) -> np.ndarray:
-        """``best[j, c]``: least time of the first ``j + 1`` blocks using at most ``c`` cells (inf if none fits)."""
+    def _closing_cells(self, i: int, closing: np.ndarray | None) -> np.ndarray | None:
+        """Step ``i``'s closing memory (bytes per column, in the caller's order) in whole cells, in the step's order."""
+        if closing is None:
+            return None
+        order = self.steps[i].prepared(self.cell, self.num_cells)[0]
+        return np.minimum(cells_for(np.asarray(closing, dtype=float)[order], self.cell), self.num_cells)
+
+    def _closed(self, values: np.ndarray, extra: np.ndarray | None) -> np.ndarray:
+        """``values`` of prefixes that end here, each column shifted up by its closing cells."""
+        if extra is None or not extra.any():
+            return values
+        rows = np.arange(self.num_cells)[:, None] - extra[None, :]
+        shifted = np.take_along_axis(values, np.maximum(rows, 0), axis=0)
+        return np.where(rows >= 0, shifted, INF)
+
+    def tables(self, keep: bool = False, closing: Sequence[np.ndarray | None] | None = None) -> np.ndarray:
+        """``best[j, c]``: least time of the first ``j + 1`` blocks using at most ``c`` cells (inf if none fits),
+        with ``closing[j]`` (bytes per column of step ``j``, or None) paid by the prefix that ends at step ``j``."""
         best = np.empty((len(self.steps), self.num_cells))
         by_layout, previous_step = None, None
         self._values = []
@@ -130,21 +149,27 @@ class LayerDP:
             if keep:
                 self._values.append(values)
             by_layout = np.minimum.reduceat(values, step.prepared(self.cell, self.num_cells)[2], axis=1)
-            best[i] = np.minimum.accumulate(by_layout.min(axis=1))
+            extra = self._closing_cells(i, closing[i] if closing is not None else None)
+            ended = by_layout if extra is None else self._closed(values, extra)
+            best[i] = np.minimum.accumulate(ended.min(axis=1))
             previous_step = step
         return best
 
-    def solve(self, cap: int) -> tuple[float, list[int]]:
-        """Least time of all blocks within ``cap`` cells and the chosen strategy index per block."""
+    def solve(self, cap: int, closing: np.ndarray | None = None) -> tuple[float, list[int]]:
+        """Least time of all blocks within ``cap`` cells, the last block's ``closing`` memory included, and the chosen
+        strategy index per block."""
         self.tables(keep=True)
         if cap < 0:
             return INF, []
         cap = min(cap, self.num_cells - 1)
-        last = self._values[-1][: cap + 1]
+        extra = self._closing_cells(len(self.steps) - 1, closing)
+        last = self._closed(self._values[-1], extra)[: cap + 1]
         if not np.isfinite(last).any():
             return INF, []
         m, col = np.unravel_index(int(np.argmin(last)), last.shape)
         time = float(last[m, col])
+        if extra is not None:
+            m = int(m - extra[col])  # the row of the blocks' own memory
         choices = []
         for i in range(len(self.steps) - 1, -1, -1):
             step = self.steps[i]

@@ -9,7 +9,7 @@ import numpy as np
 
 from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
-from lightning_galvatron.profiles import Profile, load_profile
+from lightning_galvatron.profiles import LayerTypeProfile, Profile, load_profile
 from lightning_galvatron.rules import plan_problems
 from lightning_galvatron.search.coefficients import Calibration
 from lightning_galvatron.search.cost import (
@@ -183,7 +183,9 @@ def evaluate(
         time = 0.0
         states = acts = 0.0
         cache: dict[tuple[int, LayerStrategy], Any] = {}
+        chunks: list[list[tuple[LayerTypeProfile, LayerStrategy, float]]] = []  # what the working memory depends on
         for chunk in rank_chunks(rank, pp, v):
+            chunks.append([])
             previous = None
             for i in plan.chunk_layers(chunk):
                 t = model.blocks[i]
@@ -217,6 +219,7 @@ def evaluate(
                         k * float(c.activation_bytes[0]),
                     )
                 )
+                chunks[-1].append((lt, s, float(c.activation_bytes[0])))
                 states += float(c.state_bytes[0])
                 acts += k * float(c.activation_bytes[0])
                 previous = s
@@ -231,9 +234,7 @@ def evaluate(
             ctx, model.hidden_size, model.seq_length
         ) + cm.pipeline_overhead(pp, v)
         layers = plan.stage_layers(rank)
-        working = plan_working_memory_bytes(
-            cm, [(model.layer_types[model.blocks[i]], plan.layers[i]) for i in layers], ctx
-        )
+        working = plan_working_memory_bytes(cm, chunks, ctx)
         stages.append(
             StageEstimate(rank, tuple(layers), k, time, states, acts, vocab_bytes, working, hw.memory_overhead_bytes)
         )

@@ -64,7 +64,13 @@ from lightning_galvatron.search.space import (
     pipeline_degrees,
     vocab_candidates,
 )
-from lightning_galvatron.search.working import RESERVE_LEVELS, admitted_by_level, reserve_level, reserve_table
+from lightning_galvatron.search.working import (
+    RESERVE_LEVELS,
+    admitted_by_level,
+    closing_reserve,
+    reserve_level,
+    reserve_tables,
+)
 
 __all__ = ["Choice", "FixedBatchSolver", "NoAssignment", "Shape", "rank_blocks"]
 
@@ -94,10 +100,22 @@ class Shape:
     vocab_time: np.ndarray  # (pp, V): embedding/head time share per stage
     vocab_memory: np.ndarray  # (pp, V)
     p2p: np.ndarray  # (pp,)
-    working: np.ndarray  # (L+1, J+1) reserve of a stage starting at a with j blocks
+    replay: np.ndarray  # (L+1, J+1) the level's replay bound of a stage starting at a with j blocks
+    gathered: np.ndarray  # (L+1, J+1) the level's gather bound, likewise
     lower_bound: float
     max_blocks: int
-    level: str = "all"  # the reserve level (:data:`~.cost.RESERVE_LEVELS`) whose candidates and reserve these are
+    level: str = "all"  # the reserve level (:data:`~.working.RESERVE_LEVELS`) whose candidates and reserve these are
+
+    @property
+    def working(self) -> np.ndarray:
+        """(L+1, J+1) the reserve of a stage whatever its last block: what interleaved ranks hold back."""
+        return self.replay + self.gathered
+
+    @property
+    def closes_stages(self) -> bool:
+        """Whether a stage's reserve depends on its last block (:func:`~.working.closing_reserve`): one chunk per
+        rank; with several, a rank holds back the bound of all its chunks."""
+        return self.config.virtual_stages == 1
 
 
 class FixedBatchSolver:
@@ -171,7 +189,7 @@ class FixedBatchSolver:
         else:
             max_blocks = max(len(rank_blocks(even_partition(self.L, pp * v), pp, r)[0]) for r in range(pp))
         max_blocks = max(max_blocks, max_blocks_override or 0)
-        working = reserve_table(self.cm, self.types, ctx, "all", max_blocks)
+        replay, gathered = reserve_tables(self.cm, self.types, ctx, "all", max_blocks)
         lower_bound = self.lower_bound(config, costs, vocab_time, p2p)
         return Shape(
             config,
@@ -185,7 +203,8 @@ class FixedBatchSolver:
             vocab_time,
             vocab_memory,
             p2p,
-            working,
+            replay,
+            gathered,
             lower_bound,
             max_blocks,
         )
@@ -210,6 +229,7 @@ class FixedBatchSolver:
         config = shape.config
         costs = [c.take(keep) for c, keep in zip(shape.costs, keeps)]
         ctx = StageContext(self.W, config.pp, self.B, config.micro_batches, 1.0, config.virtual_stages)
+        replay, gathered = reserve_tables(self.cm, self.types, ctx, level, shape.max_blocks)
         return dataclasses.replace(
             shape,
             strategies=[
@@ -218,7 +238,8 @@ class FixedBatchSolver:
             ],
             costs=costs,
             layout_index=[index[keep] for index, keep in zip(shape.layout_index, keeps)],
-            working=reserve_table(self.cm, self.types, ctx, level, shape.max_blocks),
+            replay=replay,
+            gathered=gathered,
             lower_bound=self.lower_bound(config, costs, shape.vocab_time, shape.p2p),
             level=level,
         )
@@ -238,16 +259,38 @@ class FixedBatchSolver:
         return out
 
     def steps(self, shape: Shape, k: float) -> list[Step]:
-        """One DP step per layer type at ``k`` micro-batches in flight, dominated candidates removed."""
+        """One DP step per layer type at ``k`` micro-batches in flight, dominated candidates removed (a candidate
+        that would close a stage with less memory than the one that beats it is kept, see :meth:`closing`)."""
         out = []
         for t, c in enumerate(shape.costs):
             time = c.step_share(shape.config.span)
             memory = c.memory(k)
-            keep = _undominated(time, memory, shape.layout_index[t], [shape.relocation[t], *shape.relocation])
+            closing = None
+            if shape.closes_stages and RESERVE_LEVELS[shape.level][0]:
+                # memory + closing_reserve = memory + gathered + replay - min(replay, freed), for any replay >= 0
+                closing = memory - np.where(shape.strategies[t].recompute, 0.0, c.activation_bytes)
+            keep = _undominated(
+                time, memory, shape.layout_index[t], [shape.relocation[t], *shape.relocation], also=closing
+            )
             out.append(
                 Step(time[keep], memory[keep], shape.layout_index[t][keep], shape.relocation[t], np.nonzero(keep)[0])
             )
         return out
+
+    def closing(self, shape: Shape, layer_type: int, start: int, blocks: int, candidates=None) -> np.ndarray | None:
+        """The reserve a stage ``[start, start+blocks)`` holds back for each of its last block's ``candidates``
+        (indices into the strategies of ``layer_type``; all when None), or None where a rank's reserve does not
+        depend on it (:attr:`Shape.closes_stages`)."""
+        if not shape.closes_stages:
+            return None
+        sa, costs = shape.strategies[layer_type], shape.costs[layer_type]
+        chosen = slice(None) if candidates is None else np.asarray(candidates)
+        return closing_reserve(
+            float(shape.replay[start, blocks]),
+            float(shape.gathered[start, blocks]),
+            sa.recompute[chosen],
+            costs.activation_bytes[chosen],
+        )
 
     def min_stage_memory(self, shape: Shape) -> float:
         """The least peak memory a plan of this shape needs: every block at its most frugal strategy,
@@ -276,11 +319,21 @@ class FixedBatchSolver:
                     continue
                 starts = np.concatenate([[0], np.cumsum(parts)])
                 need = max(
-                    consts[r] + shape.working[starts[r], parts[r]] + weights[r, starts[r] : starts[r + 1]].sum()
+                    consts[r]
+                    + weights[r, starts[r] : starts[r + 1]].sum()
+                    + self.frugal_closing(shape, r, int(starts[r]), int(parts[r]))
                     for r in range(pp)
                 )
             best = min(best, need)
         return best
+
+    def frugal_closing(self, shape: Shape, rank: int, start: int, blocks: int) -> float:
+        """What a stage ``[start, start+blocks)`` of pipeline rank ``rank`` needs beyond its blocks' least memory for
+        its reserve, its last block chosen to need the least of both."""
+        t = int(self.types[start + blocks - 1])
+        memory = shape.costs[t].memory(shape.in_flight[rank])
+        closing = self.closing(shape, t, start, blocks)
+        return float((memory + closing).min() - memory.min())
 
     # ------------------------------------------------------------------ search
     def price(self) -> list[Shape]:
@@ -328,7 +381,8 @@ class FixedBatchSolver:
         return Choice(self.B / (step + overhead), step + overhead, self.B, plan)
 
     def cell(self, shape: Shape) -> tuple[float, int]:
-        cell = cell_bytes(self.capacity, shape.max_blocks, self.options.memory_tolerance)
+        roundings = shape.max_blocks + shape.closes_stages  # the closing reserve is rounded up too
+        cell = cell_bytes(self.capacity, roundings, self.options.memory_tolerance)
         return cell, int(cap_cells(self.capacity, cell)) + 1
 
     def solve_shape(self, shape: Shape) -> tuple[float, tuple[int, ...], int] | None:
@@ -347,7 +401,11 @@ class FixedBatchSolver:
                 steps_by_type = self.steps(shape, k_values[k_idx])
                 first = 0 if self.single_type else start
                 seq = self.types[first : first + J]
-                tables[key] = LayerDP([steps_by_type[t] for t in seq], [], cell, M).tables()
+                steps = [steps_by_type[t] for t in seq]
+                closing = [
+                    self.closing(shape, int(t), first, j + 1, s.candidates) for j, (t, s) in enumerate(zip(seq, steps))
+                ]
+                tables[key] = LayerDP(steps, [], cell, M).tables(closing=closing)
             return tables[key]
 
         def objective(parts: np.ndarray, vocab_index: int | None = None) -> np.ndarray:
@@ -361,7 +419,7 @@ class FixedBatchSolver:
             stage_time = np.empty((N, V, pp))
             for s in range(pp):
                 j, a = parts[:, s], starts[:, s]
-                cap = self.capacity - shape.working[a, j][:, None] - vm[s][None, :]  # (N, V)
+                cap = np.broadcast_to(self.capacity - vm[s][None, :], (N, V))  # the reserve is in the tables
                 cells = np.minimum(cap_cells(cap, cell), M - 1)
                 value = np.full((N, V), np.inf)
                 for start in np.unique(a) if not self.single_type else [0]:
@@ -468,24 +526,31 @@ class FixedBatchSolver:
         for r in range(pp):
             blocks, resets = rank_blocks(partition, pp, r)
             steps = self.steps(shape, shape.in_flight[r])
-            working = self.stage_reserve(shape, blocks)
-            cap = int(min(cap_cells(self.capacity - working - shape.vocab_memory[r, vocab_index], cell), M - 1))
             seq = [steps[self.types[i]] for i in blocks]
-            _, choices = LayerDP(seq, resets, cell, M).solve(cap)
+            last = int(self.types[blocks[-1]])
+            closing = self.closing(shape, last, blocks[0], len(blocks), seq[-1].candidates)
+            working = 0.0 if closing is not None else self.stage_reserve(shape, blocks)
+            cap = int(min(cap_cells(self.capacity - working - shape.vocab_memory[r, vocab_index], cell), M - 1))
+            _, choices = LayerDP(seq, resets, cell, M).solve(cap, closing)
             if not choices:
                 raise NoAssignment(f"stage {r}")
             types = [self.types[i] for i in blocks]
             chosen = [
                 shape.strategies[t].strategies[int(step.candidates[c])] for t, step, c in zip(types, seq, choices)
             ]
-            for i, strategy in zip(blocks, _canonical_order(chosen, types, resets, self.W // pp)):
+            ordered = _canonical_order(chosen, types, resets, self.W // pp, keep_last=closing is not None)
+            for i, strategy in zip(blocks, ordered):
                 layers[i] = strategy
         return layers  # type: ignore[return-value]
 
-    def stage_reserve(self, shape: Shape, blocks: Sequence[int]) -> float:
-        """The working-memory reserve the search holds back on a stage with these blocks at the shape's level."""
-        if shape.config.virtual_stages == 1:
-            return float(shape.working[blocks[0], len(blocks)])
+    def stage_reserve(self, shape: Shape, blocks: Sequence[int], last: int | None = None) -> float:
+        """The working-memory reserve the search holds back on a stage with these blocks at the shape's level, its
+        last block taking candidate ``last`` (the bound of every candidate when None)."""
+        if shape.closes_stages:
+            if last is None:
+                return float(shape.working[blocks[0], len(blocks)])
+            closing = self.closing(shape, int(self.types[blocks[-1]]), blocks[0], len(blocks), [last])
+            return float(closing[0])
         return float(max(shape.working[i, 1] for i in blocks))
 
     def stage_memory(self, plan: ParallelPlan) -> list[float]:
@@ -523,7 +588,7 @@ class FixedBatchSolver:
                 t = int(self.types[i])
                 s = index(shape.strategies[t].strategies, plan.layers[i], f"block {i}'s")
                 states += float(shape.costs[t].memory(shape.in_flight[r])[s])
-            reserve = self.stage_reserve(shape, blocks)
+            reserve = self.stage_reserve(shape, blocks, last=s)
             out.append(self.overhead + reserve + float(shape.vocab_memory[r, vocab]) + states)
         return out
 
@@ -546,21 +611,29 @@ def rank_blocks(sizes: Sequence[int], pp: int, rank: int) -> tuple[list[int], li
 
 
 def _canonical_order(
-    strategies: list[LayerStrategy], types: Sequence[int], resets: Sequence[bool], devices_per_stage: int
+    strategies: list[LayerStrategy],
+    types: Sequence[int],
+    resets: Sequence[bool],
+    devices_per_stage: int,
+    keep_last: bool = False,
 ) -> list[LayerStrategy]:
     """Group equal strategies inside each run of same-type, same-layout blocks of a chunk.
 
     Swapping such blocks changes neither time (relocations depend only on layouts) nor memory, so
     the DP's arbitrary order among equals is replaced by a readable one: plain blocks first, then
-    ZeRO-2, ZeRO-3, recomputed blocks last.
+    ZeRO-2, ZeRO-3, recomputed blocks last. With ``keep_last`` the last block of each chunk stays where it is (the
+    stage's reserve depends on it, :func:`~.working.closing_reserve`) and recomputed blocks come first: a replay
+    then has the most activations freed behind it, so the stage needs no more than the search priced.
     """
     out = list(strategies)
-    key = lambda s: (s.recompute, ("ddp", "zero2", "zero3").index(s.dp_type), s.sp, s.tp)  # noqa: E731
+    dp_order = ("ddp", "zero2", "zero3")
+    key = lambda s: (s.recompute != keep_last, dp_order.index(s.dp_type), s.sp, s.tp)  # noqa: E731
     start = 0
     for i in range(1, len(out) + 1):
         boundary = (
             i == len(out)
             or resets[i]
+            or (keep_last and (i + 1 == len(out) or resets[i + 1]))
             or types[i] != types[start]
             or layout_of(out[i], devices_per_stage) != layout_of(out[start], devices_per_stage)
         )
@@ -571,9 +644,14 @@ def _canonical_order(
 
 
 def _undominated(
-    time: np.ndarray, memory: np.ndarray, layout: np.ndarray, relocation: Sequence[np.ndarray] = ()
+    time: np.ndarray,
+    memory: np.ndarray,
+    layout: np.ndarray,
+    relocation: Sequence[np.ndarray] = (),
+    also: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Candidates that no other candidate beats in both time and memory, relocations included.
+    """Candidates that no other candidate beats in both time and memory (and in ``also``, a second memory that must
+    be no worse either), relocations included.
 
     ``y`` dominates ``x`` if it needs no more memory and ``t_y + slack <= t_x``, where ``slack``
     bounds how much more relocation ``y``'s layout can cost than ``x``'s, into the block from any
@@ -594,6 +672,9 @@ def _undominated(
     effective = time[:, None] + slack
     no_worse = (effective <= time[None, :]) & (memory[:, None] <= memory[None, :])
     better = (effective < time[None, :]) | (memory[:, None] < memory[None, :])
+    if also is not None:
+        no_worse &= also[:, None] <= also[None, :]
+        better |= also[:, None] < also[None, :]
     earlier = np.arange(S)[:, None] < np.arange(S)[None, :]
     np.fill_diagonal(no_worse, False)
     dominated = (no_worse & (better | earlier)).any(axis=0)
