@@ -112,6 +112,8 @@ def diverse_candidates(
         variants.append(("searched, ZeRO only", {"disable": disable | {"ddp"}}))
     if kind.recompute:
         variants.append(("searched, no recompute", {"disable": disable | {"recompute"}}))
+    if kind.micro_batches:  # their fixed costs per call are what an uncalibrated profile prices least surely
+        variants.append(("searched, fewer micro-batches", {"max_micro_batches": best.micro_batches // 2}))
     for name, change in variants:
         try:
             other = search(profile, world_size, budget, **{**arguments, **change})

@@ -305,7 +305,8 @@ def search_memory_per_stage(
 ) -> tuple[float, ...]:
     """Peak bytes per pipeline stage of ``plan`` as :func:`search` prices it against the budget while searching
     (:meth:`~.solver.FixedBatchSolver.stage_memory`), which differs from :func:`evaluate`'s estimate of the same
-    plan by the search's working reserve (a bound for every strategy of the plan's reserve level): what a
+    plan by the search's working reserve (a bound at the plan's reserve level, which with one chunk per rank depends
+    on each stage's last block, :func:`~.working.closing_reserve`): what a
     measured peak should be compared with to know how much memory the search leaves unused."""
     profile = load_profile(profile)
     B = global_batch_size or plan.global_batch_size

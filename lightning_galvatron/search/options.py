@@ -49,6 +49,8 @@ class SearchOptions:
     Attributes:
         max_tp: largest model-parallel group (TP or Ulysses degree) to consider.
         max_pp: largest pipeline degree.
+        max_micro_batches: most micro-batches per step (measured selection searches with half the best plan's,
+            since the model prices their fixed per-call costs least surely).
         disable: names from :data:`DISABLE_CHOICES` to leave out.
         schedules: pipeline schedules allowed.
         virtual_stages: model chunks per rank tried with ``interleaved_1f1b``.
@@ -64,6 +66,7 @@ class SearchOptions:
 
     max_tp: int | None = _knob(help="largest tensor/sequence-parallel degree", type=int)
     max_pp: int | None = _knob(help="largest pipeline degree", type=int)
+    max_micro_batches: int | None = _knob(help="most micro-batches per step (default: any)", type=int)
     disable: frozenset[str] = _knob(
         help=f"leave out: {', '.join(sorted(DISABLE_CHOICES))}",
         factory=frozenset,
@@ -106,7 +109,7 @@ class SearchOptions:
             raise ValueError(f"schedules must be a non-empty subset of {SCHEDULES}, got {list(self.schedules)}")
         if any(not isinstance(v, int) or v < 2 for v in self.virtual_stages):
             raise ValueError(f"virtual_stages must be integers >= 2, got {list(self.virtual_stages)}")
-        for name in ("max_tp", "max_pp", "max_global_batch_size"):
+        for name in ("max_tp", "max_pp", "max_micro_batches", "max_global_batch_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")

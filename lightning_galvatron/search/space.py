@@ -60,7 +60,7 @@ def pipeline_degrees(world_size: int, num_blocks: int, options: SearchOptions, b
 
 def pipeline_configs(pp: int, global_batch: int, num_blocks: int, options: SearchOptions) -> list[PipelineConfig]:
     """Schedules and micro-batch counts for ``pp`` stages that the runtime accepts and that can win."""
-    counts = divisors(global_batch)
+    counts = [m for m in divisors(global_batch) if options.max_micro_batches is None or m <= options.max_micro_batches]
     if pp == 1:
         # Without a pipeline the micro-batches are gradient accumulation; the schedule is moot.
         return [PipelineConfig(1, "1f1b", m) for m in counts]
