@@ -3,7 +3,7 @@
 On 4 CPU processes (gloo), the example GPT (``harness.BenchModel``) is profiled by the profiler the
 strategy uses, then trained through ``GalvatronStrategy`` with each plan below: uniform DDP, ZeRO-2,
 ZeRO-3, ZeRO-3 with recomputation, DDP with 4 micro-batches, TP, Megatron-SP with ZeRO-2, Ulysses,
-pipelines (1F1B, GPipe), two heterogeneous plans, and the plans the search picks for an ample and for a
+pipelines (1F1B, GPipe), four heterogeneous plans, and the plans the search picks for an ample and for a
 tight budget (with and without calibration, when they differ).
 
 Four predictions of step time per plan:
@@ -23,8 +23,8 @@ Four predictions of step time per plan:
 
 Memory is predicted twice per stage: by :func:`~lightning_galvatron.search.evaluate` (the plan's own transient
 memory) and as the search prices the plan against the budget while searching
-(:func:`~lightning_galvatron.search.engine.search_memory_per_stage`: a working reserve that does not depend
-on the blocks' strategies, so that its block DP stays additive).
+(:func:`~lightning_galvatron.search.engine.search_memory_per_stage`: a working reserve that depends only on the
+plan's reserve level and each stage's last block, so that its block DP stays additive).
 
 Runs are interleaved (every plan and probe once per round, the order rotated) over ``--rounds`` rounds;
 a plan's step time is its median over rounds. Memory is measured once per plan, by the allocator-level
@@ -67,7 +67,7 @@ OPTIMIZER = "adamw"
 
 # ---------------------------------------------------------------------------------------------- plans
 def fixed_plans(model: BenchModel) -> dict[str, ParallelPlan]:
-    """Twelve diverse plans, each executable by the runtime for this model on 4 devices."""
+    """Fourteen diverse plans, each executable by the runtime for this model on 4 devices."""
     L, B, W = model.n_layer, model.global_batch, WORLD
     half = L // 2
 
@@ -90,6 +90,11 @@ def fixed_plans(model: BenchModel) -> dict[str, ParallelPlan]:
         "pp4-gpipe-m4": uniform(S(), pp=4, schedule="gpipe", micro_batches=4),
         "hetero-zero3-then-ddp-recompute": mixed(S(dp_type="zero3"), S(recompute=True), S(dp_type="zero3")),
         "hetero-tp2-zero2-then-ddp": mixed(S(tp=2, dp_type="zero2"), S(), S()),
+        # Recomputed blocks first: their replays come after the later blocks' activations are freed.
+        "hetero-ddp-recompute-then-ddp": mixed(S(recompute=True), S(), S()),
+        "hetero-m2-block0-recompute": ParallelPlan(
+            W, (S(recompute=True),) + (S(),) * (L - 1), vocab=S(), global_batch_size=B, micro_batches=2
+        ),
     }
 
 
