@@ -111,6 +111,10 @@ class Shape:
         """(L+1, J+1) the reserve of a stage whatever its last block: what interleaved ranks hold back."""
         return self.replay + self.gathered
 
+    def chunks_reserve(self, blocks: Sequence[int]) -> float:
+        """What a rank of several chunks holds back for its ``blocks``: the bound of the costliest, wherever it sits."""
+        return float(max(self.working[i, 1] for i in blocks))
+
     @property
     def closes_stages(self) -> bool:
         """Whether a stage's reserve depends on its last block (:func:`~.working.closing_reserve`): one chunk per
@@ -490,7 +494,7 @@ class FixedBatchSolver:
             blocks, resets = rank_blocks(even_partition(self.L, pp * v), pp, r)
             steps = self.steps(shape, shape.in_flight[r])
             best = LayerDP([steps[self.types[i]] for i in blocks], resets, cell, M).tables()[-1]
-            working = max(shape.working[i, 1] for i in blocks)
+            working = shape.chunks_reserve(blocks)
             cells = np.minimum(cap_cells(self.capacity - working - shape.vocab_memory[r], cell), M - 1)
             value = np.where(cells >= 0, best[np.maximum(cells, 0)], np.inf)
             stage_time[:, r] = value + shape.vocab_time[r] + shape.p2p[r]
@@ -529,7 +533,7 @@ class FixedBatchSolver:
             seq = [steps[self.types[i]] for i in blocks]
             last = int(self.types[blocks[-1]])
             closing = self.closing(shape, last, blocks[0], len(blocks), seq[-1].candidates)
-            working = 0.0 if closing is not None else self.stage_reserve(shape, blocks)
+            working = 0.0 if closing is not None else shape.chunks_reserve(blocks)
             cap = int(min(cap_cells(self.capacity - working - shape.vocab_memory[r, vocab_index], cell), M - 1))
             _, choices = LayerDP(seq, resets, cell, M).solve(cap, closing)
             if not choices:
@@ -543,15 +547,13 @@ class FixedBatchSolver:
                 layers[i] = strategy
         return layers  # type: ignore[return-value]
 
-    def stage_reserve(self, shape: Shape, blocks: Sequence[int], last: int | None = None) -> float:
+    def stage_reserve(self, shape: Shape, blocks: Sequence[int], last: int) -> float:
         """The working-memory reserve the search holds back on a stage with these blocks at the shape's level, its
-        last block taking candidate ``last`` (the bound of every candidate when None)."""
-        if shape.closes_stages:
-            if last is None:
-                return float(shape.working[blocks[0], len(blocks)])
-            closing = self.closing(shape, int(self.types[blocks[-1]]), blocks[0], len(blocks), [last])
+        last block taking candidate ``last`` (which matters only with one chunk per rank)."""
+        closing = self.closing(shape, int(self.types[blocks[-1]]), blocks[0], len(blocks), [last])
+        if closing is not None:
             return float(closing[0])
-        return float(max(shape.working[i, 1] for i in blocks))
+        return shape.chunks_reserve(blocks)
 
     def stage_memory(self, plan: ParallelPlan) -> list[float]:
         """Peak bytes per pipeline stage of ``plan`` as the search prices it while searching: the overhead, the
