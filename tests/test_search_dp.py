@@ -287,6 +287,43 @@ def test_prefix_tables_answer_every_length_and_cap():
                     assert tables[j - 1, cap] == math.inf
 
 
+def test_a_prefix_pays_its_closing_memory_where_it_ends():
+    """The closing memory (the search's working reserve, charged on a stage's last block) counts for the prefix that
+    ends at a block, not for the blocks after it: the prefix tables and a backtracked solve agree with enumeration."""
+    from lightning_galvatron.search.dp import cells_for
+
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        S, K, L = int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(1, 5))
+        time, memory, layout = rng.random(S), rng.random(S) * 10, rng.integers(0, K, S)
+        relocation = rng.random((K, K))
+        np.fill_diagonal(relocation, 0.0)
+        closing = [rng.random(S) * 8 * (j % 2) for j in range(L)]  # no closing memory on every other prefix
+        cell = cell_bytes(10.0 * L, L + 1, 0.05)
+        M = int(cap_cells(10.0 * L, cell)) + 1
+        step = Step(time, memory, layout, relocation)
+        tables = LayerDP([step] * L, [], cell, M).tables(closing=closing)
+        cells, extra = cells_for(memory, cell), [cells_for(c, cell) for c in closing]
+        for j in range(1, L + 1):
+            choices = np.array(list(itertools.product(range(S), repeat=j)))
+            total = time[choices].sum(axis=1) + sum(
+                relocation[layout[choices[:, i - 1]], layout[choices[:, i]]] for i in range(1, j)
+            )
+            used = cells[choices].sum(axis=1) + extra[j - 1][choices[:, -1]]
+            for cap in rng.integers(0, M, size=4):
+                fits = used <= cap
+                expected = float(total[fits].min()) if fits.any() else math.inf
+                assert tables[j - 1, cap] == pytest.approx(expected)
+                value, chosen = LayerDP([step] * j, [], cell, M).solve(int(cap), closing[j - 1])
+                assert value == pytest.approx(expected)
+                if chosen:
+                    row = np.array(chosen)
+                    assert cells[row].sum() + extra[j - 1][row[-1]] <= cap
+                    assert float(time[row].sum()) + sum(
+                        relocation[layout[row[i - 1]], layout[row[i]]] for i in range(1, j)
+                    ) == pytest.approx(expected)
+
+
 def test_dp_backtracking_reproduces_its_value_with_chunk_resets():
     rng = np.random.default_rng(11)
     for _ in range(50):
