@@ -186,3 +186,41 @@ class LayerDP:
             col = int(np.argmin(row))
         choices.reverse()
         return time, choices
+
+
+def undominated(
+    time: np.ndarray,
+    memory: np.ndarray,
+    layout: np.ndarray,
+    relocation: Sequence[np.ndarray] = (),
+    also: np.ndarray | None = None,
+) -> np.ndarray:
+    """Candidates that no other candidate beats in both time and memory (and in ``also``, a second memory that must
+    be no worse either), relocations included.
+
+    ``y`` dominates ``x`` if it needs no more memory and ``t_y + slack <= t_x``, where ``slack``
+    bounds how much more relocation ``y``'s layout can cost than ``x``'s, into the block from any
+    layout and out of it into any layout (``relocation``: the matrices of the block types that can
+    follow). Replacing every ``x`` by ``y`` in any plan then costs no time and no memory, so the DP
+    loses nothing. Ties are broken by position, so one of equals survives.
+    """
+    S = len(time)
+    if relocation:
+        into = relocation[0]
+        outs = np.max(np.stack(relocation), axis=0)
+        ly, lx = layout[:, None], layout[None, :]
+        slack_in = np.maximum((into[:, ly] - into[:, lx]).max(axis=0), 0.0)  # (S_y, S_x)
+        slack_out = np.maximum((outs[ly, :] - outs[lx, :]).max(axis=2), 0.0)
+        slack = slack_in + slack_out
+    else:
+        slack = np.where(layout[:, None] == layout[None, :], 0.0, np.inf)
+    effective = time[:, None] + slack
+    no_worse = (effective <= time[None, :]) & (memory[:, None] <= memory[None, :])
+    better = (effective < time[None, :]) | (memory[:, None] < memory[None, :])
+    if also is not None:
+        no_worse &= also[:, None] <= also[None, :]
+        better |= also[:, None] < also[None, :]
+    earlier = np.arange(S)[:, None] < np.arange(S)[None, :]
+    np.fill_diagonal(no_worse, False)
+    dominated = (no_worse & (better | earlier)).any(axis=0)
+    return ~dominated

@@ -38,8 +38,8 @@ from lightning_galvatron.search.cost import CostModel, Precision, StageContext
 from lightning_galvatron.search.estimate import Estimate, evaluate
 from lightning_galvatron.search.options import SearchOptions
 from lightning_galvatron.search.overheads import applicable_calibration
-from lightning_galvatron.search.pipeline import pipeline_step_time
-from lightning_galvatron.search.solver import Choice, FixedBatchSolver, NoAssignment, rank_blocks
+from lightning_galvatron.search.pipeline import pipeline_step_time, rank_blocks
+from lightning_galvatron.search.solver import Choice, FixedBatchSolver, NoAssignment
 from lightning_galvatron.search.space import PipelineConfig, pipeline_configs, pipeline_degrees
 from lightning_galvatron.search.working import RESERVE_LEVELS, reserve_level, working_memory_bytes
 from lightning_galvatron.units import format_bytes, parse_bytes

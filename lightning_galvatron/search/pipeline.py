@@ -184,6 +184,19 @@ def refine_partition(
     return tuple(int(x) for x in current), value
 
 
+def rank_blocks(sizes: Sequence[int], pp: int, rank: int) -> tuple[list[int], list[bool]]:
+    """The blocks of pipeline rank ``rank`` (its chunks, :func:`~lightning_galvatron.layout.rank_chunks`, of
+    ``sizes`` blocks each), and whether each starts a chunk (activations arrive by point-to-point there: no
+    relocation)."""
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    blocks, resets = [], []
+    for c in rank_chunks(rank, pp, len(sizes) // pp):
+        for i in range(int(starts[c]), int(starts[c + 1])):
+            blocks.append(i)
+            resets.append(i == starts[c])
+    return blocks, resets
+
+
 __all__ = [
     "balanced_partition",
     "even_partition",
@@ -192,6 +205,7 @@ __all__ = [
     "p2p_transfers",
     "partition_neighbours",
     "pipeline_step_time",
+    "rank_blocks",
     "refine_partition",
     "schedule_overhead",
     "step_span",

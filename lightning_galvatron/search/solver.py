@@ -45,19 +45,21 @@ from lightning_galvatron.search.cost import (
     relocation_matrix,
     vocab_costs,
 )
-from lightning_galvatron.search.dp import LayerDP, Step, cap_cells, cell_bytes
+from lightning_galvatron.search.dp import LayerDP, Step, cap_cells, cell_bytes, undominated
 from lightning_galvatron.search.pipeline import (
     balanced_partition,
     in_flight_micro_batches,
     interpolate_partitions,
     p2p_transfers,
     pipeline_step_time,
+    rank_blocks,
     refine_partition,
 )
 from lightning_galvatron.search.space import (
     PipelineConfig,
     SearchOptions,
     StrategyArrays,
+    canonical_order,
     layer_candidates,
     layout_of,
     pipeline_configs,
@@ -72,7 +74,7 @@ from lightning_galvatron.search.working import (
     reserve_tables,
 )
 
-__all__ = ["Choice", "FixedBatchSolver", "NoAssignment", "Shape", "rank_blocks"]
+__all__ = ["Choice", "FixedBatchSolver", "NoAssignment", "Shape"]
 
 
 @dataclass
@@ -273,7 +275,7 @@ class FixedBatchSolver:
             if shape.closes_stages and RESERVE_LEVELS[shape.level][0]:
                 # memory + closing_reserve = memory + gathered + replay - min(replay, freed), for any replay >= 0
                 closing = memory - np.where(shape.strategies[t].recompute, 0.0, c.activation_bytes)
-            keep = _undominated(
+            keep = undominated(
                 time, memory, shape.layout_index[t], [shape.relocation[t], *shape.relocation], also=closing
             )
             out.append(
@@ -282,9 +284,8 @@ class FixedBatchSolver:
         return out
 
     def closing(self, shape: Shape, layer_type: int, start: int, blocks: int, candidates=None) -> np.ndarray | None:
-        """The reserve a stage ``[start, start+blocks)`` holds back for each of its last block's ``candidates``
-        (indices into the strategies of ``layer_type``; all when None), or None where a rank's reserve does not
-        depend on it (:attr:`Shape.closes_stages`)."""
+        """The reserve of a stage ``[start, start+blocks)`` per ``candidates`` of its last block (indices into
+        ``layer_type``'s strategies; all when None); None if it does not depend on it (:attr:`Shape.closes_stages`)."""
         if not shape.closes_stages:
             return None
         sa, costs = shape.strategies[layer_type], shape.costs[layer_type]
@@ -304,7 +305,7 @@ class FixedBatchSolver:
         pp, v = shape.config.pp, shape.config.virtual_stages
         reserve = shape.working[:, 1:].max()
         ends = shape.vocab_memory[[0, -1]]
-        frugal = _undominated(ends[0], ends[1], np.zeros(ends.shape[1], dtype=np.int64))
+        frugal = undominated(ends[0], ends[1], np.zeros(ends.shape[1], dtype=np.int64))
         best = math.inf
         for vi in np.nonzero(frugal)[0]:
             consts = shape.vocab_memory[:, vi] + self.overhead
@@ -542,7 +543,7 @@ class FixedBatchSolver:
             chosen = [
                 shape.strategies[t].strategies[int(step.candidates[c])] for t, step, c in zip(types, seq, choices)
             ]
-            ordered = _canonical_order(chosen, types, resets, self.W // pp, keep_last=closing is not None)
+            ordered = canonical_order(chosen, types, resets, self.W // pp, keep_last=closing is not None)
             for i, strategy in zip(blocks, ordered):
                 layers[i] = strategy
         return layers  # type: ignore[return-value]
@@ -597,87 +598,3 @@ class FixedBatchSolver:
 
 class NoAssignment(Exception):
     """A stage whose blocks fit no assignment of strategies."""
-
-
-def rank_blocks(sizes: Sequence[int], pp: int, rank: int) -> tuple[list[int], list[bool]]:
-    """The blocks of pipeline rank ``rank`` (its chunks, :func:`~lightning_galvatron.layout.rank_chunks`, of
-    ``sizes`` blocks each), and whether each starts a chunk (activations arrive by point-to-point there: no
-    relocation)."""
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    blocks, resets = [], []
-    for c in rank_chunks(rank, pp, len(sizes) // pp):
-        for i in range(int(starts[c]), int(starts[c + 1])):
-            blocks.append(i)
-            resets.append(i == starts[c])
-    return blocks, resets
-
-
-def _canonical_order(
-    strategies: list[LayerStrategy],
-    types: Sequence[int],
-    resets: Sequence[bool],
-    devices_per_stage: int,
-    keep_last: bool = False,
-) -> list[LayerStrategy]:
-    """Group equal strategies inside each run of same-type, same-layout blocks of a chunk.
-
-    Swapping such blocks changes neither time (relocations depend only on layouts) nor memory, so
-    the DP's arbitrary order among equals is replaced by a readable one: plain blocks first, then
-    ZeRO-2, ZeRO-3, recomputed blocks last. With ``keep_last`` the last block of each chunk stays where it is (the
-    stage's reserve depends on it, :func:`~.working.closing_reserve`) and recomputed blocks come first: a replay
-    then has the most activations freed behind it, so the stage needs no more than the search priced.
-    """
-    out = list(strategies)
-    dp_order = ("ddp", "zero2", "zero3")
-    key = lambda s: (s.recompute != keep_last, dp_order.index(s.dp_type), s.sp, s.tp)  # noqa: E731
-    start = 0
-    for i in range(1, len(out) + 1):
-        boundary = (
-            i == len(out)
-            or resets[i]
-            or (keep_last and (i + 1 == len(out) or resets[i + 1]))
-            or types[i] != types[start]
-            or layout_of(out[i], devices_per_stage) != layout_of(out[start], devices_per_stage)
-        )
-        if boundary:
-            out[start:i] = sorted(out[start:i], key=key)
-            start = i
-    return out
-
-
-def _undominated(
-    time: np.ndarray,
-    memory: np.ndarray,
-    layout: np.ndarray,
-    relocation: Sequence[np.ndarray] = (),
-    also: np.ndarray | None = None,
-) -> np.ndarray:
-    """Candidates that no other candidate beats in both time and memory (and in ``also``, a second memory that must
-    be no worse either), relocations included.
-
-    ``y`` dominates ``x`` if it needs no more memory and ``t_y + slack <= t_x``, where ``slack``
-    bounds how much more relocation ``y``'s layout can cost than ``x``'s, into the block from any
-    layout and out of it into any layout (``relocation``: the matrices of the block types that can
-    follow). Replacing every ``x`` by ``y`` in any plan then costs no time and no memory, so the DP
-    loses nothing. Ties are broken by position, so one of equals survives.
-    """
-    S = len(time)
-    if relocation:
-        into = relocation[0]
-        outs = np.max(np.stack(relocation), axis=0)
-        ly, lx = layout[:, None], layout[None, :]
-        slack_in = np.maximum((into[:, ly] - into[:, lx]).max(axis=0), 0.0)  # (S_y, S_x)
-        slack_out = np.maximum((outs[ly, :] - outs[lx, :]).max(axis=2), 0.0)
-        slack = slack_in + slack_out
-    else:
-        slack = np.where(layout[:, None] == layout[None, :], 0.0, np.inf)
-    effective = time[:, None] + slack
-    no_worse = (effective <= time[None, :]) & (memory[:, None] <= memory[None, :])
-    better = (effective < time[None, :]) | (memory[:, None] < memory[None, :])
-    if also is not None:
-        no_worse &= also[:, None] <= also[None, :]
-        better |= also[:, None] < also[None, :]
-    earlier = np.arange(S)[:, None] < np.arange(S)[None, :]
-    np.fill_diagonal(no_worse, False)
-    dominated = (no_worse & (better | earlier)).any(axis=0)
-    return ~dominated

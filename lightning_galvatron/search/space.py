@@ -220,3 +220,36 @@ class StrategyArrays:
 
     def __len__(self) -> int:
         return len(self.strategies)
+
+
+def canonical_order(
+    strategies: list[LayerStrategy],
+    types: Sequence[int],
+    resets: Sequence[bool],
+    devices_per_stage: int,
+    keep_last: bool = False,
+) -> list[LayerStrategy]:
+    """Group equal strategies inside each run of same-type, same-layout blocks of a chunk.
+
+    Swapping such blocks changes neither time (relocations depend only on layouts) nor memory, so
+    the DP's arbitrary order among equals is replaced by a readable one: plain blocks first, then
+    ZeRO-2, ZeRO-3, recomputed blocks last. With ``keep_last`` the last block of each chunk stays where it is (the
+    stage's reserve depends on it, :func:`~.working.closing_reserve`) and recomputed blocks come first: a replay
+    then has the most activations freed behind it, so the stage needs no more than the search priced.
+    """
+    out = list(strategies)
+    dp_order = ("ddp", "zero2", "zero3")
+    key = lambda s: (s.recompute != keep_last, dp_order.index(s.dp_type), s.sp, s.tp)  # noqa: E731
+    start = 0
+    for i in range(1, len(out) + 1):
+        boundary = (
+            i == len(out)
+            or resets[i]
+            or (keep_last and (i + 1 == len(out) or resets[i + 1]))
+            or types[i] != types[start]
+            or layout_of(out[i], devices_per_stage) != layout_of(out[start], devices_per_stage)
+        )
+        if boundary:
+            out[start:i] = sorted(out[start:i], key=key)
+            start = i
+    return out
