@@ -266,17 +266,22 @@ def test_search_without_pipeline_matches_enumeration_over_micro_batches_and_embe
         checked += 1
 
 
+def _random_step(rng: np.random.Generator, strategies: int, layouts: int) -> Step:
+    """A block of 1 to ``strategies - 1`` candidates with random time and memory (up to 10 bytes), spread over
+    1 to ``layouts - 1`` layouts; staying in a layout costs nothing to relocate."""
+    S, K = int(rng.integers(1, strategies)), int(rng.integers(1, layouts))
+    relocation = rng.random((K, K))
+    np.fill_diagonal(relocation, 0.0)
+    return Step(rng.random(S), rng.random(S) * 10, rng.integers(0, K, S), relocation)
+
+
 def test_prefix_tables_answer_every_length_and_cap():
     """One DP run serves every stage length and memory cap (what lets stages and embeddings share it)."""
     rng = np.random.default_rng(3)
     for _ in range(30):
-        S, K, L = int(rng.integers(1, 6)), int(rng.integers(1, 4)), int(rng.integers(1, 6))
-        time, memory, layout = rng.random(S), rng.random(S) * 10, rng.integers(0, K, S)
-        relocation = rng.random((K, K))
-        np.fill_diagonal(relocation, 0.0)
+        step, L = _random_step(rng, 6, 4), int(rng.integers(1, 6))
         cell = cell_bytes(10.0 * L, L, 0.05)
         M = int(cap_cells(10.0 * L, cell)) + 1
-        step = Step(time, memory, layout, relocation)
         tables = LayerDP([step] * L, [], cell, M).tables()
         for j in range(1, L + 1):
             for cap in rng.integers(0, M, size=4):
@@ -294,14 +299,11 @@ def test_a_prefix_pays_its_closing_memory_where_it_ends():
 
     rng = np.random.default_rng(5)
     for _ in range(40):
-        S, K, L = int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(1, 5))
-        time, memory, layout = rng.random(S), rng.random(S) * 10, rng.integers(0, K, S)
-        relocation = rng.random((K, K))
-        np.fill_diagonal(relocation, 0.0)
+        step, L = _random_step(rng, 4, 3), int(rng.integers(1, 5))
+        time, memory, layout, relocation, S = step.time, step.memory, step.layout, step.relocation, len(step.time)
         closing = [rng.random(S) * 8 * (j % 2) for j in range(L)]  # no closing memory on every other prefix
         cell = cell_bytes(10.0 * L, L + 1, 0.05)
         M = int(cap_cells(10.0 * L, cell)) + 1
-        step = Step(time, memory, layout, relocation)
         tables = LayerDP([step] * L, [], cell, M).tables(closing=closing)
         cells, extra = cells_for(memory, cell), [cells_for(c, cell) for c in closing]
         for j in range(1, L + 1):
@@ -327,16 +329,14 @@ def test_a_prefix_pays_its_closing_memory_where_it_ends():
 def test_dp_backtracking_reproduces_its_value_with_chunk_resets():
     rng = np.random.default_rng(11)
     for _ in range(50):
-        S, K, L = int(rng.integers(1, 5)), int(rng.integers(1, 4)), int(rng.integers(2, 6))
-        time, memory, layout = rng.random(S), rng.random(S) * 10, rng.integers(0, K, S)
-        relocation = rng.random((K, K))
-        np.fill_diagonal(relocation, 0.0)
+        step, L = _random_step(rng, 5, 4), int(rng.integers(2, 6))
+        time, memory, layout, relocation = step.time, step.memory, step.layout, step.relocation
         resets = [False] * L
         resets[int(rng.integers(1, L))] = True
         cap_bytes = float(rng.uniform(0.3, 1.0) * 10 * L)
         cell = cell_bytes(cap_bytes, L, 0.02)
         M = int(cap_cells(cap_bytes, cell)) + 1
-        value, choices = LayerDP([Step(time, memory, layout, relocation)] * L, resets, cell, M).solve(M - 1)
+        value, choices = LayerDP([step] * L, resets, cell, M).solve(M - 1)
         if not choices:
             continue
         recomputed = sum(time[c] for c in choices) + sum(

@@ -532,9 +532,7 @@ class FixedBatchSolver:
             blocks, resets = rank_blocks(partition, pp, r)
             steps = self.steps(shape, shape.in_flight[r])
             seq = [steps[self.types[i]] for i in blocks]
-            last = int(self.types[blocks[-1]])
-            closing = self.closing(shape, last, blocks[0], len(blocks), seq[-1].candidates)
-            working = 0.0 if closing is not None else shape.chunks_reserve(blocks)
+            closing, working = self.stage_reserve(shape, blocks, seq[-1].candidates)
             cap = int(min(cap_cells(self.capacity - working - shape.vocab_memory[r, vocab_index], cell), M - 1))
             _, choices = LayerDP(seq, resets, cell, M).solve(cap, closing)
             if not choices:
@@ -548,13 +546,12 @@ class FixedBatchSolver:
                 layers[i] = strategy
         return layers  # type: ignore[return-value]
 
-    def stage_reserve(self, shape: Shape, blocks: Sequence[int], last: int) -> float:
-        """The working-memory reserve the search holds back on a stage with these blocks at the shape's level, its
-        last block taking candidate ``last`` (which matters only with one chunk per rank)."""
-        closing = self.closing(shape, int(self.types[blocks[-1]]), blocks[0], len(blocks), [last])
-        if closing is not None:
-            return float(closing[0])
-        return shape.chunks_reserve(blocks)
+    def stage_reserve(self, shape: Shape, blocks: Sequence[int], candidates=None) -> tuple[np.ndarray | None, float]:
+        """The working-memory reserve the search holds back on a rank with these blocks at the shape's level:
+        ``(per candidate of the last block, 0.0)`` with one chunk per rank (:meth:`closing`), else
+        ``(None, one figure for every choice)`` (:meth:`Shape.chunks_reserve`)."""
+        closing = self.closing(shape, int(self.types[blocks[-1]]), blocks[0], len(blocks), candidates)
+        return (closing, 0.0) if closing is not None else (None, shape.chunks_reserve(blocks))
 
     def stage_memory(self, plan: ParallelPlan) -> list[float]:
         """Peak bytes per pipeline stage of ``plan`` as the search prices it while searching: the overhead, the
@@ -591,7 +588,8 @@ class FixedBatchSolver:
                 t = int(self.types[i])
                 s = index(shape.strategies[t].strategies, plan.layers[i], f"block {i}'s")
                 states += float(shape.costs[t].memory(shape.in_flight[r])[s])
-            reserve = self.stage_reserve(shape, blocks, last=s)
+            closing, reserve = self.stage_reserve(shape, blocks, [s])
+            reserve += 0.0 if closing is None else float(closing[0])
             out.append(self.overhead + reserve + float(shape.vocab_memory[r, vocab]) + states)
         return out
 
