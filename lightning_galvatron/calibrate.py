@@ -144,6 +144,20 @@ class CalibrationProbe(L.Callback):
         self.observations = list(gathered)
 
 
+def launched_world(devices: int | None = None) -> tuple[int | None, int | None]:
+    """(processes per node, processes in all): from an initialised process group, else the launcher's environment
+    (``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``), else ``devices`` on one node; ``None`` where nothing says.
+
+    The group first: Lightning's own environment deletes ``WORLD_SIZE`` when a Trainer tears down, so a process
+    that trained before has lost it."""
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        return devices or int(os.environ.get("LOCAL_WORLD_SIZE") or world), world
+    environment = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE")
+    devices = devices or (int(environment) if environment else None)
+    return devices, int(os.environ.get("WORLD_SIZE") or devices) if devices is not None else None
+
+
 def calibrate(
     profile: Profile | str,
     make_module: Callable[[], L.LightningModule],
@@ -171,11 +185,9 @@ def calibrate(
             environment. Without one, Lightning's launcher starts them.
     """
     profile = load_profile(profile)
-    environment = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE")
-    devices = devices or (int(environment) if environment else None)
-    if devices is None:
+    devices, world = launched_world(devices)
+    if devices is None or world is None:
         raise ValueError("say how many processes to calibrate on: pass devices, or run under torchrun")
-    world = int(os.environ.get("WORLD_SIZE", devices))
     observations: list[Observation] = []
     optimizer = "adamw"
     for plan in (plans or probe_plans(profile, world, global_batch_size)).values():

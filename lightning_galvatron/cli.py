@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -222,12 +221,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     """:func:`~lightning_galvatron.calibrate.calibrate` on every rank; rank 0 writes the calibration."""
     import torch.distributed as dist
 
-    from lightning_galvatron.calibrate import calibrate
+    from lightning_galvatron.calibrate import calibrate, launched_world
     from lightning_galvatron.profiler.command import _resolve_inputs
 
     inputs = _resolve_inputs(args)  # the model and data as `profile` reads them
     datamodule = inputs.build()[1]
-    world = int(os.environ.get("WORLD_SIZE") or args.devices or 0)
+    world = launched_world(args.devices)[1] or 0
     hparams = getattr(datamodule, "hparams", None)
     per_device = getattr(datamodule, "batch_size", None) or getattr(hparams, "batch_size", None)
     batch = args.global_batch_size or (per_device or 0) * world

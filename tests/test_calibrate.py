@@ -4,6 +4,7 @@ plans briefly, times them with the runtime profiler and writes the fitted calibr
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import torch
@@ -20,6 +21,13 @@ from tests.search_profiles import synthetic_profile
 
 MODEL = dict(TINY_GPT)
 DATA = {"batch_size": 4, "seq_length": MODEL["seq_length"], "train_samples": 64, "val_samples": 8}
+
+
+def _main_after_a_trainer(argv: list[str]) -> int:
+    """The command in a process where a Trainer ran before: Lightning's environment deleted ``WORLD_SIZE`` when it
+    tore down (the process group still knows the world)."""
+    os.environ.pop("WORLD_SIZE", None)
+    return main(argv)
 
 
 def test_calibrate_command_fits_the_probe_plans(pools, tmp_path):
@@ -49,7 +57,7 @@ def test_calibrate_command_fits_the_probe_plans(pools, tmp_path):
         "-o",
         str(output),
     ]
-    assert pools(2).run(main, argv, timeout=600) == [0, 0]
+    assert pools(2).run(_main_after_a_trainer, argv, timeout=600) == [0, 0]
     calibration = Calibration.load(output)
     # Every block each rank held in every probe was timed: a whole model per rank without a pipeline, half with.
     probes = probe_plans(profile, 2, DATA["batch_size"] * 2)
