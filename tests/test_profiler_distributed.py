@@ -8,11 +8,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.profiler import ProfileCache, profile
 from lightning_galvatron.profiler.model import profile_model
+from lightning_galvatron.profiler.model.setup import quiet_over_ranks, quiet_seconds
 from lightning_galvatron.profiles import Profile
 from lightning_galvatron.search import search
 from tests.helpers.training import dataset, tiny_gpt
@@ -94,3 +96,18 @@ def _profile_without_group() -> str:
 def test_wrong_world_size_is_refused_on_every_rank(pools):
     messages = pools(2).run(_profile_without_group)
     assert all("world_size=3 but the process group has 2 ranks" in m for m in messages)
+
+
+def _quiet_on_ranks() -> list[float]:
+    """Rank 1 caught quiet moments for the first quantity, rank 0 for the second."""
+    rank = dist.get_rank()
+    return quiet_over_ranks([[2.0 - r, 1.0 + r] for r in (rank + 0.0, rank + 0.1, rank + 0.2)], torch.device("cpu"))
+
+
+def test_every_rank_keeps_the_quietest_ranks_timing_of_each_quantity(pools):
+    """Where ranks share cores, one rank's few repeats may all be preempted: each quantity keeps the quiet end of
+    the rank that had a core to itself, and every rank profiles with the same figure."""
+    results = pools(2).run(_quiet_on_ranks)
+    quietest = [quiet_seconds([1.0, 0.9, 0.8]), quiet_seconds([1.0, 1.1, 1.2])]
+    assert results[0] == results[1] == pytest.approx(quietest)
+    assert quiet_over_ranks([[3.0], [2.0]], torch.device("cpu")) == [quiet_seconds([3.0, 2.0])]  # no group here

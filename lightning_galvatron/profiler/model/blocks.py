@@ -43,7 +43,7 @@ from lightning_galvatron.profiler.model.setup import (
     _resize_tensor,
     _synchronize,
     agreed_repeats,
-    quiet_seconds,
+    quiet_over_ranks,
 )
 from lightning_galvatron.profiles import LayerTypeProfile, LinearFit
 
@@ -102,7 +102,8 @@ class _BlockProfiler(_DegreeMeasurement):
 
     # ------------------------------------------------------------------ measurements
     def time_forward_backward(self, block: nn.Module, batch: int) -> tuple[float, float]:
-        """(forward, backward) seconds of ``block`` on ``batch`` samples (:func:`quiet_seconds` of the repeats)."""
+        """(forward, backward) seconds of ``block`` on ``batch`` samples: the quiet end of the repeats, the
+        quietest rank's (:func:`quiet_over_ranks`). Collective in a process group."""
 
         def once() -> tuple[float, float]:
             args, kwargs = self.inputs(batch)
@@ -122,7 +123,8 @@ class _BlockProfiler(_DegreeMeasurement):
         samples = [once() for _ in range(agreed_repeats(sum(warm), TARGET_POINT_S, self.device))]
         for p in block.parameters():
             p.grad = None
-        return quiet_seconds(s[0] for s in samples), quiet_seconds(s[1] for s in samples)
+        forward, backward = quiet_over_ranks(samples, self.device)
+        return forward, backward
 
     def saved_bytes(
         self, block: nn.Module, batch: int, seq_split: int = 1, attribute: bool = False, keep_input: bool = False

@@ -27,7 +27,7 @@ from lightning_galvatron.profiler.model.setup import (
     _resize_batch,
     _synchronize,
     _to_device,
-    quiet_seconds,
+    quiet_over_ranks,
 )
 from lightning_galvatron.profiles import DegreeTable, LinearFit, VocabProfile
 
@@ -62,8 +62,9 @@ def _profile_vocab(
                 counts[phase].append((b, float(counter.bytes[phase])))
                 used[phase] |= counter.used[phase]
             trial = [_PhaseTimer(blocks, device).run(module, local_batch, step, prec) for _ in range(repeats)]
-            for key in trial[0]:
-                times[key].append(quiet_seconds(t[key] for t in trial))
+            keys = sorted(trial[0])
+            for key, quiet in zip(keys, quiet_over_ranks([[t[k] for k in keys] for t in trial], device)):
+                times[key].append(quiet)
             _zero_grads(params.values())
 
     # Which part uses which parameter: those its ops saved (a linear head saves its weight), else,
