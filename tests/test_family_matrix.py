@@ -1,11 +1,15 @@
 """The model-family matrix (issue 12): every family trains, validates, tests and predicts as one process does.
 
-Families: Hugging Face GPT-2, GPT-NeoX, Llama, Qwen2, Mistral, Gemma, OPT, Falcon, BLOOM, GPT-J, Phi and
-GPTBigCode (decoder-only: multi-head, grouped-query and multi-query attention; fused and separate q/k/v;
-parallel and sequential residuals; learned, rotary and ALiBi positions), BERT (encoder-only, with a
-padding mask), T5 and BART (encoder-decoder), LitGPT's ``GPT`` and ``nn.TransformerEncoder``
+Families: Hugging Face GPT-2, GPT-NeoX, Llama, Qwen2, Qwen3, Gemma, Gemma-3, OPT, Falcon, BLOOM, GPT-J, Phi,
+GPTBigCode, OLMo-2, StableLM, Cohere and Mixtral (decoder-only: multi-head, grouped-query and multi-query
+attention; fused and separate q/k/v; norms over each head's queries and keys, or over all heads; parallel and
+sequential residuals; learned, rotary and ALiBi positions; mixture-of-experts MLPs), BERT and ELECTRA
+(encoder-only, with a padding mask; ELECTRA's embeddings narrower than its blocks), T5 and BART
+(encoder-decoder), LitGPT's ``GPT`` and ``nn.TransformerEncoder``
 (:data:`tests.helpers.model_families.FAMILY_MODELS`), built from small configs at their defaults (KV cache
-and attention implementation included; dropout 0).
+and attention implementation included; dropout 0). :data:`MORE_FAMILIES` (Mistral, Granite, Helium, SmolLM3,
+Starcoder2, Gemma-2, RoBERTa, DistilBERT, Phi-3, Qwen2-MoE, MPT, CodeGen, GLM) run with
+``GALVATRON_ALL_FAMILIES=1``.
 
 Per family, one single-process reference (``fit`` with validation, ``test``, ``predict``) and one pool call
 running every case of :func:`cases` on 4 processes: automatic plans with an ample budget and with one
@@ -19,6 +23,7 @@ training, and the matrix checks the message (:data:`REFUSED`).
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -33,12 +38,39 @@ from tests.test_parity_data_parallel import FP32_TOL
 
 pytestmark = pytest.mark.timeout(900)
 
-FAMILIES = [*FAMILY_MODELS, "torch_encoder"]
+#: Families whose plan and computation another family of the matrix already runs at these sizes (Llama's plan on
+#: the same layers; Mistral's sliding window is wider than the sequence), refusals of the same kind, and Gemma-2:
+#: the suite runs them with GALVATRON_ALL_FAMILIES=1.
+MORE_FAMILIES = (
+    "mistral",
+    "granite",
+    "helium",
+    "smollm3",
+    "starcoder2",
+    "gemma2",
+    "roberta",
+    "distilbert",
+    "phi3",
+    "qwen2_moe",
+    "mpt",
+    "codegen",
+    "glm",
+)
+FAMILIES = [
+    *(f for f in FAMILY_MODELS if f not in MORE_FAMILIES or os.environ.get("GALVATRON_ALL_FAMILIES") == "1"),
+    "torch_encoder",
+]
 #: nn.TransformerEncoder's causal mask is [SEQ, SEQ] = [8, 8]: no data shard may hold 8 samples (see the README).
 BATCH = {"torch_encoder": 12}
 ENCODER_DECODER = {"t5", "bart"}
 #: Predictions (logits after 3 AdamW steps) agree to rounding: parameters agree to ~1e-6 of their movement.
 PREDICTION_TOL = 1e-4
+#: Gemma-2's predictions move by 1e-3 in one process when its initial weights move by 1e-7 (Llama's by 5e-7): the
+#: rounding of any other summation order shows at 2-4e-4, where its losses and gradients agree as every family's.
+PREDICTION_TOL_OF = {"gemma2": 1e-3}
+#: What an inferred plan says where a block takes more than its hidden states.
+_INFERRED_NO_SP = r"the plan inferred for \w+ from its nn\.Linear layers runs it only on blocks whose forward takes"
+_TENSOR_CASES = ("tensor", "sequence", "ulysses", "pp_1f1b")
 
 #: (family, case) -> what the refusal says, for what the runtime cannot run exactly.
 REFUSED = {
@@ -55,6 +87,23 @@ REFUSED = {
     ("t5", "ulysses"): r"T5's attention computes its scores itself",
     ("torch_encoder", "sequence"): r"nn.MultiheadAttention checks its masks against the sequence it receives",
     ("torch_encoder", "ulysses"): r"nn.MultiheadAttention checks its masks against the sequence it receives",
+    # A norm over all heads between the projections tensor parallelism splits; an attention reading its global
+    # head count in forward; fused projections no plan knows.
+    **{("olmo2", c): r"self_attn\.q_norm \(Olmo2RMSNorm\) holds weights of shape \(32,\)" for c in _TENSOR_CASES},
+    **{("stablelm", c): r"self_attn reads self\.num_heads, self\.num_key_value_heads in" for c in _TENSOR_CASES},
+    **{
+        (name, c): rf"no tensor-parallel plan is known for {block}"
+        for name, block in (
+            ("phi3", "Phi3DecoderLayer"),
+            ("qwen2_moe", "Qwen2MoeDecoderLayer"),
+            ("mpt", "MptBlock"),
+            ("codegen", "CodeGenBlock"),
+            ("glm", "GlmDecoderLayer"),
+            ("distilbert", "TransformerBlock"),
+        )
+        for c in _TENSOR_CASES
+    },
+    **{(name, c): _INFERRED_NO_SP for name in ("mixtral", "starcoder2", "gemma2") for c in ("sequence", "ulysses")},
 }
 
 
@@ -169,7 +218,7 @@ def test_family_matches_one_process(pools, family_profiles, name, case):
         return
     assert not isinstance(outcome, str), outcome
     assert_close_runs(outcome, expected, **FP32_TOL)
-    assert_same_evaluation(outcome, expected, FP32_TOL["loss_tol"], PREDICTION_TOL)
+    assert_same_evaluation(outcome, expected, FP32_TOL["loss_tol"], PREDICTION_TOL_OF.get(name, PREDICTION_TOL))
     if case == "auto_tight":  # pure DDP does not fit the budget
         assert outcome.plan != ParallelPlan.uniform(
             4, outcome.plan.num_layers, S(), global_batch_size=outcome.plan.global_batch_size

@@ -23,13 +23,14 @@ from torch import nn
 
 from lightning_galvatron import GalvatronStrategy
 from lightning_galvatron.model.discovery import find_blocks
-from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
+from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan, tensor_parallel_plan_or_reason
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiler import profile
+from lightning_galvatron.runtime.tensor_parallel import PerHeadWeights
 from lightning_galvatron.search import evaluate
 from tests.helpers.hf_models import hf_llama
-from tests.helpers.model_families import hf_bert, plain_blocks, torch_encoder, torch_seq2seq
+from tests.helpers.model_families import family, hf_bert, plain_blocks, torch_encoder, torch_seq2seq
 from tests.helpers.training import QUICK_TRIALS, assert_close_runs, dataset, run_distributed, run_single
 from tests.test_parity_data_parallel import FP32_TOL
 
@@ -174,6 +175,22 @@ def test_blocks_and_plans_are_found():
     )
     small_head.heads = nn.ModuleList(nn.Sequential(nn.Linear(32, 2), nn.Linear(2, 2)) for _ in range(2))
     assert [bl.path for bl in find_blocks(small_head).block_lists] == ["encoder.layers"]
+
+
+def test_weights_inside_a_split_attention_are_kept_per_head_or_refused():
+    """What an attention holds besides its projections sees only a rank's heads under tensor parallelism: a norm
+    one head wide (Qwen3's and Gemma3's q_norm/k_norm) sums its gradient over the group (the family matrix proves
+    the parity); a norm over all heads (OLMo-2) and an attention reshaping with its global head count (StableLM)
+    are refused with the reason, where the plan inferred for them once ran (or crashed the profiler)."""
+    for name in ("qwen3", "gemma3"):
+        block = find_blocks(family(name)()).blocks[0]
+        styles = tensor_parallel_plan_or_reason(block).styles(False)
+        assert all(type(styles[f"self_attn.{n}"]) is PerHeadWeights for n in ("q_norm", "k_norm")), name
+    olmo2 = tensor_parallel_plan_or_reason(find_blocks(family("olmo2")()).blocks[0])
+    assert "self_attn.q_norm (Olmo2RMSNorm) holds weights of shape (32,)" in olmo2
+    assert "one head is 8 wide" in olmo2
+    stablelm = tensor_parallel_plan_or_reason(find_blocks(family("stablelm")()).blocks[0])
+    assert "self_attn reads self.num_heads, self.num_key_value_heads in forward" in stablelm
 
 
 def test_tensor_parallelism_for_a_block_without_plan_is_refused(pools):

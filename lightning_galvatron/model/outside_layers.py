@@ -110,6 +110,7 @@ class _Tracer(TorchFunctionMode):
         self.stack: list[int] = []
         self.block_order: list[int] = []
         self.cuts: list[torch.Tensor] = []  # each block's hidden input, cut from what computed it
+        self.widths: list[int] = []  # the width of the hidden states each block returns
         self.before_outputs: list[tuple[str, torch.Tensor]] = []
         self.found: list[str] = []
         self.previous_output: torch.Tensor | None = None
@@ -184,6 +185,7 @@ class _Tracer(TorchFunctionMode):
                 self.phase = AFTER if index == len(self.blocks) - 1 else BETWEEN
             out = tree_map(lambda t: _DependsOn.apply(t, cut) if _floating(t) and cut.requires_grad else t, out)
             self.previous_output = block_output_hidden(out)
+            self.widths.append(int(self.previous_output.shape[-1]) if self.previous_output.dim() else 1)
             return out
 
         return traced
@@ -270,6 +272,7 @@ class _Tracer(TorchFunctionMode):
         return OutsideLayers(
             before=tuple(n for n, s in sides.items() if s == BEFORE),
             after=tuple(n for n, s in sides.items() if s == AFTER),
+            hidden_widths=tuple(self.widths),
         )
 
 

@@ -212,9 +212,11 @@ def _hidden_size(structure: ModelStructure, embedding: nn.Embedding | None) -> i
     attentions = [m for m in block.modules() if isinstance(m, nn.MultiheadAttention)]
     if attentions:
         return attentions[0].embed_dim
-    if embedding is not None:
-        return embedding.embedding_dim
     inputs = Counter(m.in_features for m in block.modules() if isinstance(m, nn.Linear))
+    # The token embedding's width, unless no layer of the block reads it: embeddings projected to the blocks'
+    # width outside them (ELECTRA, OPT-350m) leave the most common input width of the block's layers.
+    if embedding is not None and (not inputs or embedding.embedding_dim in inputs):
+        return embedding.embedding_dim
     if not inputs:
         raise ValueError(f"cannot tell the hidden size of {model_class(block).__name__}: it has no nn.Linear layers")
     return inputs.most_common(1)[0][0]

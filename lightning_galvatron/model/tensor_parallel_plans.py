@@ -11,14 +11,17 @@ Plans come from, in order:
 
 1. plans registered with :func:`register_tensor_parallel_plan`: the user's, and the built-in plans of
    known families (:mod:`lightning_galvatron.model.families`: Hugging Face GPT-2, GPT-NeoX, Llama, Qwen2,
-   Mistral, Gemma, Phi, OPT, Falcon, BLOOM, GPT-J, GPTBigCode, BART, T5, LitGPT, ``nn.Transformer*``),
+   Qwen3, Mistral, Gemma, Gemma-3, Granite, Helium, SmolLM3, Cohere, Phi, OPT, Falcon, BLOOM, GPT-J,
+   GPTBigCode, BART, T5, LitGPT, ``nn.Transformer*``),
    registered through the same function by qualified class name (nothing is imported for them); a
    registration for a class wins over one for its base classes, a user's over a built-in one;
 2. BERT-style encoder layers found by their structure (BERT, RoBERTa and others with
    ``attention.self.query/key/value``, ``attention.output.dense``, ``intermediate.dense``, ``output.dense``);
 3. inference for blocks built from ``nn.Linear`` layers with the usual names (``q_proj``/``k_proj``/
    ``v_proj``/``out_proj``/``o_proj``, ``up_proj``/``gate_proj``/``down_proj``, ``fc1``/``fc2``, ...):
-   this covers the example GPT and many others whose attention reshapes with ``-1`` heads.
+   this covers the example GPT and many others whose attention reshapes with ``-1`` heads. What a sub-layer
+   holds between its split projections must apply to each head alike (a norm one head wide), and its forward
+   must not read a global head count or width (``self.num_heads``): otherwise the block is refused with why.
 
 A block with no plan is offered ``tp = 1`` only, and the strategy says why once.
 """
@@ -26,6 +29,7 @@ A block with no plan is offered ``tp = 1`` only, and the strategy says why once.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Mapping
 
 from torch import nn
@@ -124,6 +128,8 @@ def tensor_parallel_plan_or_reason(block: nn.Module) -> BlockTensorParallelPlan 
             f"no tensor-parallel plan is known for {model_class(block).__name__} (declare one with "
             "lightning_galvatron.register_tensor_parallel_plan)"
         )
+    if isinstance(plan, str):
+        return f"the tensor-parallel plan inferred for {model_class(block).__name__} cannot run: {plan}"
     return plan
 
 
@@ -162,12 +168,17 @@ COLUMN_NAMES = frozenset(
         "wi_1",
     }
 )
+_ATTENTION_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv"})
 ROW_NAMES = frozenset({"out_proj", "o_proj", "down_proj", "fc2", "w2", "wo", "fc_out", "c_proj"})
 _HEAD_ATTRIBUTES = ("num_heads", "n_head", "num_attention_heads", "n_heads")
 _KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
 
 
-def _linear_plan(block: nn.Module) -> BlockTensorParallelPlan | None:
+def _linear_plan(block: nn.Module) -> BlockTensorParallelPlan | str | None:
+    """The plan of a block of ``nn.Linear`` layers with the usual names; ``None`` where the names do not say,
+    or why the layers' roles are clear but the block still cannot be split."""
+    from lightning_galvatron.model.families._common import per_head_styles
+
     columns, rows, parents = [], [], set()
     for name, module in block.named_modules():
         if not isinstance(module, nn.Linear):
@@ -187,6 +198,17 @@ def _linear_plan(block: nn.Module) -> BlockTensorParallelPlan | None:
     heads = _attention_heads(block)
     if heads is None:
         return None
+    column_parents = {n.rsplit(".", 1)[0] for n, _ in columns if "." in n}
+    extra: dict[str, ParallelStyle] = {}
+    for parent in sorted(column_parents):
+        module = block.get_submodule(parent)
+        problem = _reads_global_sizes(module)
+        if problem:
+            return f"{parent} reads {problem} in forward, a size tensor parallelism divides by the degree"
+        per_head = per_head_styles(module, parent, _head_dim(module, heads["attention heads"], columns, parent))
+        if isinstance(per_head, str):
+            return per_head
+        extra |= per_head
     widths = {f"{name} width": m.out_features for name, m in columns} | {
         f"{name} width": m.in_features for name, m in rows
     }
@@ -203,9 +225,23 @@ def _linear_plan(block: nn.Module) -> BlockTensorParallelPlan | None:
                 out[norm] = SequenceParallel()
             for parent in {n.rsplit(".", 1)[0] for n, _ in columns}:
                 out[parent] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        return out
+        return out | extra
 
-    return BlockTensorParallelPlan(styles, heads | widths, megatron_sp=megatron_sp, ulysses=single_input)
+    inferred = f"the plan inferred for {model_class(block).__name__} from its nn.Linear layers"
+    more_inputs = f"{inferred} runs it only on blocks whose forward takes nothing but the hidden states"
+    why_not_megatron_sp = (
+        more_inputs
+        if not single_input
+        else f"{inferred} found no norm on the residual stream or a projection outside a sub-layer"
+    )
+    return BlockTensorParallelPlan(
+        styles,
+        heads | widths,
+        megatron_sp=megatron_sp,
+        ulysses=single_input,
+        why_not_megatron_sp=f"{why_not_megatron_sp} (register a plan for it)",
+        why_not_ulysses=f"{more_inputs} (register a plan for it)",
+    )
 
 
 def _attention_heads(block: nn.Module) -> dict[str, int] | None:
@@ -220,6 +256,36 @@ def _attention_heads(block: nn.Module) -> dict[str, int] | None:
                 )
                 return {"attention heads": heads} | ({"key/value heads": kv} if kv else {})
     return None
+
+
+#: Global sizes an attention may read in forward: under tensor parallelism a rank holds 1/tp of them.
+_GLOBAL_SIZES = re.compile(
+    r"self\.(?:config\.)?(num_heads|num_attention_heads|n_head|n_heads|num_key_value_heads|n_kv_heads|num_kv_heads|"
+    r"hidden_size|embed_dim|all_head_size)\b"
+)
+
+
+def _reads_global_sizes(module: nn.Module) -> str | None:
+    """``self.<size>`` where ``module``'s forward reads a head count or width (StableLM's attention reshapes with
+    ``self.num_heads``): an inferred plan has nothing to divide it with."""
+    try:
+        source = inspect.getsource(model_class(module).forward)
+    except (OSError, TypeError):
+        return None
+    found = sorted({m.group(0) for m in _GLOBAL_SIZES.finditer(source)})
+    return ", ".join(found) or None
+
+
+def _head_dim(module: nn.Module, heads: int, columns: list[tuple[str, nn.Linear]], parent: str) -> int | None:
+    """One head's width in an attention: its ``head_dim``, else its widest column layer over the heads; ``None`` in
+    a sub-layer without query/key/value projections (an MLP has no heads)."""
+    own = [(n.rsplit(".", 1)[-1], m) for n, m in columns if n.rsplit(".", 1)[0] == parent]
+    if not any(leaf in _ATTENTION_NAMES for leaf, _ in own):
+        return None
+    if isinstance(getattr(module, "head_dim", None), int):
+        return module.head_dim
+    widths = [m.out_features for _, m in own]
+    return max(widths) // heads if widths and max(widths) % heads == 0 else None
 
 
 def _takes_only_hidden_states(block: nn.Module) -> bool:

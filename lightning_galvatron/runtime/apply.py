@@ -12,7 +12,7 @@ Parameter names never change.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -263,18 +263,22 @@ def apply_plan(
             set_micro_batch_size=lambda size: setattr(micro_batch, "size", size),
             input_shards=applied.input_shards,
             boundary_shape=lambda block, batch, seq: layouts[block].local_shape(position, batch, seq),
-            hidden_size=_hidden_size(vocabulary),
+            hidden_width=_hidden_width(vocabulary, outside_layers),
         )
     return applied
 
 
-def _hidden_size(vocabulary: VocabularyLayers | None) -> int | None:
-    """Width of the residual stream (what pipeline stages exchange): the token embedding's width."""
+def _hidden_width(vocabulary: VocabularyLayers | None, outside: OutsideLayers | None) -> Callable[[int], int] | None:
+    """The width of the hidden states block ``i`` returns (what pipeline stages exchange): as the step was traced,
+    else the token embedding's width."""
     if vocabulary is None:
         return None
+    if outside is not None and outside.hidden_widths:
+        return outside.hidden_widths.__getitem__
     if vocabulary.embedding is None:
         raise PlanError("pipeline parallelism needs the token embedding (an nn.Embedding before the blocks)")
-    return vocabulary.embedding.embedding_dim
+    width = vocabulary.embedding.embedding_dim
+    return lambda block: width
 
 
 def _disable_nested_tensors(structure: ModelStructure) -> None:

@@ -87,7 +87,7 @@ class PipelineRunner:
         tied_group: the first and last stage ranks at this position, when they share weights.
         boundary_shape: local ``(batch, seq)`` of the activation leaving block ``i`` on this rank, for a
             stage-wide micro-batch of ``batch`` samples of length ``seq``: ``boundary_shape(i, batch, seq)``.
-        hidden_size: width of the activations between blocks.
+        hidden_width: the width of the hidden states block ``i`` returns: ``hidden_width(i)``.
         set_micro_batch_size: told the stage-wide micro-batch size before each micro-batch runs
             (the relocation between layouts needs it).
         input_shards: data shards of the input layout (the stage-wide micro-batch is
@@ -104,11 +104,11 @@ class PipelineRunner:
         set_micro_batch_size: Callable[[int], None],
         input_shards: int,
         boundary_shape: Callable[[int, int, int], tuple[int, int]] | None = None,
-        hidden_size: int | None = None,
+        hidden_width: Callable[[int], int] | None = None,
     ) -> None:
         self.plan = plan
         self._boundary_shape = boundary_shape
-        self._hidden_size = hidden_size
+        self._hidden_width = hidden_width
         self.partition = partition
         self.group = pipeline_group
         self._tied_group = tied_group
@@ -186,13 +186,13 @@ class PipelineRunner:
         """
         key = (m, train, local_batch, seq)
         if key not in self._schedules:
-            assert self.partition is not None and self._boundary_shape is not None and self._hidden_size is not None
+            assert self.partition is not None and self._boundary_shape is not None and self._hidden_width is not None
             num_chunks = self.plan.pp * self.plan.virtual_stages
             batch = local_batch * self._input_shards
             dtype = self.partition.boundary_dtype
 
             def activation(block: int) -> torch.Tensor:
-                shape = (*self._boundary_shape(block, batch, seq), self._hidden_size)
+                shape = (*self._boundary_shape(block, batch, seq), self._hidden_width(block))
                 return torch.empty(shape, dtype=dtype, device="meta", requires_grad=train)  # received -> grad sent back
 
             stages = []

@@ -93,6 +93,9 @@ class OutsideLayers:
 
     before: tuple[str, ...]
     after: tuple[str, ...]
+    #: The width (last dimension) of the hidden states each block returns, as traced: what a pipeline stage sends
+    #: on (it may differ from the token embedding's, as ELECTRA's projected embeddings do); empty if not traced.
+    hidden_widths: tuple[int, ...] = ()
 
 
 def hidden_states_of(args: tuple, kwargs: Mapping[str, Any]) -> tuple[int | str, torch.Tensor]:

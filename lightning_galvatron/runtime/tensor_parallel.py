@@ -240,6 +240,30 @@ class ColwiseFused(ParallelStyle):
         return module
 
 
+class PerHeadWeights(ParallelStyle):
+    """A module whose weights apply alike to each head it receives (Qwen3's and Gemma3's ``q_norm``/``k_norm``:
+    an RMSNorm over one head's width), inside a split attention: the weights stay whole on every rank, each rank
+    applies them to its own heads, so each rank's gradient covers only its heads and is summed over the group."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        forward = module.forward
+
+        def summed(*args: object, **kwargs: object) -> object:
+            # The parameters the forward reads (FSDP2's unsharded ones during a step), each behind the Megatron
+            # copy: identity forward, gradient summed over the group; the module keeps its own parameters.
+            held = {name: p for name, p in module._parameters.items() if p is not None}
+            try:
+                for name, p in held.items():
+                    module._parameters[name] = _CopyToGroup.apply(p, group)
+                return forward(*args, **kwargs)
+            finally:
+                module._parameters.update(held)
+
+        module.forward = summed  # type: ignore[method-assign]
+        return module
+
+
 class RowwiseConv1D(ParallelStyle):
     """Split a ``Conv1D`` along its inputs; the partial outputs are summed (or, with ``sequence_parallel``,
     reduce-scattered along the sequence), then the bias is added."""

@@ -401,6 +401,114 @@ FAMILY_MODELS = {
     ),
     # LitGPT's GPT: fused [q | k | v] with grouped queries, RMSNorm, LLaMA MLP
     "litgpt": _litgpt,
+    # Defaults but for the sizes, dropout where it is on, a pad id inside the 16-token vocabulary (Phi-3, SmolLM3,
+    # GLM), RoBERTa's positions (they start after its padding index: 8 tokens need 10), CodeGen's rotary width
+    # (its default is wider than a head) and ELECTRA's embedding width (narrower than its blocks, as by default).
+    # Qwen3 and Gemma-3 normalise each head's queries and keys, OLMo-2 all heads' at once.
+    "qwen3": _hf(
+        "causal", "Qwen3ForCausalLM", "Qwen3Config", **_ROTARY, num_key_value_heads=2, head_dim=HIDDEN // HEADS
+    ),
+    "gemma2": _hf(
+        "causal", "Gemma2ForCausalLM", "Gemma2Config", **_ROTARY, num_key_value_heads=2, head_dim=HIDDEN // HEADS
+    ),
+    "gemma3": _hf(
+        "causal", "Gemma3ForCausalLM", "Gemma3TextConfig", **_ROTARY, num_key_value_heads=2, head_dim=HIDDEN // HEADS
+    ),
+    "phi3": _hf(
+        "causal",
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        **_ROTARY,
+        num_key_value_heads=2,
+        original_max_position_embeddings=8,
+        pad_token_id=0,
+    ),
+    "olmo2": _hf("causal", "Olmo2ForCausalLM", "Olmo2Config", **_ROTARY, num_key_value_heads=2),
+    "starcoder2": _hf("causal", "Starcoder2ForCausalLM", "Starcoder2Config", **_ROTARY, num_key_value_heads=2),
+    "stablelm": _hf("causal", "StableLmForCausalLM", "StableLmConfig", **_ROTARY, num_key_value_heads=2),
+    "granite": _hf("causal", "GraniteForCausalLM", "GraniteConfig", **_ROTARY, num_key_value_heads=2),
+    "cohere": _hf("causal", "CohereForCausalLM", "CohereConfig", **_ROTARY, num_key_value_heads=2),
+    "mixtral": _hf("causal", "MixtralForCausalLM", "MixtralConfig", **_ROTARY, num_key_value_heads=2),
+    "qwen2_moe": _hf(
+        "causal",
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        **_ROTARY,
+        num_key_value_heads=2,
+        moe_intermediate_size=FFN,
+        shared_expert_intermediate_size=FFN,
+    ),
+    # RoBERTa's positions start after padding_idx (1): 8 tokens need 10 position embeddings
+    "roberta": _hf(
+        "masked",
+        "RobertaForMaskedLM",
+        "RobertaConfig",
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        max_position_embeddings=10,
+        num_hidden_layers=4,
+        intermediate_size=FFN,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    ),
+    "distilbert": _hf(
+        "masked",
+        "DistilBertForMaskedLM",
+        "DistilBertConfig",
+        dim=HIDDEN,
+        n_heads=HEADS,
+        n_layers=4,
+        hidden_dim=FFN,
+        max_position_embeddings=8,
+        dropout=0.0,
+        attention_dropout=0.0,
+    ),
+    "electra": _hf(
+        "masked",
+        "ElectraForMaskedLM",
+        "ElectraConfig",
+        **_SIZES,
+        embedding_size=HIDDEN // 2,
+        num_hidden_layers=4,
+        intermediate_size=FFN,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    ),
+    "mpt": _hf(
+        "causal",
+        "MptForCausalLM",
+        "MptConfig",
+        d_model=HIDDEN,
+        n_heads=HEADS,
+        n_layers=4,
+        expansion_ratio=FFN // HIDDEN,
+        max_seq_len=8,
+    ),
+    "codegen": _hf(
+        "causal",
+        "CodeGenForCausalLM",
+        "CodeGenConfig",
+        n_embd=HIDDEN,
+        n_head=HEADS,
+        n_layer=4,
+        n_positions=8,
+        n_ctx=8,
+        n_inner=FFN,
+        rotary_dim=4,
+    ),
+    "smollm3": _hf("causal", "SmolLM3ForCausalLM", "SmolLM3Config", **_ROTARY, num_key_value_heads=2, pad_token_id=0),
+    "glm": _hf(
+        "causal",
+        "GlmForCausalLM",
+        "GlmConfig",
+        **_ROTARY,
+        num_key_value_heads=2,
+        head_dim=HIDDEN // HEADS,
+        pad_token_id=0,
+    ),
+    "helium": _hf(
+        "causal", "HeliumForCausalLM", "HeliumConfig", **_ROTARY, num_key_value_heads=2, head_dim=HIDDEN // HEADS
+    ),
 }
 
 

@@ -18,7 +18,12 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
-from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, GatherSequence, RowwiseConv1D
+from lightning_galvatron.runtime.tensor_parallel import (
+    BlockTensorParallelPlan,
+    GatherSequence,
+    PerHeadWeights,
+    RowwiseConv1D,
+)
 
 
 class Compose(ParallelStyle):
@@ -127,3 +132,31 @@ def local_heads(module: nn.Module, tp: int, *names: str) -> None:
     """Divide the head counts (or widths) a module reads in its forward by the degree."""
     for name in names:
         setattr(module, name, getattr(module, name) // tp)
+
+
+def per_head_styles(parent: nn.Module, prefix: str, head_dim: int | None) -> dict[str, ParallelStyle] | str:
+    """Styles for what a split sub-layer (an attention, an MLP) holds besides its projections, or why it cannot
+    be split.
+
+    Between its column- and row-parallel layers a rank sees only its heads (its part of the width). A module
+    there whose every weight is one head wide (``q_norm``/``k_norm`` of Qwen3 and Gemma3) applies to each head
+    alike: it stays whole, its gradient summed over the group (:class:`PerHeadWeights`). Any other weight there
+    (a norm over all heads, as OLMo-2's; a per-head parameter) would see part of what it expects.
+    """
+    styles: dict[str, ParallelStyle] = {}
+    for name, module in parent.named_modules():
+        weights = list(module.parameters(recurse=False))
+        if isinstance(module, nn.Linear) or not weights:
+            continue
+        where = f"{prefix}.{name}" if name else prefix
+        if name and head_dim is not None and all(w.dim() == 1 and w.numel() == head_dim for w in weights):
+            styles[where] = PerHeadWeights()
+            continue
+        shapes = ", ".join(str(tuple(w.shape)) for w in weights)
+        return (
+            f"{where} ({type(module).__name__}) holds weights of shape {shapes} between the projections that "
+            f"tensor parallelism splits{'' if head_dim is None else f' (one head is {head_dim} wide)'}: each rank "
+            "would apply it to its part of the heads only (declare a plan with "
+            "lightning_galvatron.register_tensor_parallel_plan)"
+        )
+    return styles

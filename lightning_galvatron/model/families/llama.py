@@ -1,6 +1,7 @@
-"""Hugging Face Llama-style decoders (Llama, Qwen2, Mistral, Gemma, and Phi's attention): separate
-``q_proj``/``k_proj``/``v_proj``/``o_proj``, a gated MLP (``gate_proj``/``up_proj``/``down_proj``) or
-``fc1``/``fc2``, rotary positions, grouped-query attention.
+"""Hugging Face Llama-style decoders (Llama, Qwen2, Qwen3, Mistral, Gemma, Gemma3, and Phi's attention):
+separate ``q_proj``/``k_proj``/``v_proj``/``o_proj``, a gated MLP (``gate_proj``/``up_proj``/``down_proj``) or
+``fc1``/``fc2``, rotary positions, grouped-query attention, and (Qwen3, Gemma3) a norm over each head's queries
+and keys.
 
 Grouped-query attention: a degree must divide the key/value heads (each rank keeps whole groups).
 Multi-query attention (one key/value head): the key and value projections stay whole on every rank
@@ -12,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_galvatron.model.families._common import hf_sdpa, megatron_plan
+from lightning_galvatron.model.families._common import hf_sdpa, megatron_plan, per_head_styles
 from lightning_galvatron.model.plan_registry import add_plan
 from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, ColwiseFused
 
@@ -39,9 +40,12 @@ def localize_groups(attn: nn.Module, tp: int, heads: int, kv_heads: int) -> None
         attn.num_key_value_groups = (heads // tp) // (1 if kv_heads == 1 else kv_heads // tp)
 
 
-def llama_plan(block: nn.Module) -> BlockTensorParallelPlan:
+def llama_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     columns, sizes, kv_heads = attention_projections(block.self_attn, "self_attn")
     heads = block.self_attn.config.num_attention_heads
+    per_head = per_head_styles(block.self_attn, "self_attn", getattr(block.self_attn, "head_dim", None))
+    if isinstance(per_head, str):
+        return per_head
     columns |= {"mlp.gate_proj": None, "mlp.up_proj": None}
     return megatron_plan(
         block,
@@ -55,16 +59,20 @@ def llama_plan(block: nn.Module) -> BlockTensorParallelPlan:
         ],
         gathers=["self_attn", "mlp"],
         divisible=sizes | {"MLP width": block.mlp.up_proj.out_features},
+        extra=per_head,
         localize=lambda module, tp: localize_groups(module.self_attn, tp, heads, kv_heads),
         ulysses=hf_sdpa(block),
     )
 
 
-def phi_plan(block: nn.Module) -> BlockTensorParallelPlan:
+def phi_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     """Phi: one norm feeding attention and MLP in parallel, ``dense`` output projection, ``fc1``/``fc2``,
-    partial rotary positions."""
+    partial rotary positions (and, with ``qk_layernorm``, a norm over each head's queries and keys)."""
     columns, sizes, kv_heads = attention_projections(block.self_attn, "self_attn")
     heads = block.self_attn.config.num_attention_heads
+    per_head = per_head_styles(block.self_attn, "self_attn", getattr(block.self_attn, "head_dim", None))
+    if isinstance(per_head, str):
+        return per_head
     return megatron_plan(
         block,
         columns=columns | {"mlp.fc1": None},
@@ -72,6 +80,7 @@ def phi_plan(block: nn.Module) -> BlockTensorParallelPlan:
         norms=["input_layernorm"],
         gathers=["self_attn", "mlp"],
         divisible=sizes | {"MLP width": block.mlp.fc1.out_features},
+        extra=per_head,
         localize=lambda module, tp: localize_groups(module.self_attn, tp, heads, kv_heads),
         ulysses=hf_sdpa(block),
     )
@@ -83,6 +92,11 @@ for _name in (
     "qwen3.modeling_qwen3.Qwen3DecoderLayer",
     "mistral.modeling_mistral.MistralDecoderLayer",
     "gemma.modeling_gemma.GemmaDecoderLayer",
+    "gemma3.modeling_gemma3.Gemma3DecoderLayer",
+    "granite.modeling_granite.GraniteDecoderLayer",
+    "helium.modeling_helium.HeliumDecoderLayer",
+    "smollm3.modeling_smollm3.SmolLM3DecoderLayer",
+    "cohere.modeling_cohere.CohereDecoderLayer",
 ):
     add_plan(f"transformers.models.{_name}", llama_plan)
 add_plan("transformers.models.phi.modeling_phi.PhiDecoderLayer", phi_plan)
