@@ -14,6 +14,8 @@ so no layout may hold 8 samples (see the README's known limits).
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Callable
 
 import lightning.pytorch as L
@@ -30,7 +32,7 @@ from lightning_galvatron.profiler import profile
 from lightning_galvatron.runtime.tensor_parallel import PerHeadWeights
 from lightning_galvatron.search import evaluate
 from tests.helpers.hf_models import hf_llama
-from tests.helpers.model_families import family, hf_bert, plain_blocks, torch_encoder, torch_seq2seq
+from tests.helpers.model_families import family, hf_bert, literal_heads, plain_blocks, torch_encoder, torch_seq2seq
 from tests.helpers.training import QUICK_TRIALS, assert_close_runs, dataset, run_distributed, run_single
 from tests.test_parity_data_parallel import FP32_TOL
 
@@ -191,6 +193,26 @@ def test_weights_inside_a_split_attention_are_kept_per_head_or_refused():
     assert "one head is 8 wide" in olmo2
     stablelm = tensor_parallel_plan_or_reason(find_blocks(family("stablelm")()).blocks[0])
     assert "self_attn reads self.num_heads, self.num_key_value_heads in forward" in stablelm
+
+
+def _auto_plan_with_warnings(model: Callable[[], L.LightningModule], cache: str) -> tuple:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy = GalvatronStrategy(profile_cache=cache, save_plan=False, trials=QUICK_TRIALS)
+        result = run_distributed(model=model, global_batch=8, strategy=strategy)
+    return result, [str(w.message) for w in caught]
+
+
+def test_a_block_that_fails_when_split_is_planned_without_tensor_parallelism(pools, profile_cache):
+    """An inferred plan can pass every static check and still not run (a literal head count in a reshape): the
+    profiler of ``plan="auto"`` drops what failed on its split copy, says so, and the plan trains as one process."""
+    result, warned = pools(2).run(_auto_plan_with_warnings, literal_heads, str(profile_cache))[0]
+    assert any(
+        re.search(r"LiteralHeadsBlock failed to run split for tensor parallelism while profiling \(RuntimeError: ", w)
+        for w in warned
+    ), warned
+    assert all(layer.tp == 1 for layer in result.plan.layers)
+    assert_close_runs(result, run_single(model=literal_heads), **FP32_TOL)
 
 
 def test_tensor_parallelism_for_a_block_without_plan_is_refused(pools):

@@ -211,6 +211,42 @@ def plain_blocks() -> PlainBlocksLM:
     return PlainBlocksLM()
 
 
+class LiteralHeadsAttention(nn.Module):
+    """Causal attention that reshapes with a literal head count: the names of its layers infer a tensor-parallel
+    plan, which passes the static checks and fails only when a split block runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads = HEADS
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(HIDDEN, HIDDEN) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, 4, 8).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.o_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+
+
+class LiteralHeadsBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.attn = LiteralHeadsAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.norm(x))
+
+
+class LiteralHeadsLM(PlainBlocksLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(LiteralHeadsBlock() for _ in range(4))
+
+
+def literal_heads() -> LiteralHeadsLM:
+    torch.manual_seed(1234)
+    return LiteralHeadsLM()
+
+
 # ---------------------------------------------------------------------------------------------- the family matrix
 class FamilyLM(_Trainable):
     """A model of one family built from a small config at its defaults (only dropout off), trained on the token

@@ -63,6 +63,7 @@ class _BlockProfiler(_DegreeMeasurement):
         self.name = name
         self.hidden = call.hidden
         self.tp_plan: BlockTensorParallelPlan | None = tensor_parallel_plan(block)
+        self.failed_styles: dict[str, str] = {}
 
     # ------------------------------------------------------------------ inputs
     def copy(self) -> nn.Module:
@@ -218,6 +219,7 @@ class _BlockProfiler(_DegreeMeasurement):
             ulysses=plan is not None and plan.ulysses and attention_calls > 0,
         )
         split, replicated = self.per_degree(per_sample, roles, degrees, world, count_sizes, styles)
+        styles = self.styles_that_ran(styles)
         log.info(
             "%s: forward %s s at batch %s; backward/forward %.2f; recompute adds %.2f forwards; %.0f activation "
             "bytes/sample",

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import statistics
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_galvatron.model.tensor_parallel_plans import BlockTensorParallelPlan
@@ -38,6 +40,8 @@ class _DegreeMeasurement:
     device: torch.device
     hidden: torch.Tensor
     tp_plan: BlockTensorParallelPlan | None
+    #: style -> the error of its split block when profiled (the same on every rank).
+    failed_styles: dict[str, str]
 
     def copy(self) -> nn.Module:
         raise NotImplementedError
@@ -94,12 +98,39 @@ class _DegreeMeasurement:
         """
         results = {}
         for style in self.runnable_styles(g, styles):
-            block = self.split_copy(g, world, style)
-            split = 1 if style == "none" else g
-            points = [(b, float(self.saved_bytes(block, b, seq_split=split).total)) for b in count_sizes]
+            error = None
+            try:
+                block = self.split_copy(g, world, style)
+                split = 1 if style == "none" else g
+                points = [(b, float(self.saved_bytes(block, b, seq_split=split).total)) for b in count_sizes]
+            except Exception as failure:  # noqa: BLE001 - reported, and the style is not planned
+                error = f"{type(failure).__name__}: {failure}"
+            if _failed_on_any_rank(error is not None, self.device):
+                self.failed_styles.setdefault(style, error or "it failed on another rank")
+                continue
             results[style] = _per_sample(points)
             log.debug("%s at degree %d, sp=%s: saved bytes per batch size %s", self.name, g, style, points)
         return results
+
+    def styles_that_ran(self, styles: _Styles) -> _Styles:
+        """``styles`` without those whose split block failed to run when profiled (:attr:`failed_styles`): a plan
+        that passed its static checks but cannot run this block (a literal head count in a reshape) is planned
+        with ``tp = 1`` instead of crashing ``plan="auto"``; the strategy says why once."""
+        if not self.failed_styles:
+            return styles
+        for style, error in self.failed_styles.items():
+            warnings.warn(
+                f"Galvatron: {self.name} failed to run split for "
+                f"{'Ulysses' if style == 'ulysses' else 'tensor parallelism'} while profiling ({error}); it is "
+                "planned without it (declare a plan with lightning_galvatron.register_tensor_parallel_plan)",
+                stacklevel=2,
+            )
+        tensor_parallel = not {"none", "megatron"} & self.failed_styles.keys()
+        return _Styles(
+            tensor_parallel=styles.tensor_parallel and tensor_parallel,
+            megatron_sp=styles.megatron_sp and tensor_parallel,
+            ulysses=styles.ulysses and "ulysses" not in self.failed_styles,
+        )
 
     def runnable_styles(self, g: int, styles: _Styles) -> list[str]:
         """The styles (``none``: Megatron TP, ``megatron``: with SP, ``ulysses``) the runtime can run at ``g``."""
@@ -132,3 +163,12 @@ class _DegreeMeasurement:
             apply_tensor_parallel(block, plan.styles(style == "megatron"), tp_mesh)
             plan.localize(block, g)
         return block
+
+
+def _failed_on_any_rank(failed: bool, device: torch.device) -> bool:
+    """Whether any rank failed (collective where a process group runs): every rank then drops the same style."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return failed
+    flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
