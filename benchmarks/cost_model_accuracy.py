@@ -341,7 +341,30 @@ def summarise(rows: list[dict]) -> dict[str, float]:
         s - e for r in priced for s, e in zip(r["search_peak_bytes_per_stage"], r["predicted_peak_bytes_per_stage"])
     )
     out["plans"] = len(rows)
+    out |= measurement_noise(rows)
     return out
+
+
+def measurement_noise(rows: list[dict]) -> dict[str, Any]:
+    """How far the benchmark's own measurements agree with themselves: the yardstick for the MAPEs above.
+
+    ``round_vs_others_mape``: each round of each plan against the median of that plan's other rounds (measured
+    selection prices plans from one trial each, so it cannot be expected to come closer than one round does);
+    ``same_plan_pairs``: plans benchmarked twice under two names (the search often picks one plan for two
+    budgets), with the difference of their medians."""
+    errors = [
+        abs(run / statistics.median(r["measured_step_s_per_round"][:i] + r["measured_step_s_per_round"][i + 1 :]) - 1)
+        for r in rows
+        if len(r["measured_step_s_per_round"]) > 1
+        for i, run in enumerate(r["measured_step_s_per_round"])
+    ]
+    pairs = [
+        {"plans": [a["name"], b["name"]], "ratio": b["measured_step_s"] / a["measured_step_s"]}
+        for i, a in enumerate(rows)
+        for b in rows[i + 1 :]
+        if a["plan"] == b["plan"]
+    ]
+    return {"round_vs_others_mape": statistics.fmean(errors) if errors else None, "same_plan_pairs": pairs}
 
 
 def report(rows, model, args, seconds, profile_dict, calibration, probes, runs, selection) -> None:  # noqa: ANN001
@@ -387,6 +410,13 @@ def report(rows, model, args, seconds, profile_dict, calibration, probes, runs, 
             f"measured:{'':3s} MAPE {summary['after_selection_covered_step_time_mape']:6.1%}, Spearman "
             f"{summary['after_selection_covered_step_time_spearman']:.2f}"
         )
+    if summary["round_vs_others_mape"] is not None:
+        print(
+            f"the measurement itself: one round against the median of the others{'':9s} MAPE "
+            f"{summary['round_vs_others_mape']:6.1%}   (a prediction fitted from one trial per plan has this floor)"
+        )
+    for pair in summary["same_plan_pairs"]:
+        print(f"  one plan benchmarked twice: {' and '.join(pair['plans'])}, medians {pair['ratio']:.2f}x apart")
     print(
         f"peak memory per rank (per stage), evaluate():{'':11s} MAPE {summary['memory_mape']:6.1%}   "
         f"({len(rows)} plans, {seconds:.0f} s)"
