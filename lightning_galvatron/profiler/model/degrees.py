@@ -115,10 +115,11 @@ class _DegreeMeasurement:
     def styles_that_ran(self, styles: _Styles) -> _Styles:
         """``styles`` without those whose split block failed to run when profiled (:attr:`failed_styles`): a plan
         that passed its static checks but cannot run this block (a literal head count in a reshape) is planned
-        with ``tp = 1`` instead of crashing ``plan="auto"``; the strategy says why once."""
+        with ``tp = 1`` instead of crashing ``plan="auto"``; rank 0 says why."""
         if not self.failed_styles:
             return styles
-        for style, error in self.failed_styles.items():
+        quiet = dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+        for style, error in {} if quiet else self.failed_styles.items():
             warnings.warn(
                 f"Galvatron: {self.name} failed to run split for "
                 f"{'Ulysses' if style == 'ulysses' else 'tensor parallelism'} while profiling ({error}); it is "
