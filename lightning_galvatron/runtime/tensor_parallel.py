@@ -27,7 +27,9 @@ Fused projections of other layouts (:class:`ColwiseFused`) are described by thei
 key/value head of multi-query attention). Equal sections all split are strided shards as above; any
 other mix keeps the weight whole on every rank and uses this rank's rows, with the gradient summed
 over the group (each rank's rows of split sections get gradient only from that rank, rows kept whole
-from every rank): exact, but the weight is not divided by the degree.
+from every rank): exact, but the weight is not divided by the degree. Weights inside a split attention that apply
+to each head alike (a norm one head wide over the queries and keys, :class:`PerHeadWeights`) stay whole the same
+way: each rank applies them to its heads, and their gradient is summed over the group.
 
 Megatron sequence parallelism needs two more pieces: :class:`GatherSequence` gathers the sequence
 of a sub-layer's hidden states (found as its first tensor argument or its ``hidden_states=``
