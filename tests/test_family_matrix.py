@@ -1,14 +1,14 @@
 """The model-family matrix (issue 12): every family trains, validates, tests and predicts as one process does.
 
 Families: Hugging Face GPT-2, GPT-NeoX, Llama, Qwen2, Qwen3, Gemma, Gemma-3, OPT, Falcon, BLOOM, GPT-J, Phi,
-GPTBigCode, OLMo-2 and StableLM (decoder-only: multi-head, grouped-query and multi-query attention; fused and
+GPTBigCode, Phi-3 and OLMo-2 (decoder-only: multi-head, grouped-query and multi-query attention; fused and
 separate q/k/v; norms over each head's queries and keys, or over all heads; parallel and sequential residuals;
 learned, rotary and ALiBi positions), BERT and ELECTRA
 (encoder-only, with a padding mask; ELECTRA's embeddings narrower than its blocks), T5 and BART
 (encoder-decoder), LitGPT's ``GPT`` and ``nn.TransformerEncoder``
 (:data:`tests.helpers.model_families.FAMILY_MODELS`), built from small configs at their defaults (KV cache
 and attention implementation included; dropout 0). :data:`MORE_FAMILIES` (Mistral, Cohere, Mixtral, Granite,
-Helium, SmolLM3, Starcoder2, Gemma-2, RoBERTa, DistilBERT, Phi-3, Qwen2-MoE, MPT, CodeGen, GLM) run with
+Helium, SmolLM3, Starcoder2, Gemma-2, RoBERTa, DistilBERT, StableLM, Qwen2-MoE, MPT, CodeGen, GLM) run with
 ``GALVATRON_ALL_FAMILIES=1``.
 
 Per family, one single-process reference (``fit`` with validation, ``test``, ``predict``) and one pool call
@@ -40,8 +40,8 @@ pytestmark = pytest.mark.timeout(900)
 
 #: Families whose plan and computation another family of the matrix already runs at these sizes (Llama's plan on
 #: the same layers; Mistral's sliding window is wider than the sequence; Cohere's parallel residual is Phi's and
-#: Falcon's), refusals of the same kind, Mixtral (its experts stay whole) and Gemma-2: the suite runs them with
-#: GALVATRON_ALL_FAMILIES=1 (the suite's time on 2 cores).
+#: Falcon's), refusals of the same kind (StableLM's is unit-tested), Mixtral (its experts stay whole) and Gemma-2:
+#: the suite runs them with GALVATRON_ALL_FAMILIES=1 (the suite's time on 2 cores).
 MORE_FAMILIES = (
     "mistral",
     "cohere",
@@ -53,7 +53,7 @@ MORE_FAMILIES = (
     "gemma2",
     "roberta",
     "distilbert",
-    "phi3",
+    "stablelm",
     "qwen2_moe",
     "mpt",
     "codegen",
@@ -97,7 +97,6 @@ REFUSED = {
     **{
         (name, c): rf"no tensor-parallel plan is known for {block}"
         for name, block in (
-            ("phi3", "Phi3DecoderLayer"),
             ("qwen2_moe", "Qwen2MoeDecoderLayer"),
             ("mpt", "MptBlock"),
             ("codegen", "CodeGenBlock"),

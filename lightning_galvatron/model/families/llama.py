@@ -1,4 +1,4 @@
-"""Hugging Face Llama-style decoders (Llama, Qwen2, Qwen3, Mistral, Gemma, Gemma3, and Phi's attention):
+"""Hugging Face Llama-style decoders (Llama, Qwen2, Qwen3, Mistral, Gemma, Gemma3, Phi, Phi-3 and others):
 separate ``q_proj``/``k_proj``/``v_proj``/``o_proj``, a gated MLP (``gate_proj``/``up_proj``/``down_proj``) or
 ``fc1``/``fc2``, rotary positions, grouped-query attention, and (Qwen3, Gemma3) a norm over each head's queries
 and keys.
@@ -9,6 +9,8 @@ and only the queries are split (see :class:`~lightning_galvatron.runtime.tensor_
 """
 
 from __future__ import annotations
+
+import copy
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -86,6 +88,43 @@ def phi_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     )
 
 
+def phi3_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
+    """Phi-3 (and Phi-4): fused ``qkv_proj`` ``[q | k | v]`` and ``gate_up_proj`` ``[gate | up]``. Its attention
+    reads the query heads from its config and the key/value heads from itself: each block gets its own copy of the
+    config with this rank's heads."""
+    attn = block.self_attn
+    heads, kv_heads, head_dim = attn.config.num_attention_heads, attn.num_key_value_heads, attn.head_dim
+    per_head = per_head_styles(attn, "self_attn", head_dim)
+    if isinstance(per_head, str):
+        return per_head
+    sections = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    split = (True, kv_heads > 1, kv_heads > 1)  # multi-query: keys and values whole on every rank
+    ffn = block.mlp.down_proj.in_features
+    divisible = {"attention heads": heads, "MLP width": ffn}
+    if kv_heads > 1:
+        divisible["key/value heads"] = kv_heads
+
+    def localize(module: nn.Module, tp: int) -> None:
+        local = module.self_attn
+        local.config = copy.copy(local.config)
+        local.config.num_attention_heads = heads // tp
+        if kv_heads > 1:
+            local.num_key_value_heads = kv_heads // tp
+        localize_groups(local, tp, heads, kv_heads)
+
+    return megatron_plan(
+        block,
+        columns={"self_attn.qkv_proj": ColwiseFused(sections, split), "mlp.gate_up_proj": ColwiseFused((ffn, ffn))},
+        rows=["self_attn.o_proj", "mlp.down_proj"],
+        norms=["input_layernorm", "post_attention_layernorm"],
+        gathers=["self_attn", "mlp"],
+        divisible=divisible,
+        extra=per_head,
+        localize=localize,
+        ulysses=hf_sdpa(block),
+    )
+
+
 for _name in (
     "llama.modeling_llama.LlamaDecoderLayer",
     "qwen2.modeling_qwen2.Qwen2DecoderLayer",
@@ -100,3 +139,4 @@ for _name in (
 ):
     add_plan(f"transformers.models.{_name}", llama_plan)
 add_plan("transformers.models.phi.modeling_phi.PhiDecoderLayer", phi_plan)
+add_plan("transformers.models.phi3.modeling_phi3.Phi3DecoderLayer", phi3_plan)
