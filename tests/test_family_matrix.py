@@ -1,14 +1,15 @@
 """The model-family matrix (issue 12): every family trains, validates, tests and predicts as one process does.
 
-Families: Hugging Face GPT-2, GPT-NeoX, Llama, Qwen2, Qwen3, Gemma, Gemma-3, OPT, Falcon, BLOOM, GPT-J, Phi,
-GPTBigCode, Phi-3 and OLMo-2 (decoder-only: multi-head, grouped-query and multi-query attention; fused and
-separate q/k/v; norms over each head's queries and keys, or over all heads; parallel and sequential residuals;
-learned, rotary and ALiBi positions), BERT and ELECTRA
+Families: Hugging Face GPT-2, GPT-NeoX, Llama, Qwen3, Gemma, OPT, Falcon, BLOOM, GPT-J, Phi, GPTBigCode and
+Phi-3 (decoder-only: multi-head, grouped-query and multi-query attention; fused and separate q/k/v; norms over
+each head's queries and keys; parallel and sequential residuals; learned, rotary and ALiBi positions), BERT and
+ELECTRA
 (encoder-only, with a padding mask; ELECTRA's embeddings narrower than its blocks), T5 and BART
 (encoder-decoder), LitGPT's ``GPT`` and ``nn.TransformerEncoder``
 (:data:`tests.helpers.model_families.FAMILY_MODELS`), built from small configs at their defaults (KV cache
-and attention implementation included; dropout 0). :data:`MORE_FAMILIES` (Mistral, Cohere, Mixtral, Granite,
-Helium, SmolLM3, Starcoder2, Gemma-2, RoBERTa, DistilBERT, StableLM, Qwen2-MoE, MPT, CodeGen, GLM) run with
+and attention implementation included; dropout 0). :data:`MORE_FAMILIES` (Qwen2, Mistral, Gemma-3, OLMo-2,
+Cohere, Mixtral, Granite, Helium, SmolLM3, Starcoder2, Gemma-2, RoBERTa, DistilBERT, StableLM, Qwen2-MoE, MPT,
+CodeGen, GLM) run with
 ``GALVATRON_ALL_FAMILIES=1``.
 
 Per family, one single-process reference (``fit`` with validation, ``test``, ``predict``) and one pool call
@@ -39,11 +40,15 @@ from tests.test_parity_data_parallel import FP32_TOL
 pytestmark = pytest.mark.timeout(900)
 
 #: Families whose plan and computation another family of the matrix already runs at these sizes (Llama's plan on
-#: the same layers; Mistral's sliding window is wider than the sequence; Cohere's parallel residual is Phi's and
-#: Falcon's), refusals of the same kind (StableLM's is unit-tested), Mixtral (its experts stay whole) and Gemma-2:
-#: the suite runs them with GALVATRON_ALL_FAMILIES=1 (the suite's time on 2 cores).
+#: the same layers, with biases (Qwen2) or per-head norms (Gemma-3, as Qwen3); Mistral's sliding window is wider
+#: than the sequence; Cohere's parallel residual is Phi's and Falcon's), refusals (OLMo-2's and StableLM's are
+#: unit-tested), Mixtral (its experts stay whole) and Gemma-2: the suite runs them with GALVATRON_ALL_FAMILIES=1
+#: (the suite's time on 2 cores).
 MORE_FAMILIES = (
+    "qwen2",
     "mistral",
+    "gemma3",
+    "olmo2",
     "cohere",
     "mixtral",
     "granite",
