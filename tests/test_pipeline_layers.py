@@ -4,7 +4,9 @@
 A GPT whose LM head is registered before its embedding and blocks (LitGPT's layout) trained to the
 loss of zero logits under pp=2 because the head was kept on the first stage. The regression tests
 train it, and LitGPT's own ``GPT``, under pp=2 (1F1B and interleaved) and compare fit, validate,
-test and predict with one process (tolerances of test_parity_data_parallel, fp32).
+test and predict with one process (tolerances of test_parity_data_parallel, fp32). So does a model
+whose inputs enter through an ``nn.Linear`` (no token table), once refused as if it asked for vocabulary
+parallelism.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from lightning_galvatron.model.outside_layers import trace_outside_layers
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan, PlanError
 from lightning_galvatron.runtime.pipeline import PipelineUsageError, StagePartition
-from tests.helpers.pipeline_models import litgpt_gpt, lm_head_first_gpt
+from tests.helpers.pipeline_models import input_projection_encoder, litgpt_gpt, lm_head_first_gpt
 from tests.helpers.training import assert_close_runs, dataset, run_distributed, run_single
 from tests.test_parity_data_parallel import FP32_TOL
 
@@ -33,12 +35,16 @@ PP2 = {
         2, 4, S(), pp=2, schedule="interleaved_1f1b", micro_batches=2, virtual_stages=2
     ),
 }
-MODELS = {"head_registered_first": lm_head_first_gpt, "litgpt": litgpt_gpt}
+MODELS = {
+    "head_registered_first": lm_head_first_gpt,
+    "litgpt": litgpt_gpt,
+    "no_token_embedding": input_projection_encoder,
+}
 
 
 @pytest.mark.parametrize("schedule", list(PP2))
 @pytest.mark.parametrize("name", list(MODELS))
-def test_head_registered_before_the_blocks_matches_one_process(pools, name, schedule):
+def test_layers_outside_the_blocks_in_any_layout_match_one_process(pools, name, schedule):
     model = MODELS[name]
     expected = run_single(model=model, evaluate=True)
     result = pools(2).run(run_distributed, PP2[schedule], model=model, evaluate=True)[0]
@@ -165,8 +171,8 @@ def test_tied_embedding_and_head_are_on_both_ends():
 
 
 def test_stand_ins_refuse_to_be_used():
-    """A later stage's stand-in for a layer before the blocks refuses to run after them; a block of another
-    stage gives its configuration, not its tensors."""
+    """A later stage's stand-in for a layer before the blocks refuses to run after them, and gives the layer's
+    shapes and dtypes without values; a block of another stage gives its configuration, not its tensors."""
     module = Toy()
     structure = find_blocks(module, "blocks")
     outside = trace_outside_layers(module, structure, "training_step", dataset(2)[0:2])
@@ -181,8 +187,13 @@ def test_stand_ins_refuse_to_be_used():
             block(stand_in)
         with pytest.raises(PipelineUsageError, match="wte runs before the Transformer blocks .* after the blocks"):
             module.wte(tokens)
-    with pytest.raises(AttributeError, match="wte lives on the first pipeline stage only; 'weight' was read on"):
-        _ = module.wte.weight
+    # What a step reads of it without running it (ViT reads weight.dtype) is the layer's; its values are nowhere.
+    weight = module.wte.weight
+    assert (weight.shape, weight.dtype, weight.device.type) == ((16, HIDDEN), torch.float32, "meta")
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        F.embedding(tokens, weight).sum().item()
+    with pytest.raises(AttributeError, match="wte lives on the first pipeline stage only; 'scale' was read on"):
+        _ = module.wte.scale
     assert module.blocks[0].training  # configuration of a block of another stage
     with pytest.raises(AttributeError, match="block 0 lives on another pipeline stage; its '0.weight' is not"):
         _ = getattr(module.blocks[0], "0").weight

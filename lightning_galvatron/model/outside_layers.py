@@ -148,6 +148,8 @@ class _Tracer(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
+        if _reads_metadata(func):  # ViT reads its patch projection's weight.dtype to cast the pixels: not a use
+            return func(*args, **kwargs)
         for leaf in tree_flatten((args, kwargs))[0]:
             known = self.parameters.get(id(leaf)) if isinstance(leaf, nn.Parameter) else None
             if known is not None and not known[1] & set(self.stack):
@@ -274,6 +276,20 @@ class _Tracer(TorchFunctionMode):
             after=tuple(n for n, s in sides.items() if s == AFTER),
             hidden_widths=tuple(self.widths),
         )
+
+
+#: What a parameter tells without its values (properties of ``torch.Tensor`` and methods).
+_METADATA_PROPERTIES = frozenset(
+    getattr(torch.Tensor, name)
+    for name in ("dtype", "shape", "device", "ndim", "requires_grad", "is_cuda", "layout", "is_leaf", "itemsize")
+)
+_METADATA_METHODS = frozenset(
+    {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size, torch.Tensor.is_floating_point}
+)
+
+
+def _reads_metadata(func: Any) -> bool:
+    return getattr(func, "__self__", None) in _METADATA_PROPERTIES or func in _METADATA_METHODS
 
 
 class _DependsOn(torch.autograd.Function):

@@ -12,7 +12,7 @@ Parameter names never change.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ from lightning_galvatron.runtime.sharding import apply_data_parallel
 from lightning_galvatron.runtime.structure import ModelStructure, OutsideLayers
 from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, apply_tensor_parallel
 from lightning_galvatron.runtime.ulysses import apply_ulysses
-from lightning_galvatron.runtime.vocab_parallel import VocabularyLayers, apply_vocab_parallel, find_vocabulary_layers
+from lightning_galvatron.runtime.vocab_parallel import apply_vocab_parallel, find_vocabulary_layers
 
 
 class NotSupportedYet(PlanError):
@@ -178,7 +178,7 @@ def apply_plan(
     all_blocks = structure.blocks
     starts, ends = _block_list_bounds(structure)  # before a pipeline stage removes other stages' blocks
     _disable_nested_tensors(structure)
-    vocabulary = find_vocabulary_layers(structure) if plan.vocab.tp > 1 or plan.pp > 1 else None
+    vocabulary = find_vocabulary_layers(structure) if plan.vocab.tp > 1 else None
 
     local_blocks = range(plan.num_layers)
     if plan.pp > 1:
@@ -263,22 +263,9 @@ def apply_plan(
             set_micro_batch_size=lambda size: setattr(micro_batch, "size", size),
             input_shards=applied.input_shards,
             boundary_shape=lambda block, batch, seq: layouts[block].local_shape(position, batch, seq),
-            hidden_width=_hidden_width(vocabulary, outside_layers),
+            hidden_width=outside_layers.hidden_widths.__getitem__ if outside_layers is not None else None,
         )
     return applied
-
-
-def _hidden_width(vocabulary: VocabularyLayers | None, outside: OutsideLayers | None) -> Callable[[int], int] | None:
-    """The width of the hidden states block ``i`` returns (what pipeline stages exchange): as the step was traced,
-    else the token embedding's width."""
-    if vocabulary is None:
-        return None
-    if outside is not None and outside.hidden_widths:
-        return outside.hidden_widths.__getitem__
-    if vocabulary.embedding is None:
-        raise PlanError("pipeline parallelism needs the token embedding (an nn.Embedding before the blocks)")
-    width = vocabulary.embedding.embedding_dim
-    return lambda block: width
 
 
 def _disable_nested_tensors(structure: ModelStructure) -> None:

@@ -68,17 +68,26 @@ class _AbsentAttribute(PipelineUsageError, AttributeError):
 
 
 class _StandIn(nn.Module):
-    """A parameter-free module in the place of a layer that lives on another stage (``home``)."""
+    """A parameter-free module in the place of a layer that lives on another stage (``home``).
 
-    def __init__(self, name: str, stage: int, home: str) -> None:
+    Its attributes are those of a copy of the layer on the meta device, which holds no memory: what a step reads of
+    the layer without running it (ViT reads its patch projection's ``weight.dtype`` before the blocks) reads as the
+    real layer's, and computing with it fails (it is on the meta device). Anything else is refused.
+    """
+
+    def __init__(self, original: nn.Module, name: str, stage: int, home: str) -> None:
         super().__init__()
         self._name, self._stage, self._home = name, stage, home
+        meta = {id(t): _on_meta(t) for t in (*original.parameters(), *original.buffers())}
+        self._meta = [copy.deepcopy(original, meta)]  # a list: not registered (no parameters, no state)
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
             own = self.__dict__
+            if "_meta" in own and hasattr(own["_meta"][0], name):
+                return getattr(own["_meta"][0], name)
             raise _AbsentAttribute(
                 f"{own.get('_name')} lives on the {own.get('_home')} pipeline stage only; {name!r} was read on stage "
                 f"{own.get('_stage')}"
@@ -88,16 +97,13 @@ class _StandIn(nn.Module):
 class _FirstStageOnly(_StandIn):
     """Stand-in for a layer before the blocks, on stages that discard its output.
 
-    It returns zeros of the shape and dtype the real layer would return (computed by a copy of the
-    layer on the meta device, which holds no memory), and refuses to run after the blocks started:
-    there its output would be used.
+    It returns zeros of the shape and dtype the real layer would return (computed by its copy on the meta
+    device), and refuses to run after the blocks started: there its output would be used.
     """
 
     def __init__(self, original: nn.Module, name: str, stage: int, gate: _Gate) -> None:
-        super().__init__(name, stage, "first")
+        super().__init__(original, name, stage, "first")
         self._gate = gate
-        meta = {id(t): _on_meta(t) for t in (*original.parameters(), *original.buffers())}
-        self._shapes = [copy.deepcopy(original, meta)]  # a list: not registered (no parameters, no state)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         chunk = self._gate.chunk
@@ -113,7 +119,7 @@ class _FirstStageOnly(_StandIn):
             )
         device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
         to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
-        shapes = self._shapes[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        shapes = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
         zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return tree_map(zeros, shapes)
 
@@ -121,8 +127,8 @@ class _FirstStageOnly(_StandIn):
 class _LastStageOnly(_StandIn):
     """Stand-in for a layer after the blocks on stages that never reach it."""
 
-    def __init__(self, name: str, stage: int) -> None:
-        super().__init__(name, stage, "last")
+    def __init__(self, original: nn.Module, name: str, stage: int) -> None:
+        super().__init__(original, name, stage, "last")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineUsageError(
@@ -318,7 +324,7 @@ class StagePartition:
                 _replace(structure.root, name, _FirstStageOnly(holders[name], name, self.stage, self.gate))
         if not self.is_last:
             for name in _outermost(outside.after):
-                _replace(structure.root, name, _LastStageOnly(name, self.stage))
+                _replace(structure.root, name, _LastStageOnly(holders[name], name, self.stage))
 
     @property
     def has_tied_weights(self) -> bool:

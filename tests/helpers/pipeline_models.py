@@ -2,8 +2,9 @@
 
 ``lm_head_first_gpt``: the layout of LitGPT (``self.lm_head`` registered before ``self.transformer =
 nn.ModuleDict(wte, wpe, h, ln_f)``), built from the example GPT's blocks. ``litgpt_gpt``: LitGPT's own
-``litgpt.GPT`` from a tiny ``litgpt.Config`` at its defaults. Both train on the parity tests' token
-batches, with fit, validate, test and predict steps, and AdamW with ``eps=1e-6`` (see
+``litgpt.GPT`` from a tiny ``litgpt.Config`` at its defaults. ``input_projection_encoder``: an
+``nn.TransformerEncoder`` whose inputs enter through an ``nn.Linear`` (features, no token table). All train on
+the parity tests' token batches, with fit, validate, test and predict steps, and AdamW with ``eps=1e-6`` (see
 :mod:`tests.helpers.model_families`).
 """
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from examples.gpt import Block, GPTConfig
-from tests.helpers.model_families import _Trainable
+from tests.helpers.model_families import _encoder_layer, _Trainable
 
 VOCAB, HIDDEN, HEADS, SEQ = 16, 32, 4, 8
 
@@ -89,3 +90,27 @@ class LitGPTLM(_TokenLM):
 def litgpt_gpt() -> LitGPTLM:
     torch.manual_seed(1234)
     return LitGPTLM()
+
+
+class InputProjectionEncoder(nn.Module):
+    """Tokens as one-hot features through an ``nn.Linear``, as a model of continuous inputs: no ``nn.Embedding``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs = nn.Linear(VOCAB, HIDDEN)
+        self.encoder = nn.TransformerEncoder(_encoder_layer(), num_layers=4, enable_nested_tensor=False)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.inputs(F.one_hot(tokens, VOCAB).float())))
+
+
+class InputProjectionLM(_TokenLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = InputProjectionEncoder()
+
+
+def input_projection_encoder() -> InputProjectionLM:
+    torch.manual_seed(1234)
+    return InputProjectionLM()
