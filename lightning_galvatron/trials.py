@@ -54,7 +54,7 @@ from lightning_galvatron.model.tensor_parallel_plans import block_tensor_paralle
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_flag
 from lightning_galvatron.runtime.apply import apply_plan, check_runtime_support, input_shard
-from lightning_galvatron.runtime.mesh import MeshCache
+from lightning_galvatron.runtime.mesh import MeshCache, reduce_over_ranks
 from lightning_galvatron.runtime.pipeline import loss_of
 from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 from lightning_galvatron.search.calibration import Observation
@@ -324,9 +324,7 @@ class TrialRunner:
                 runtime.step_started()
             began = _now(self.device)
             step()
-            slowest = torch.tensor(_now(self.device) - began, dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank takes the same decision below
-            times.append(float(slowest))
+            times.append(float(reduce_over_ranks([_now(self.device) - began], dist.ReduceOp.MAX)[0]))
             if stop_above is not None and times[-1] > stop_above:
                 break
         observation = _finish(runtime)

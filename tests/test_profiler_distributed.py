@@ -8,7 +8,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from lightning_galvatron.model.discovery import find_blocks
@@ -101,7 +100,7 @@ def test_wrong_world_size_is_refused_on_every_rank(pools):
 def _quiet_on_ranks() -> list[float]:
     """Rank 1 caught quiet moments for the first quantity, rank 0 for the second."""
     rank = dist.get_rank()
-    return quiet_over_ranks([[2.0 - r, 1.0 + r] for r in (rank + 0.0, rank + 0.1, rank + 0.2)], torch.device("cpu"))
+    return quiet_over_ranks([[2.0 - r, 1.0 + r] for r in (rank + 0.0, rank + 0.1, rank + 0.2)])
 
 
 def test_every_rank_keeps_the_quietest_ranks_timing_of_each_quantity(pools):
@@ -110,4 +109,4 @@ def test_every_rank_keeps_the_quietest_ranks_timing_of_each_quantity(pools):
     results = pools(2).run(_quiet_on_ranks)
     quietest = [quiet_seconds([1.0, 0.9, 0.8]), quiet_seconds([1.0, 1.1, 1.2])]
     assert results[0] == results[1] == pytest.approx(quietest)
-    assert quiet_over_ranks([[3.0], [2.0]], torch.device("cpu")) == [quiet_seconds([3.0, 2.0])]  # no group here
+    assert quiet_over_ranks([[3.0], [2.0]]) == [quiet_seconds([3.0, 2.0])]  # no group here

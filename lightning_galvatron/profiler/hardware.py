@@ -42,7 +42,7 @@ import torch.distributed as dist
 from lightning_galvatron.layout import Layout, p2p_ranks_per_node, ranks_per_node
 from lightning_galvatron.plan import divisors
 from lightning_galvatron.profiles import COLLECTIVE_KINDS, CollectiveFit, HardwareProfile, bus_volume
-from lightning_galvatron.runtime.mesh import MeshCache
+from lightning_galvatron.runtime.mesh import MeshCache, reduce_over_ranks
 
 log = logging.getLogger(__name__)
 
@@ -173,10 +173,10 @@ def profile_hardware(
                 table[len(keys), j] = _time_point(op, repetitions[j], device)
             keys.append((kind, layout))
     # The slowest rank's time is the collective's time; all ranks then fit the same numbers.
-    table = _reduce(table, dist.ReduceOp.MAX, device)
+    table = reduce_over_ranks(table, dist.ReduceOp.MAX)
     for i, (kind, layout) in enumerate(keys):
-        log.debug("%s over %s: seconds per size %s", kind, layout, dict(zip(sizes, table[i].tolist())))
-    fits = tuple(_fit(kind, layout, sizes, table[i].tolist()) for i, (kind, layout) in enumerate(keys))
+        log.debug("%s over %s: seconds per size %s", kind, layout, dict(zip(sizes, table[i])))
+    fits = tuple(_fit(kind, layout, sizes, table[i]) for i, (kind, layout) in enumerate(keys))
     alpha = _overlap_coefficient(sizes[-1], device)
     device_memory, overhead = _memory(device)
     elapsed = time.perf_counter() - started
@@ -276,7 +276,7 @@ def _plan_repetitions(
     pilot = torch.tensor(
         [_time_point(_all_reduce(n, device), 1, device) for n in (sizes[0], sizes[-1])], dtype=torch.float64
     )
-    small, large = _reduce(pilot, dist.ReduceOp.MAX, device).tolist()
+    small, large = reduce_over_ranks(pilot, dist.ReduceOp.MAX)
     per_byte = max(large - small, 0.0) / (sizes[-1] - sizes[0])
 
     def call_time(nbytes: int) -> float:
@@ -420,14 +420,7 @@ def _overlap_coefficient(nbytes: int, device: torch.device) -> float:
         overlapped = _time_point(both, 1, device)
         ratios.append(1.0 + (overlapped - max(comp, comm)) / max(min(comp, comm), 1e-12))
     alpha = torch.tensor([max(statistics.median(ratios), 1.0)], dtype=torch.float64)
-    return float(_reduce(alpha, dist.ReduceOp.SUM, device)) / dist.get_world_size()
-
-
-def _reduce(values: torch.Tensor, op: dist.ReduceOp, device: torch.device) -> torch.Tensor:
-    """All-reduce a small CPU tensor of results (through the device where the backend needs it)."""
-    on_device = values.to(device)
-    dist.all_reduce(on_device, op=op)
-    return on_device.cpu()
+    return reduce_over_ranks(alpha)[0] / dist.get_world_size()
 
 
 def _local_time(fn: Callable[[], None], device: torch.device) -> float:
@@ -456,9 +449,7 @@ def _memory(device: torch.device) -> tuple[int | None, int]:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     overhead = torch.tensor([max(total - free - torch.cuda.memory_allocated(device), 0)], dtype=torch.int64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        overhead = _reduce(overhead, dist.ReduceOp.MAX, device)
-    return int(total), int(overhead.item())
+    return int(total), reduce_over_ranks(overhead, dist.ReduceOp.MAX)[0]
 
 
 __all__ = ["GroupLayout", "measured_layouts", "message_sizes", "profile_hardware", "single_device_hardware"]

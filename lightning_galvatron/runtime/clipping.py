@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_galvatron.runtime.mesh import collective_device
+
 
 def clip_grad_norm_(
     parameters: Iterable[torch.nn.Parameter],
@@ -43,7 +45,11 @@ def clip_grad_norm_(
         norm = torch.nn.utils.get_total_norm(counted, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     # Every rank must join the pipeline reduction, even one without gradients.
-    stacked = torch.stack([n.float() for n in norms]) if norms else torch.zeros(1)
+    stacked = (
+        torch.stack([n.float() for n in norms])
+        if norms
+        else torch.zeros(1, device=collective_device(pipeline_group) if pipeline_group is not None else None)
+    )
     if norm_type == float("inf"):
         total = stacked.max()
         if pipeline_group is not None:

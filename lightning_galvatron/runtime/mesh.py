@@ -8,6 +8,8 @@ blocks sharing a layout share process groups.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -17,7 +19,7 @@ from lightning_galvatron.layout import Layout
 
 MESH_DIMS = ("pp", "dp", "tp")
 
-__all__ = ["MESH_DIMS", "Layout", "MeshCache", "local_tensor"]
+__all__ = ["MESH_DIMS", "Layout", "MeshCache", "collective_device", "local_tensor", "reduce_over_ranks"]
 
 
 class MeshCache:
@@ -55,6 +57,32 @@ class MeshCache:
 
     def __len__(self) -> int:
         return len(self._meshes)
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where ``group``'s collectives take their tensors: NCCL reduces only CUDA tensors, gloo CPU ones."""
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_over_ranks(
+    values: torch.Tensor | Sequence[float],
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+) -> list:
+    """Small host values (timings, counts, flags) reduced with ``op`` over ``group``'s ranks, as (nested) Python
+    lists, so that every rank takes the same decision from them; unchanged where no process group runs (no tensor
+    is made then: the model profiler also runs under ``FakeTensorMode``). Collective.
+
+    Numbers travel as float64 (a tensor keeps its dtype), through :func:`collective_device`.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    tensor = values.detach() if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
+    on_device = tensor.to(collective_device(group))
+    dist.all_reduce(on_device, op=op, group=group)
+    return on_device.cpu().tolist()
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from torch import nn
 
 from lightning_galvatron.layout import ActivationLayout, Region
 from lightning_galvatron.plan import PlanError
+from lightning_galvatron.runtime.mesh import reduce_over_ranks
 from lightning_galvatron.runtime.recompute import is_recomputing
 from lightning_galvatron.runtime.structure import model_class
 
@@ -345,10 +346,10 @@ def _extras_cross_ranks(source: ActivationLayout, target: ActivationLayout, batc
 
 def _agree_on_per_sample_inputs(block: nn.Module, present: list[bool], group: dist.ProcessGroup) -> None:
     """Ranks that exchange a block's per-sample inputs must all have them (else some would wait forever)."""
-    flags = torch.tensor([int(p) for p in present] + [-int(p) for p in present], dtype=torch.int32)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    # The least of "has it" and of "lacks it" over the ranks: both 0 where some ranks have it and some do not.
+    flags = reduce_over_ranks([int(p) for p in present] + [1 - int(p) for p in present], dist.ReduceOp.MIN, group)
     n = len(present)
-    if any(flags[i] != -flags[n + i] for i in range(n)):  # max != min: some ranks have it, some do not
+    if any(flags[i] == 0 and flags[n + i] == 0 for i in range(n)):
         raise PlanError(
             f"the ranks of a stage passed different inputs to {model_class(block).__name__}: some a per-sample "
             "tensor (e.g. an attention mask), others None. Hugging Face models drop the attention mask of a batch "

@@ -121,10 +121,10 @@ class _BlockProfiler(_DegreeMeasurement):
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # every rank times the same point at once: training's contention, the same at every size
         warm = once()
-        samples = [once() for _ in range(agreed_repeats(sum(warm), TARGET_POINT_S, self.device))]
+        samples = [once() for _ in range(agreed_repeats(sum(warm), TARGET_POINT_S))]
         for p in block.parameters():
             p.grad = None
-        forward, backward = quiet_over_ranks(samples, self.device)
+        forward, backward = quiet_over_ranks(samples)
         return forward, backward
 
     def saved_bytes(

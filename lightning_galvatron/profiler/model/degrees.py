@@ -20,6 +20,7 @@ from torch import nn
 from lightning_galvatron.model.tensor_parallel_plans import BlockTensorParallelPlan
 from lightning_galvatron.profiler.model.saved import SavedTensorCounter, _per_sample
 from lightning_galvatron.profiles import DegreeTable
+from lightning_galvatron.runtime.mesh import reduce_over_ranks
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ class _DegreeMeasurement:
                 points = [(b, float(self.saved_bytes(block, b, seq_split=split).total)) for b in count_sizes]
             except Exception as failure:  # noqa: BLE001 - reported, and the style is not planned
                 error = f"{type(failure).__name__}: {failure}"
-            if _failed_on_any_rank(error is not None, self.device):
+            # Every rank drops the same style: whether any rank failed.
+            if reduce_over_ranks([error is not None], dist.ReduceOp.MAX)[0]:
                 self.failed_styles.setdefault(style, error or "it failed on another rank")
                 continue
             results[style] = _per_sample(points)
@@ -164,12 +166,3 @@ class _DegreeMeasurement:
             apply_tensor_parallel(block, plan.styles(style == "megatron"), tp_mesh)
             plan.localize(block, g)
         return block
-
-
-def _failed_on_any_rank(failed: bool, device: torch.device) -> bool:
-    """Whether any rank failed (collective where a process group runs): every rank then drops the same style."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return failed
-    flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())

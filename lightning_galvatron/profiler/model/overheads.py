@@ -40,6 +40,7 @@ from lightning_galvatron.profiles import (
     PipelineProbe,
     ReductionProbe,
 )
+from lightning_galvatron.runtime.mesh import reduce_over_ranks
 from lightning_galvatron.runtime.structure import block_output_hidden, with_hidden_states
 
 log = logging.getLogger(__name__)
@@ -105,17 +106,13 @@ def measure_overheads(
     block_bytes = sum(p.numel() * p.element_size() for p in profilers[0].block.parameters())
     copies = max(min((blocks_per_type or [1])[0], REDUCTION_BLOCKS, REDUCTION_BYTES // max(block_bytes, 1)), 1)
     reductions = [_reduction_probe(profilers[0], copies, dp_mesh.get_group(), device)] if world > 1 else []
-    slowest = torch.tensor(
+    seconds = reduce_over_ranks(
         [s for *_, s in probes]
         + [s for *_, s in optimizer]
         + [p.seconds for p in pipelines]
         + [s for r in reductions for s in (r.plain_seconds, r.reduced_seconds)],
-        dtype=torch.float64,
+        dist.ReduceOp.MAX,
     )
-    if device.type == "cuda":
-        slowest = slowest.to(device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    seconds = slowest.cpu().tolist()
     calls = tuple(
         CallProbe(k, strategy, world, int(profilers[k].hidden.shape[0]), s)
         for (k, strategy, _), s in zip(probes, seconds)
@@ -188,7 +185,7 @@ def _median_seconds(once: Callable[[], float], device: torch.device) -> float:
     dist.barrier()
     once()
     warm = once()
-    return float(np.median([once() for _ in range(agreed_repeats(warm, CALL_POINT_S, device))]))
+    return float(np.median([once() for _ in range(agreed_repeats(warm, CALL_POINT_S))]))
 
 
 def _optimizer_probes(world: int, device: torch.device, mesh) -> list[tuple[int, int, bool, float]]:  # noqa: ANN001

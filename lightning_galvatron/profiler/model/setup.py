@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_galvatron.model.discovery import model_class
+from lightning_galvatron.runtime.mesh import reduce_over_ranks
 from lightning_galvatron.search.cost import resolve_precision
 
 Step = Callable[[nn.Module, Any], torch.Tensor]
@@ -42,7 +43,7 @@ def quiet_seconds(samples: Iterable[float]) -> float:
     return float(np.quantile(timings, TIMING_QUANTILE))
 
 
-def quiet_over_ranks(samples: Sequence[Sequence[float]], device: torch.device) -> list[float]:
+def quiet_over_ranks(samples: Sequence[Sequence[float]]) -> list[float]:
     """:func:`quiet_seconds` of each column of ``samples`` (a row per repeat), the quietest over the ranks when a
     process group is initialised. Collective.
 
@@ -53,23 +54,15 @@ def quiet_over_ranks(samples: Sequence[Sequence[float]], device: torch.device) -
     """
     columns = np.array(samples, dtype=float).reshape(len(samples), -1)
     quiet = [quiet_seconds(columns[:, j]) for j in range(columns.shape[1])]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        quietest = torch.tensor(quiet, dtype=torch.float64, device=device)
-        dist.all_reduce(quietest, op=dist.ReduceOp.MIN)
-        quiet = quietest.cpu().tolist()
-    return quiet
+    return reduce_over_ranks(quiet, dist.ReduceOp.MIN)
 
 
-def agreed_repeats(warm_s: float, target_s: float, device: torch.device) -> int:
+def agreed_repeats(warm_s: float, target_s: float) -> int:
     """Timed repetitions of a point that took ``warm_s`` once: enough for about ``target_s`` of them, between
     :data:`MIN_REPEATS` and :data:`MAX_REPEATS`; in a process group the most any rank wants, so that every rank
     makes the same number (the timed calls may hold collectives). Collective when a group is initialised."""
     repeats = int(min(max(target_s / max(warm_s, 1e-9), MIN_REPEATS), MAX_REPEATS))
-    if dist.is_available() and dist.is_initialized():
-        most = torch.tensor([repeats], dtype=torch.int64, device=device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        repeats = int(most.item())
-    return repeats
+    return int(reduce_over_ranks([repeats], dist.ReduceOp.MAX)[0])
 
 
 def block_signature(block: nn.Module) -> tuple:

@@ -63,7 +63,7 @@ def _profile_vocab(
                 used[phase] |= counter.used[phase]
             trial = [_PhaseTimer(blocks, device).run(module, local_batch, step, prec) for _ in range(repeats)]
             keys = sorted(trial[0])
-            for key, quiet in zip(keys, quiet_over_ranks([[t[k] for k in keys] for t in trial], device)):
+            for key, quiet in zip(keys, quiet_over_ranks([[t[k] for k in keys] for t in trial])):
                 times[key].append(quiet)
             _zero_grads(params.values())
 
