@@ -1,15 +1,14 @@
 """The model-family matrix (issue 12): every family trains, validates, tests and predicts as one process does.
 
-Families: Hugging Face GPT-2, GPT-NeoX, Llama, Qwen3, Gemma, OPT, Falcon, BLOOM, GPT-J, Phi, GPTBigCode and
-Phi-3 (decoder-only: multi-head, grouped-query and multi-query attention; fused and separate q/k/v; norms over
-each head's queries and keys; parallel and sequential residuals; learned, rotary and ALiBi positions), BERT and
-ELECTRA
-(encoder-only, with a padding mask; ELECTRA's embeddings narrower than its blocks), T5 and BART
-(encoder-decoder), LitGPT's ``GPT`` and ``nn.TransformerEncoder``
-(:data:`tests.helpers.model_families.FAMILY_MODELS`), built from small configs at their defaults (KV cache
-and attention implementation included; dropout 0). :data:`MORE_FAMILIES` (Qwen2, Mistral, Gemma-3, OLMo-2,
-Cohere, Mixtral, Granite, Helium, SmolLM3, Starcoder2, Gemma-2, RoBERTa, DistilBERT, StableLM, Qwen2-MoE, MPT,
-CodeGen, GLM) run with
+Families: Hugging Face GPT-2, GPT-NeoX, Llama, Qwen3, OPT, Falcon, BLOOM, GPT-J, Phi, GPTBigCode and Phi-3
+(decoder-only: multi-head, grouped-query and multi-query attention; fused and separate q/k/v; norms over each
+head's queries and keys; parallel and sequential residuals; learned, rotary and ALiBi positions), BERT and ELECTRA
+(encoder-only, with a padding mask; ELECTRA's embeddings narrower than its blocks), ViT (images: patches through a
+convolution, no token table, a class token), T5 and BART (encoder-decoder), LitGPT's ``GPT`` and
+``nn.TransformerEncoder`` (:data:`tests.helpers.model_families.FAMILY_MODELS`), built from small configs at their
+defaults (KV cache and attention implementation included; dropout 0). :data:`MORE_FAMILIES` (Gemma, Qwen2,
+Mistral, Gemma-3, OLMo-2, Cohere, Mixtral, Granite, Helium, SmolLM3, Starcoder2, Gemma-2, RoBERTa, DistilBERT,
+DeiT, StableLM, Qwen2-MoE, MPT, CodeGen, GLM, LitGPT with per-head and with OLMo-2 query/key norms) run with
 ``GALVATRON_ALL_FAMILIES=1``.
 
 Per family, one single-process reference (``fit`` with validation, ``test``, ``predict``) and one pool call
@@ -28,6 +27,7 @@ import os
 import re
 
 import pytest
+from torch import nn
 
 from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
@@ -40,11 +40,12 @@ from tests.test_parity_data_parallel import FP32_TOL
 pytestmark = pytest.mark.timeout(900)
 
 #: Families whose plan and computation another family of the matrix already runs at these sizes (Llama's plan on
-#: the same layers, with biases (Qwen2) or per-head norms (Gemma-3, as Qwen3); Mistral's sliding window is wider
-#: than the sequence; Cohere's parallel residual is Phi's and Falcon's), refusals (OLMo-2's and StableLM's are
-#: unit-tested), Mixtral (its experts stay whole) and Gemma-2: the suite runs them with GALVATRON_ALL_FAMILIES=1
-#: (the suite's time on 2 cores).
+#: the same layers, with other norms (Gemma), biases (Qwen2) or per-head norms (Gemma-3, as Qwen3); DeiT is ViT's;
+#: Mistral's sliding window is wider than the sequence; Cohere's parallel residual is Phi's and Falcon's), refusals
+#: (OLMo-2's and StableLM's are unit-tested), Mixtral (its experts stay whole) and Gemma-2: the suite runs them with
+#: GALVATRON_ALL_FAMILIES=1 (the suite's time on 2 cores).
 MORE_FAMILIES = (
+    "gemma",
     "qwen2",
     "mistral",
     "gemma3",
@@ -58,11 +59,15 @@ MORE_FAMILIES = (
     "gemma2",
     "roberta",
     "distilbert",
+    "deit",
     "stablelm",
     "qwen2_moe",
     "mpt",
     "codegen",
     "glm",
+    "glm4",
+    "litgpt_norm_qk",
+    "litgpt_norm_qk_olmo2",
 )
 FAMILIES = [
     *(f for f in FAMILY_MODELS if f not in MORE_FAMILIES or os.environ.get("GALVATRON_ALL_FAMILIES") == "1"),
@@ -98,6 +103,7 @@ REFUSED = {
     # A norm over all heads between the projections tensor parallelism splits; an attention reading its global
     # head count in forward; fused projections no plan knows.
     **{("olmo2", c): r"self_attn\.q_norm \(Olmo2RMSNorm\) holds weights of shape \(32,\)" for c in _TENSOR_CASES},
+    **{("litgpt_norm_qk_olmo2", c): r"attn\.norm_q \(RMSNorm\) holds weights of shape \(32,\)" for c in _TENSOR_CASES},
     **{("stablelm", c): r"self_attn reads self\.num_heads, self\.num_key_value_heads in" for c in _TENSOR_CASES},
     **{
         (name, c): rf"no tensor-parallel plan is known for {block}"
@@ -105,12 +111,10 @@ REFUSED = {
             ("qwen2_moe", "Qwen2MoeDecoderLayer"),
             ("mpt", "MptBlock"),
             ("codegen", "CodeGenBlock"),
-            ("glm", "GlmDecoderLayer"),
-            ("distilbert", "TransformerBlock"),
         )
         for c in _TENSOR_CASES
     },
-    **{(name, c): _INFERRED_NO_SP for name in ("mixtral", "starcoder2", "gemma2") for c in ("sequence", "ulysses")},
+    **{(name, c): _INFERRED_NO_SP for name in ("mixtral", "starcoder2") for c in ("sequence", "ulysses")},
 }
 
 
@@ -132,8 +136,11 @@ def _widest_degree(blocks: list, sp: str) -> int:
 
 
 def cases(name: str) -> dict[str, dict]:
-    blocks = find_blocks(family(name)()).blocks
+    model = family(name)()
+    blocks = find_blocks(model).blocks
     tp, megatron = _widest_degree(blocks, "none"), _widest_degree(blocks, "megatron")
+    # Vocabulary parallelism where there is a token table (vision transformers read patches through a convolution).
+    vocab = S(tp=2) if any(isinstance(m, nn.Embedding) for m in model.modules()) else S()
     return {
         "auto_ample": dict(auto="ample"),
         "auto_tight": dict(auto="tight"),
@@ -146,7 +153,7 @@ def cases(name: str) -> dict[str, dict]:
                     S(dp_type="zero2"),
                     S(tp=2, tp_consecutive=False, dp_type="zero3", recompute=True),
                 ),
-                vocab=S(tp=2),
+                vocab=vocab,
             )
         ),
         "sequence": dict(
@@ -158,7 +165,7 @@ def cases(name: str) -> dict[str, dict]:
                     S(),
                     S(tp=2, sp="megatron", tp_consecutive=False, dp_type="zero2"),
                 ),
-                vocab=S(tp=2),
+                vocab=vocab,
             )
         ),
         "ulysses": dict(
@@ -170,7 +177,7 @@ def cases(name: str) -> dict[str, dict]:
                     S(tp=2, sp="megatron"),
                     S(tp=2, sp="ulysses", tp_consecutive=False, dp_type="zero2"),
                 ),
-                vocab=S(tp=2),
+                vocab=vocab,
             )
         ),
         "pp_1f1b": dict(plan=PP_1F1B_MIXED),

@@ -181,13 +181,20 @@ def test_blocks_and_plans_are_found():
 
 def test_weights_inside_a_split_attention_are_kept_per_head_or_refused():
     """What an attention holds besides its projections sees only a rank's heads under tensor parallelism: a norm
-    one head wide (Qwen3's and Gemma3's q_norm/k_norm) sums its gradient over the group (the family matrix proves
-    the parity); a norm over all heads (OLMo-2) and an attention reshaping with its global head count (StableLM)
-    are refused with the reason, where the plan inferred for them once ran (or crashed the profiler)."""
-    for name in ("qwen3", "gemma3"):
+    one head wide (Qwen3's and Gemma3's q_norm/k_norm, LitGPT's with norm_qk) sums its gradient over the group (the
+    family matrix proves the parity); a norm over all heads (OLMo-2, LitGPT's OLMo-2 variant) and an attention
+    reshaping with its global head count (StableLM) are refused with the reason, where the plan inferred for them
+    once ran (or crashed the profiler) and LitGPT's plan trained apart from one process."""
+    for name, norms in (
+        ("qwen3", ("self_attn.q_norm", "self_attn.k_norm")),
+        ("gemma3", ("self_attn.q_norm", "self_attn.k_norm")),
+        ("litgpt_norm_qk", ("attn.norm_q", "attn.norm_k")),  # a family plan of its own: the check is in every plan
+    ):
         block = find_blocks(family(name)()).blocks[0]
         styles = tensor_parallel_plan_or_reason(block).styles(False)
-        assert all(type(styles[f"self_attn.{n}"]) is PerHeadWeights for n in ("q_norm", "k_norm")), name
+        assert all(type(styles[n]) is PerHeadWeights for n in norms), name
+    litgpt_olmo2 = tensor_parallel_plan_or_reason(find_blocks(family("litgpt_norm_qk_olmo2")()).blocks[0])
+    assert "attn.norm_q (RMSNorm) holds weights of shape (32,)" in litgpt_olmo2
     olmo2 = tensor_parallel_plan_or_reason(find_blocks(family("olmo2")()).blocks[0])
     assert "self_attn.q_norm (Olmo2RMSNorm) holds weights of shape (32,)" in olmo2
     assert "one head is 8 wide" in olmo2

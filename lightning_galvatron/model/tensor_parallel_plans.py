@@ -205,7 +205,8 @@ def _linear_plan(block: nn.Module) -> BlockTensorParallelPlan | str | None:
         problem = _reads_global_sizes(module)
         if problem:
             return f"{parent} reads {problem} in forward, a size tensor parallelism divides by the degree"
-        per_head = per_head_styles(module, parent, _head_dim(module, heads["attention heads"], columns, parent))
+        head_dim = _head_dim(module, heads["attention heads"], columns, parent)
+        per_head = per_head_styles(module, parent, head_dim, {name for name, _ in columns + rows})
         if isinstance(per_head, str):
             return per_head
         extra |= per_head

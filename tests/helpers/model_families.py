@@ -260,6 +260,8 @@ class FamilyLM(_Trainable):
 
     def logits(self, batch):  # noqa: ANN001, ANN201
         inputs, targets = batch
+        if self.kind == "vision":
+            return self.model(pixel_values=pixels(inputs, self.model.config)).logits
         if self.kind == "causal":
             return self.model(input_ids=inputs).logits
         if self.kind == "litgpt":
@@ -269,17 +271,34 @@ class FamilyLM(_Trainable):
         shifted = torch.cat([torch.zeros_like(targets[:, :1]), targets[:, :-1]], dim=1)
         return self.model(input_ids=inputs, decoder_input_ids=shifted).logits
 
+    def loss(self, batch):  # noqa: ANN001, ANN201
+        if self.kind != "vision":
+            return super().loss(batch)
+        _, targets = batch
+        return F.cross_entropy(self.logits(batch).float(), targets[:, 0])  # the image's class: its first target
+
+
+def pixels(inputs: torch.Tensor, config) -> torch.Tensor:  # noqa: ANN001
+    """Images for a vision transformer from token batches: each token a patch of fixed random pixels, side by side
+    in one row of patches (as many as ``config.image_size`` holds)."""
+    height, width = config.image_size
+    patch, channels = config.patch_size, config.num_channels
+    table = torch.randn(VOCAB, channels, patch, patch, generator=torch.Generator().manual_seed(0))
+    patches = table.to(inputs.device)[inputs[:, : width // patch]]  # [batch, patches, channels, patch, patch]
+    return patches.permute(0, 2, 3, 1, 4).reshape(inputs.shape[0], channels, height, width)
+
 
 def _hf(kind: str, architecture: str, config: str, **settings):  # noqa: ANN003, ANN202
     import transformers
 
     def build():  # noqa: ANN202
-        return kind, getattr(transformers, architecture)(getattr(transformers, config)(vocab_size=VOCAB, **settings))
+        sizes = {"num_labels": VOCAB} if kind == "vision" else {"vocab_size": VOCAB}
+        return kind, getattr(transformers, architecture)(getattr(transformers, config)(**sizes, **settings))
 
     return build
 
 
-def _litgpt():  # noqa: ANN202
+def _litgpt(**settings):  # noqa: ANN003, ANN202
     from litgpt import GPT, Config
 
     config = Config(
@@ -297,12 +316,14 @@ def _litgpt():  # noqa: ANN202
         norm_class_name="RMSNorm",
         mlp_class_name="LLaMAMLP",
         intermediate_size=FFN,
+        **settings,
     )
     return "litgpt", GPT(config)
 
 
 _SIZES = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, max_position_embeddings=8)
 _ROTARY = dict(_SIZES, num_hidden_layers=4, intermediate_size=FFN)
+_VISION = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=4, intermediate_size=FFN, patch_size=2)
 #: family -> factory of (kind, model): small configs, every setting at its default except the sizes and dropout.
 FAMILY_MODELS = {
     # decoder-only, learned positions, fused q/k/v (Conv1D), sequential residual
@@ -437,6 +458,9 @@ FAMILY_MODELS = {
     ),
     # LitGPT's GPT: fused [q | k | v] with grouped queries, RMSNorm, LLaMA MLP
     "litgpt": _litgpt,
+    # and with a norm over each head's queries and keys (norm_qk), or over all heads at once (OLMo-2's)
+    "litgpt_norm_qk": functools.partial(_litgpt, norm_qk=True),
+    "litgpt_norm_qk_olmo2": functools.partial(_litgpt, norm_qk=True, norm_qk_type="olmo2"),
     # Defaults but for the sizes, dropout where it is on, a pad id inside the 16-token vocabulary (Phi-3, SmolLM3,
     # GLM), RoBERTa's positions (they start after its padding index: 8 tokens need 10), CodeGen's rotary width
     # (its default is wider than a head) and ELECTRA's embedding width (narrower than its blocks, as by default).
@@ -537,6 +561,35 @@ FAMILY_MODELS = {
         "causal",
         "GlmForCausalLM",
         "GlmConfig",
+        **_ROTARY,
+        num_key_value_heads=2,
+        head_dim=HIDDEN // HEADS,
+        pad_token_id=0,
+    ),
+    # Vision transformers: patches through a convolution (no token table), a class token (and DeiT's distillation
+    # token) before them: 7 (6) patches of 2 x 2 pixels make sequences of 8.
+    "vit": _hf(
+        "vision",
+        "ViTForImageClassification",
+        "ViTConfig",
+        **_VISION,
+        image_size=(2, 14),
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    ),
+    "deit": _hf(
+        "vision",
+        "DeiTForImageClassification",
+        "DeiTConfig",
+        **_VISION,
+        image_size=(2, 12),
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    ),
+    "glm4": _hf(
+        "causal",
+        "Glm4ForCausalLM",
+        "Glm4Config",
         **_ROTARY,
         num_key_value_heads=2,
         head_dim=HIDDEN // HEADS,

@@ -360,10 +360,11 @@ def run_cases(
 ) -> dict[str, RunResult | str]:
     """Several distributed runs of one model in one pool call, each ``run_distributed(**common, **case)``.
 
-    A case ``{"auto": "ample"}`` trains with ``plan="auto"`` and the default memory budget, ``{"auto": "tight"}``
-    with a budget between pure ZeRO-3's and pure DDP's (see :func:`budget_between_zero3_and_ddp`); profiles are
-    cached in ``cache_dir``. A case the strategy refuses gives its error message instead of a result; one that
-    fails gives its traceback, and the cases after it are not run (its ranks may have stopped in different places,
+    A case ``{"auto": "ample"}`` trains with ``plan="auto"``, the default memory budget and quick trials,
+    ``{"auto": "tight"}`` with a budget between pure ZeRO-3's and pure DDP's (see
+    :func:`budget_between_zero3_and_ddp`) and the search's plan untried; profiles are cached in ``cache_dir``. A case
+    the strategy refuses gives its error message instead of a result; one that fails gives its traceback, and the
+    cases after it are not run (its ranks may have stopped in different places,
     so what follows would only wait for the others): the caller should then start a fresh pool.
     """
     out: dict[str, RunResult | str] = {}
@@ -375,8 +376,10 @@ def run_cases(
         try:
             if auto is not None:
                 budget = budget_between_zero3_and_ddp(model, global_batch, cache_dir) if auto == "tight" else None
+                # Trials once per model (ample): under the tight budget the search's own choice is what is checked.
+                trials = QUICK_TRIALS if auto == "ample" else False
                 case["strategy"] = GalvatronStrategy(
-                    memory_budget=budget, profile_cache=cache_dir, save_plan=False, trials=QUICK_TRIALS
+                    memory_budget=budget, profile_cache=cache_dir, save_plan=False, trials=trials
                 )
             out[name] = run_distributed(model=model, global_batch=global_batch, **common, **case)
         except PlanError as error:

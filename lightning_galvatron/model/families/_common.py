@@ -55,8 +55,9 @@ def megatron_plan(
     position_inputs: Mapping[str | int, int] = HF_POSITION_INPUTS,
     folded_inputs: Mapping[str, int] | None = None,
     ulysses_divisible: Mapping[str, int] | None = None,
-) -> BlockTensorParallelPlan:
-    """A plan from the roles of ``block``'s layers.
+    head_dim: int | None = None,
+) -> BlockTensorParallelPlan | str:
+    """A plan from the roles of ``block``'s layers, or why the block cannot be split.
 
     Args:
         columns: column-parallel layers and their style (``None``: ``ColwiseParallel``).
@@ -68,9 +69,18 @@ def megatron_plan(
             before its MLP, like OPT, shards dimension 0 there; any per-token order works).
         extra: other styles (per-head inputs, outputs to copy), applied after any other style of the same module.
         ulysses, megatron_sp: ``True``, or the reason the block cannot run it.
+        head_dim: one head's width, where an attention holds weights that width between its projections (Qwen3's
+            ``q_norm``/``k_norm``): they stay whole, their gradient summed over the group (:func:`per_head_styles`,
+            which checks every split sub-layer of every plan).
     """
     dims = dict(sequence_dims or {})
     extra = dict(extra or {})
+    styled = {*columns, *rows, *extra}
+    for parent in sorted({name.rsplit(".", 1)[0] for name in columns if "." in name}):
+        per_head = per_head_styles(block.get_submodule(parent), parent, head_dim, styled)
+        if isinstance(per_head, str):
+            return per_head
+        extra = per_head | extra
     present = {name for name, _ in block.named_modules()}
     norms = [n for n in norms if n in present and not isinstance(block.get_submodule(n), nn.Identity)]
 
@@ -134,9 +144,11 @@ def local_heads(module: nn.Module, tp: int, *names: str) -> None:
         setattr(module, name, getattr(module, name) // tp)
 
 
-def per_head_styles(parent: nn.Module, prefix: str, head_dim: int | None) -> dict[str, ParallelStyle] | str:
-    """Styles for what a split sub-layer (an attention, an MLP) holds besides its projections, or why it cannot
-    be split.
+def per_head_styles(
+    parent: nn.Module, prefix: str, head_dim: int | None, styled: set[str]
+) -> dict[str, ParallelStyle] | str:
+    """Styles for what a split sub-layer (an attention, an MLP) holds besides the modules the plan ``styled`` (its
+    projections; names in the block), or why it cannot be split.
 
     Between its column- and row-parallel layers a rank sees only its heads (its part of the width). A module
     there whose every weight is one head wide (``q_norm``/``k_norm`` of Qwen3 and Gemma3) applies to each head
@@ -146,9 +158,9 @@ def per_head_styles(parent: nn.Module, prefix: str, head_dim: int | None) -> dic
     styles: dict[str, ParallelStyle] = {}
     for name, module in parent.named_modules():
         weights = list(module.parameters(recurse=False))
-        if isinstance(module, nn.Linear) or not weights:
-            continue
         where = f"{prefix}.{name}" if name else prefix
+        if where in styled or not weights:
+            continue
         if name and head_dim is not None and all(w.dim() == 1 and w.numel() == head_dim for w in weights):
             styles[where] = PerHeadWeights()
             continue

@@ -1,6 +1,6 @@
 """BERT-style encoder layers (BERT, RoBERTa, ELECTRA and other Hugging Face encoders with
 ``attention.self.query/key/value``, ``attention.output.dense``, ``intermediate.dense``, ``output.dense``),
-found by their structure rather than their class.
+found by their structure rather than their class; and DistilBERT's ``TransformerBlock``, by its class.
 
 Post-norm: q/k/v and the MLP's first layer split by columns, the two output projections by rows.
 With Megatron-SP the two LayerNorms (after each residual add) run on sequence shards, their outputs
@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_galvatron.model.families._common import hf_sdpa, local_heads, megatron_plan
+from lightning_galvatron.model.plan_registry import add_plan
 from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan
 
 _BERT_LINEARS = (
@@ -37,7 +38,7 @@ def is_bert_style_layer(block: nn.Module) -> bool:
     )
 
 
-def bert_style_plan(block: nn.Module) -> BlockTensorParallelPlan:
+def bert_style_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     attention = block.attention.self
 
     def localize(module: nn.Module, tp: int) -> None:
@@ -63,3 +64,20 @@ def bert_style_plan(block: nn.Module) -> BlockTensorParallelPlan:
         localize=localize,
         ulysses=hf_sdpa(block),
     )
+
+
+def distilbert_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
+    """DistilBERT: ``attention.q_lin/k_lin/v_lin/out_lin``, ``ffn.lin1/lin2``, post-norm ``sa_layer_norm`` and
+    ``output_layer_norm`` after the residual adds of the block; the attention reshapes with -1 heads."""
+    return megatron_plan(
+        block,
+        columns={"attention.q_lin": None, "attention.k_lin": None, "attention.v_lin": None, "ffn.lin1": None},
+        rows=["attention.out_lin", "ffn.lin2"],
+        norms=["sa_layer_norm", "output_layer_norm"],
+        gathers=["attention", "ffn"],
+        divisible={"attention heads": block.attention.n_heads, "MLP width": block.ffn.lin1.out_features},
+        ulysses=hf_sdpa(block),
+    )
+
+
+add_plan("transformers.models.distilbert.modeling_distilbert.TransformerBlock", distilbert_plan)

@@ -31,7 +31,7 @@ def alibi_heads(heads: int) -> SliceHeads:
     return SliceHeads({"alibi": local})
 
 
-def falcon_plan(block: nn.Module) -> BlockTensorParallelPlan:
+def falcon_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     attn, config = block.self_attention, block.config
     heads, head_dim = attn.num_heads, attn.head_dim
     sizes = {"attention heads": heads, "MLP width": block.mlp.dense_h_to_4h.out_features}

@@ -10,7 +10,7 @@ from lightning_galvatron.model.plan_registry import add_plan
 from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan
 
 
-def gpt_neox_plan(block: nn.Module) -> BlockTensorParallelPlan:
+def gpt_neox_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     config = block.attention.config
     return megatron_plan(
         block,

@@ -10,7 +10,7 @@ from lightning_galvatron.model.plan_registry import add_plan
 from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan
 
 
-def gptj_plan(block: nn.Module) -> BlockTensorParallelPlan:
+def gptj_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     return megatron_plan(
         block,
         columns={"attn.q_proj": None, "attn.k_proj": None, "attn.v_proj": None, "mlp.fc_in": None},

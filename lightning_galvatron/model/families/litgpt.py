@@ -27,8 +27,6 @@ def litgpt_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     if mlp_inputs is None or type(attn).__name__ != "CausalSelfAttention":
         return f"LitGPT blocks with {type(attn).__name__} and {type(block.mlp).__name__} have no tensor-parallel plan"
     heads, groups, head_size = config.n_head, config.n_query_groups, config.head_size
-    if config.norm_qk and config.norm_qk_type == "olmo2":
-        return "LitGPT's OLMo-2 query/key norms normalise all heads together; no tensor-parallel plan"
     sections = (heads * head_size, groups * head_size, groups * head_size)
     split = (True, groups > 1, groups > 1)
     sizes = {"attention heads": heads, "MLP width": getattr(block.mlp, mlp_inputs[0]).out_features}
@@ -59,6 +57,7 @@ def litgpt_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
             else True
         ),
         position_inputs={1: -2, 2: -2, "cos": -2, "sin": -2},
+        head_dim=head_size,
     )
 
 

@@ -1,7 +1,7 @@
-"""Hugging Face Llama-style decoders (Llama, Qwen2, Qwen3, Mistral, Gemma, Gemma3, Phi, Phi-3 and others):
-separate ``q_proj``/``k_proj``/``v_proj``/``o_proj``, a gated MLP (``gate_proj``/``up_proj``/``down_proj``) or
-``fc1``/``fc2``, rotary positions, grouped-query attention, and (Qwen3, Gemma3) a norm over each head's queries
-and keys.
+"""Hugging Face Llama-style decoders (Llama, Qwen2, Qwen3, Mistral, Gemma, Gemma-2, Gemma-3, GLM, Phi, Phi-3 and
+others): separate ``q_proj``/``k_proj``/``v_proj``/``o_proj``, a gated MLP (``gate_proj``/``up_proj``/``down_proj``,
+or fused ``gate_up_proj``) or ``fc1``/``fc2``, rotary positions, grouped-query attention, and (Qwen3, Gemma3) a
+norm over each head's queries and keys.
 
 Grouped-query attention: a degree must divide the key/value heads (each rank keeps whole groups).
 Multi-query attention (one key/value head): the key and value projections stay whole on every rank
@@ -15,7 +15,7 @@ import copy
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_galvatron.model.families._common import hf_sdpa, megatron_plan, per_head_styles
+from lightning_galvatron.model.families._common import hf_sdpa, megatron_plan
 from lightning_galvatron.model.plan_registry import add_plan
 from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, ColwiseFused
 
@@ -42,27 +42,35 @@ def localize_groups(attn: nn.Module, tp: int, heads: int, kv_heads: int) -> None
         attn.num_key_value_groups = (heads // tp) // (1 if kv_heads == 1 else kv_heads // tp)
 
 
+def gated_mlp_columns(mlp: nn.Module) -> tuple[dict[str, ParallelStyle | None], int]:
+    """Column styles of a gated MLP, separate (``gate_proj``, ``up_proj``) or fused as ``gate_up_proj`` ``[gate |
+    up]`` (Phi-3, GLM), and its width."""
+    width = mlp.down_proj.in_features
+    if hasattr(mlp, "gate_up_proj"):
+        return {"mlp.gate_up_proj": ColwiseFused((width, width))}, width
+    return {"mlp.gate_proj": None, "mlp.up_proj": None}, width
+
+
 def llama_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     columns, sizes, kv_heads = attention_projections(block.self_attn, "self_attn")
     heads = block.self_attn.config.num_attention_heads
-    per_head = per_head_styles(block.self_attn, "self_attn", getattr(block.self_attn, "head_dim", None))
-    if isinstance(per_head, str):
-        return per_head
-    columns |= {"mlp.gate_proj": None, "mlp.up_proj": None}
+    mlp, width = gated_mlp_columns(block.mlp)
     return megatron_plan(
         block,
-        columns=columns,
+        columns=columns | mlp,
         rows=["self_attn.o_proj", "mlp.down_proj"],
         norms=[
             "input_layernorm",
             "post_attention_layernorm",
             "pre_feedforward_layernorm",
             "post_feedforward_layernorm",
+            "post_self_attn_layernorm",  # GLM-4: on the attention's and the MLP's outputs
+            "post_mlp_layernorm",
         ],
         gathers=["self_attn", "mlp"],
-        divisible=sizes | {"MLP width": block.mlp.up_proj.out_features},
-        extra=per_head,
+        divisible=sizes | {"MLP width": width},
         localize=lambda module, tp: localize_groups(module.self_attn, tp, heads, kv_heads),
+        head_dim=getattr(block.self_attn, "head_dim", None),
         ulysses=hf_sdpa(block),
     )
 
@@ -72,9 +80,6 @@ def phi_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     partial rotary positions (and, with ``qk_layernorm``, a norm over each head's queries and keys)."""
     columns, sizes, kv_heads = attention_projections(block.self_attn, "self_attn")
     heads = block.self_attn.config.num_attention_heads
-    per_head = per_head_styles(block.self_attn, "self_attn", getattr(block.self_attn, "head_dim", None))
-    if isinstance(per_head, str):
-        return per_head
     return megatron_plan(
         block,
         columns=columns | {"mlp.fc1": None},
@@ -82,8 +87,8 @@ def phi_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
         norms=["input_layernorm"],
         gathers=["self_attn", "mlp"],
         divisible=sizes | {"MLP width": block.mlp.fc1.out_features},
-        extra=per_head,
         localize=lambda module, tp: localize_groups(module.self_attn, tp, heads, kv_heads),
+        head_dim=getattr(block.self_attn, "head_dim", None),
         ulysses=hf_sdpa(block),
     )
 
@@ -94,12 +99,9 @@ def phi3_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     config with this rank's heads."""
     attn = block.self_attn
     heads, kv_heads, head_dim = attn.config.num_attention_heads, attn.num_key_value_heads, attn.head_dim
-    per_head = per_head_styles(attn, "self_attn", head_dim)
-    if isinstance(per_head, str):
-        return per_head
     sections = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
     split = (True, kv_heads > 1, kv_heads > 1)  # multi-query: keys and values whole on every rank
-    ffn = block.mlp.down_proj.in_features
+    mlp, ffn = gated_mlp_columns(block.mlp)
     divisible = {"attention heads": heads, "MLP width": ffn}
     if kv_heads > 1:
         divisible["key/value heads"] = kv_heads
@@ -114,13 +116,13 @@ def phi3_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
 
     return megatron_plan(
         block,
-        columns={"self_attn.qkv_proj": ColwiseFused(sections, split), "mlp.gate_up_proj": ColwiseFused((ffn, ffn))},
+        columns={"self_attn.qkv_proj": ColwiseFused(sections, split)} | mlp,
         rows=["self_attn.o_proj", "mlp.down_proj"],
         norms=["input_layernorm", "post_attention_layernorm"],
         gathers=["self_attn", "mlp"],
         divisible=divisible,
-        extra=per_head,
         localize=localize,
+        head_dim=head_dim,
         ulysses=hf_sdpa(block),
     )
 
@@ -136,6 +138,9 @@ for _name in (
     "helium.modeling_helium.HeliumDecoderLayer",
     "smollm3.modeling_smollm3.SmolLM3DecoderLayer",
     "cohere.modeling_cohere.CohereDecoderLayer",
+    "gemma2.modeling_gemma2.Gemma2DecoderLayer",
+    "glm.modeling_glm.GlmDecoderLayer",
+    "glm4.modeling_glm4.Glm4DecoderLayer",
 ):
     add_plan(f"transformers.models.{_name}", llama_plan)
 add_plan("transformers.models.phi.modeling_phi.PhiDecoderLayer", phi_plan)

@@ -19,7 +19,7 @@ def _attention_columns(prefix: str) -> dict[str, None]:
     return {f"{prefix}.{name}": None for name in ("q_proj", "k_proj", "v_proj")}
 
 
-def opt_plan(block: nn.Module) -> BlockTensorParallelPlan:
+def opt_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     pre_norm = block.do_layer_norm_before
     return megatron_plan(
         block,
@@ -36,7 +36,7 @@ def opt_plan(block: nn.Module) -> BlockTensorParallelPlan:
     )
 
 
-def bart_plan(block: nn.Module) -> BlockTensorParallelPlan:
+def bart_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     attentions = ["self_attn"] + (["encoder_attn"] if hasattr(block, "encoder_attn") else [])
     columns: dict[str, None] = {"fc1": None}
     for name in attentions:

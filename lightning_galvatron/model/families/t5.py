@@ -39,7 +39,7 @@ class _WholePositionBias(ParallelStyle):
         return module
 
 
-def t5_plan(block: nn.Module) -> BlockTensorParallelPlan:
+def t5_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     attentions = ["layer.0.SelfAttention"] + (["layer.1.EncDecAttention"] if block.is_decoder else [])
     feed_forward = f"layer.{len(block.layer) - 1}"
     dense = block.layer[-1].DenseReluDense
