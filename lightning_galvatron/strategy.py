@@ -251,8 +251,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         if self._add_monitor and not any(isinstance(c, GalvatronMonitor) for c in trainer.callbacks):
             trainer.callbacks.insert(0, GalvatronMonitor())  # first: its step ends before other callbacks' work
         if self._parallelised is not self.model:  # validate/test after fit reuse the parallel model, on its device
-            self._parallelise(trainer)
-            self.model_to_device()
+            self._parallelise(trainer)  # places the model on the device too (see model_to_device)
         self.barrier()
 
         if trainer.state.fn == TrainerFn.FITTING:
@@ -270,6 +269,16 @@ class GalvatronStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _place(self, model: torch.nn.Module) -> None:
+        """Where the split model trains: meta weights materialised, everything moved to the device (``apply_plan``
+        calls this before it hooks the gradients: moving DTensor parameters later swaps them and drops the hooks)."""
+        _materialize_distributed_module(model, self.root_device)
+        model.to(self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        """The plan's application placed the model (:meth:`_place`); moving it again would drop its gradient hooks."""
 
     def _parallelise(self, trainer: Any) -> None:
         assert self.model is not None and self._meshes is not None
@@ -308,8 +317,8 @@ class GalvatronStrategy(ModelParallelStrategy):
             outside_layers=outside,
             tp_plans=self._tp_plans,
             compile_options=self._compile,
+            place=self._place,
         )
-        _materialize_distributed_module(self.model, self.root_device)
         self._parallelised = self.model
         rank_zero_info(f"Galvatron: setup took {time.perf_counter() - started:.2f} s")
         partition = self._applied.partition

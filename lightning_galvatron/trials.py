@@ -205,6 +205,10 @@ class TrialRunner:
     vocab_parallel_loss: bool
     outside_layers: Callable[[], OutsideLayers]  # collective; called only for pipelined candidates
 
+    def _place(self, model: nn.Module) -> None:
+        _materialize_distributed_module(model, self.device)
+        model.to(self.device)
+
     def run(
         self, plan: ParallelPlan, settings: TrialSettings, observe: bool = True, stop_above: float | None = None
     ) -> tuple[Measurement, list[Observation]]:
@@ -272,9 +276,8 @@ class TrialRunner:
             boundary_dtype=self.boundary_dtype,
             outside_layers=outside,
             tp_plans=block_tensor_parallel_plans(structure),
+            place=self._place,
         )
-        _materialize_distributed_module(model, self.device)
-        model.to(self.device)
         optimizers = [o for o in _init_optimizers_and_lr_schedulers(model)[0] if o.param_groups]
         for optimizer in optimizers:
             optimizer.register_step_post_hook(lambda *_: applied.gradients.optimizer_stepped())

@@ -68,6 +68,9 @@ MORE_FAMILIES = (
     "glm4",
     "litgpt_norm_qk",
     "litgpt_norm_qk_olmo2",
+    "olmo",
+    "mt5",
+    "mbart",
 )
 FAMILIES = [
     *(f for f in FAMILY_MODELS if f not in MORE_FAMILIES or os.environ.get("GALVATRON_ALL_FAMILIES") == "1"),
@@ -75,7 +78,7 @@ FAMILIES = [
 ]
 #: nn.TransformerEncoder's causal mask is [SEQ, SEQ] = [8, 8]: no data shard may hold 8 samples (see the README).
 BATCH = {"torch_encoder": 12}
-ENCODER_DECODER = {"t5", "bart"}
+ENCODER_DECODER = {"t5", "bart", "mt5", "mbart"}
 #: Predictions (logits after 3 AdamW steps) agree to rounding: parameters agree to ~1e-6 of their movement.
 PREDICTION_TOL = 1e-4
 #: Gemma-2's predictions move by 1e-3 in one process when its initial weights move by 1e-7 (Llama's by 5e-7): the
@@ -97,7 +100,7 @@ REFUSED = {
         "gptj",
         "ulysses",
     ): r"its attention implementation is 'eager': Ulysses needs one that calls F.scaled_dot_product_attention",
-    ("t5", "ulysses"): r"T5's attention computes its scores itself",
+    **{(name, "ulysses"): r"T5's attention computes its scores itself" for name in ("t5", "mt5")},
     ("torch_encoder", "sequence"): r"nn.MultiheadAttention checks its masks against the sequence it receives",
     ("torch_encoder", "ulysses"): r"nn.MultiheadAttention checks its masks against the sequence it receives",
     # A norm over all heads between the projections tensor parallelism splits; an attention reading its global

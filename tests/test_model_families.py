@@ -222,6 +222,16 @@ def test_a_block_that_fails_when_split_is_planned_without_tensor_parallelism(poo
     assert_close_runs(result, run_single(model=literal_heads), **FP32_TOL)
 
 
+def test_ddp_sums_the_gradients_of_a_model_whose_parameters_are_all_split(pools):
+    """OLMo's norms have no weights: under tp=2 with vocabulary parallelism every trainable parameter is a DTensor.
+    Moving the model to its device after the gradient hooks were installed swapped those parameters and silenced the
+    hooks, so no gradient was summed over the replicas (0.65-0.8x one process's); other models were summed only by
+    the hooks of their plain parameters (norm weights)."""
+    model = family("olmo")
+    plan = ParallelPlan.uniform(4, 4, S(tp=2), vocab=S(tp=2))
+    assert_close_runs(pools(4).run(run_distributed, plan, model=model)[0], run_single(model=model), **FP32_TOL)
+
+
 def test_tensor_parallelism_for_a_block_without_plan_is_refused(pools):
     plan = PLANS["plain_blocks_without_tp_plan"][2]
     plan = plan.replace(layers=(S(tp=2), *plan.layers[1:]))

@@ -12,7 +12,7 @@ Parameter names never change.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +143,7 @@ def apply_plan(
     outside_layers: OutsideLayers | None = None,
     tp_plans: Sequence[BlockTensorParallelPlan | str] = (),
     compile_options: Mapping[str, Any] | None = None,
+    place: Callable[[nn.Module], None] | None = None,
 ) -> AppliedPlan:
     """Parallelise ``model`` in place as ``plan`` says (checked first with :func:`check_runtime_support`).
 
@@ -157,6 +158,11 @@ def apply_plan(
             (:func:`~lightning_galvatron.model.outside_layers.trace_outside_layers` on the user's step).
         compile_options: ``torch.compile`` arguments to compile each block with (see :mod:`.compile`).
         tp_plans: each block's tensor-parallel plan or why it has none (one per block; needed where tp > 1).
+        place: puts the split model where it trains (materialise meta weights, move to the device), before the
+            gradient hooks of ddp layers are installed. Moving a module swaps its DTensor parameters
+            (``torch.utils.swap_tensors``), and a swapped parameter's post-accumulate-grad hooks no longer fire:
+            moved afterwards, every gradient of a model whose trainable parameters are all DTensors went unsummed
+            (OLMo under tensor parallelism), and the others were summed only at the end of backward.
     """
     tp_plans = list(tp_plans) or ["no tensor-parallel plans were given"] * structure.num_blocks
     if len(tp_plans) != structure.num_blocks:
@@ -251,6 +257,8 @@ def apply_plan(
         # outside the blocks is data-parallel on its own (hooked on its own forward calls).
         for module in applied.partition.vocabulary_modules:
             apply_data_parallel(module, plan.vocab, vocab_dp_mesh, mp_policy, applied.gradients, outside_blocks=True)
+    if place is not None:
+        place(model)
     applied.gradients.build()
 
     if plan.pp > 1 or plan.micro_batches > 1:

@@ -261,7 +261,8 @@ class FamilyLM(_Trainable):
     def logits(self, batch):  # noqa: ANN001, ANN201
         inputs, targets = batch
         if self.kind == "vision":
-            return self.model(pixel_values=pixels(inputs, self.model.config)).logits
+            config = getattr(self.model.config, "vision_config", self.model.config)
+            return self.model(pixel_values=pixels(inputs, config)).logits
         if self.kind == "causal":
             return self.model(input_ids=inputs).logits
         if self.kind == "litgpt":
@@ -279,13 +280,16 @@ class FamilyLM(_Trainable):
 
 
 def pixels(inputs: torch.Tensor, config) -> torch.Tensor:  # noqa: ANN001
-    """Images for a vision transformer from token batches: each token a patch of fixed random pixels, side by side
-    in one row of patches (as many as ``config.image_size`` holds)."""
-    height, width = config.image_size
+    """Images for a vision transformer from token batches: each token a patch of fixed random pixels, the tokens
+    repeated as often as ``config.image_size`` holds patches, row by row."""
+    size = config.image_size
+    height, width = size if isinstance(size, (tuple, list)) else (size, size)
     patch, channels = config.patch_size, config.num_channels
+    rows, columns = height // patch, width // patch
     table = torch.randn(VOCAB, channels, patch, patch, generator=torch.Generator().manual_seed(0))
-    patches = table.to(inputs.device)[inputs[:, : width // patch]]  # [batch, patches, channels, patch, patch]
-    return patches.permute(0, 2, 3, 1, 4).reshape(inputs.shape[0], channels, height, width)
+    tokens = inputs.repeat(1, -(-rows * columns // inputs.shape[1]))[:, : rows * columns]
+    grid = table.to(inputs.device)[tokens].view(inputs.shape[0], rows, columns, channels, patch, patch)
+    return grid.permute(0, 3, 1, 4, 2, 5).reshape(inputs.shape[0], channels, height, width)
 
 
 def _hf(kind: str, architecture: str, config: str, **settings):  # noqa: ANN003, ANN202
@@ -594,6 +598,34 @@ FAMILY_MODELS = {
         num_key_value_heads=2,
         head_dim=HIDDEN // HEADS,
         pad_token_id=0,
+    ),
+    "olmo": _hf("causal", "OlmoForCausalLM", "OlmoConfig", **_ROTARY, num_key_value_heads=2),
+    "mt5": _hf(
+        "seq2seq",
+        "MT5ForConditionalGeneration",
+        "MT5Config",
+        d_model=HIDDEN,
+        d_kv=HIDDEN // HEADS,
+        d_ff=FFN,
+        num_layers=2,
+        num_heads=HEADS,
+        dropout_rate=0.0,
+    ),
+    "mbart": _hf(
+        "seq2seq",
+        "MBartForConditionalGeneration",
+        "MBartConfig",
+        d_model=HIDDEN,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS,
+        encoder_ffn_dim=FFN,
+        decoder_ffn_dim=FFN,
+        max_position_embeddings=8,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
     ),
     "helium": _hf(
         "causal", "HeliumForCausalLM", "HeliumConfig", **_ROTARY, num_key_value_heads=2, head_dim=HIDDEN // HEADS

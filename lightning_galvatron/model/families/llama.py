@@ -139,6 +139,7 @@ for _name in (
     "smollm3.modeling_smollm3.SmolLM3DecoderLayer",
     "cohere.modeling_cohere.CohereDecoderLayer",
     "gemma2.modeling_gemma2.Gemma2DecoderLayer",
+    "olmo.modeling_olmo.OlmoDecoderLayer",
     "glm.modeling_glm.GlmDecoderLayer",
     "glm4.modeling_glm4.Glm4DecoderLayer",
 ):

@@ -1,5 +1,6 @@
-"""Hugging Face OPT and BART: ``self_attn.q_proj/k_proj/v_proj/out_proj`` (BART decoders add
-``encoder_attn``), ``fc1``/``fc2`` called by the layer itself, learned positions outside the blocks.
+"""Hugging Face OPT and BART (and BART's copies: mBART, Marian, Pegasus, M2M-100):
+``self_attn.q_proj/k_proj/v_proj/out_proj`` (BART decoders add ``encoder_attn``), ``fc1``/``fc2`` called by the
+layer itself, learned positions outside the blocks.
 
 OPT flattens batch and sequence before its MLP (``[batch x seq, hidden]``), so under Megatron-SP its
 MLP norm and layers shard dimension 0 of that view: each rank's rows are its own tokens, which is
@@ -53,5 +54,13 @@ def bart_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
 
 
 add_plan("transformers.models.opt.modeling_opt.OPTDecoderLayer", opt_plan)
-for _name in ("BartEncoderLayer", "BartDecoderLayer"):
-    add_plan(f"transformers.models.bart.modeling_bart.{_name}", bart_plan)
+# BART's layers and their copies (same modules, same attention): mBART, Marian, Pegasus, M2M-100 (NLLB).
+for _module, _prefix in (
+    ("bart.modeling_bart", "Bart"),
+    ("mbart.modeling_mbart", "MBart"),
+    ("marian.modeling_marian", "Marian"),
+    ("pegasus.modeling_pegasus", "Pegasus"),
+    ("m2m_100.modeling_m2m_100", "M2M100"),
+):
+    for _kind in ("EncoderLayer", "DecoderLayer"):
+        add_plan(f"transformers.models.{_module}.{_prefix}{_kind}", bart_plan)

@@ -1,4 +1,4 @@
-"""Hugging Face T5: ``layer.0.SelfAttention`` (and ``layer.1.EncDecAttention`` in decoder blocks) with
+"""Hugging Face T5 (and mT5): ``layer.0.SelfAttention`` (and ``layer.1.EncDecAttention`` in decoder blocks) with
 ``q``/``k``/``v``/``o``, ``layer.-1.DenseReluDense`` with ``wi`` (or ``wi_0``/``wi_1``) and ``wo``, RMS norms
 before each sub-layer, and a relative position bias with one column per head.
 
@@ -72,3 +72,4 @@ def t5_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
 
 
 add_plan("transformers.models.t5.modeling_t5.T5Block", t5_plan)
+add_plan("transformers.models.mt5.modeling_mt5.MT5Block", t5_plan)  # a copy of T5's
