@@ -60,6 +60,7 @@ from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 from lightning_galvatron.search.calibration import Observation
 from lightning_galvatron.search.report import plan_summary
 from lightning_galvatron.selection import SelectionCache, select_by_measurement
+from lightning_galvatron.selection.measured import measurably_faster
 from lightning_galvatron.selection.memory import step_peak_bytes
 from lightning_galvatron.selection.settings import Measurement, TrialSettings, TrialUnavailable
 
@@ -83,7 +84,7 @@ def choose_plan(strategy: Any, trainer: Any, auto: Any, loader: Any, global_batc
             chosen, other = selection.chosen, selection.runner_up
             if chosen is not None:
                 predicted, trial_s = chosen.calibrated_step_s or chosen.predicted_step_s, chosen.step_s
-            runner_up = (other.name, other.plan, other.step_s) if other is not None else None
+            runner_up = (other.name, other.plan, other.steps or (other.step_s,)) if other is not None else None
     if strategy.global_rank == 0 and trainer.state.fn == TrainerFn.FITTING:
         trainer.callbacks.append(StepClock(predicted, trial_s, runner_up, rank_zero_info))
     return plan
@@ -399,7 +400,9 @@ class StepClock(Callback):
     Args:
         predicted_s: the running plan's predicted step time (the calibrated one when there is one).
         trial_s: its step time measured in its trial, if it had one.
-        runner_up: ``(name, plan, seconds)`` of the fastest other fitting plan of the trials.
+        runner_up: ``(name, plan, step times)`` of the fastest other fitting plan of the trials: named only when
+            its trial was measurably faster (:func:`~lightning_galvatron.selection.measured.measurably_faster`)
+            than the training steps timed here.
         report: where the line goes (rank 0's output).
     """
 
@@ -407,7 +410,7 @@ class StepClock(Callback):
         self,
         predicted_s: float | None,
         trial_s: float | None,
-        runner_up: tuple[str, object, float] | None,
+        runner_up: tuple[str, object, Sequence[float]] | None,
         report: Callable[[str], None],
         skip: int = 2,
         steps: int = 5,
@@ -430,9 +433,9 @@ class StepClock(Callback):
         if len(self._starts) == self.skip + self.steps + 1:
             durations = [b - a for a, b in zip(self._starts[self.skip :], self._starts[self.skip + 1 :])]
             self.measured_s = statistics.median(durations)
-            self.report(self.message())
+            self.report(self.message(durations))
 
-    def message(self) -> str:
+    def message(self, durations: Sequence[float]) -> str:
         assert self.measured_s is not None
         measured = self.measured_s
         first, last = self.skip + 1, self.skip + self.steps
@@ -444,11 +447,12 @@ class StepClock(Callback):
             parts.append(f"its trial measured {self.trial_s * 1e3:.1f} ms")
         if parts:
             line += "; " + ", ".join(parts)
-        if self.runner_up is not None and self.runner_up[2] < measured:
-            name, plan, seconds = self.runner_up
+        if self.runner_up is not None and measurably_faster(self.runner_up[2], durations):
+            name, plan, steps = self.runner_up
             line += (
                 f"\nGalvatron: the runner-up of the trials, {name} ({plan_summary(plan)}), measured "
-                f"{seconds * 1e3:.1f} ms per step in its trial, less than this plan takes now (trials leave out "
+                f"{statistics.median(steps) * 1e3:.1f} ms per step in its trial, less than this plan takes now "
+                "beyond the noise of either measurement (trials leave out "
                 "the training loop's own work -- logging, callbacks -- and a busy machine disturbs them; to "
                 "measure again, delete the cached selection or give trials= more timed steps)"
             )

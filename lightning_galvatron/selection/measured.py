@@ -29,7 +29,7 @@ import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -521,13 +521,24 @@ def _simplest_within_resolution(fastest: TrialRecord, fitting: list[TrialRecord]
     behind it."""
 
     def indistinguishable(t: TrialRecord) -> bool:
-        margin = RESOLUTION * math.hypot(_median_error(fastest.steps), _median_error(t.steps))
-        return t is fastest or (not t.stopped_early and t.step_s <= fastest.step_s + margin)
+        return t is fastest or (not t.stopped_early and not measurably_faster(_steps(fastest), _steps(t)))
 
     return min((t for t in fitting if indistinguishable(t)), key=lambda t: (_complexity(t.plan), t.step_s))
 
 
-def _median_error(steps: tuple[float, ...]) -> float:
+def _steps(t: TrialRecord) -> tuple[float, ...]:
+    assert t.step_s is not None
+    return t.steps or (t.step_s,)  # selections cached before the steps were kept have the median only
+
+
+def measurably_faster(fast: Sequence[float], slow: Sequence[float]) -> bool:
+    """Whether the median of the step times ``fast`` is below that of ``slow`` by more than :data:`RESOLUTION`
+    standard errors of the difference of the two medians (the noise of one short run is 5-15% on a shared CPU)."""
+    margin = RESOLUTION * math.hypot(_median_error(fast), _median_error(slow))
+    return statistics.median(fast) + margin < statistics.median(slow)
+
+
+def _median_error(steps: Sequence[float]) -> float:
     """Standard error of the median of ``steps``: 1.25 sigma / sqrt(n), sigma from the median absolute deviation
     (robust to the one disturbed step); 0 with fewer than 3 steps (nothing to tell the spread from)."""
     if len(steps) < 3:
