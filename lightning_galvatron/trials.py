@@ -121,6 +121,7 @@ def _trials(strategy: Any, trainer: Any, auto: Any, loader: Any) -> Any:
         [name for name in _STEP_METHODS if is_overridden(name, module)],
         strategy._vocab_parallel_loss,
         outside_layers,
+        strategy._progress,
     )
     structure = strategy.structure
     tp_plans = block_tensor_parallel_plans(structure)
@@ -205,6 +206,7 @@ class TrialRunner:
     entry_methods: Sequence[str]
     vocab_parallel_loss: bool
     outside_layers: Callable[[], OutsideLayers]  # collective; called only for pipelined candidates
+    progress: Callable[[str], None] = lambda where: None  # tells the rank monitor where this rank is
 
     def _place(self, model: nn.Module) -> None:
         _materialize_distributed_module(model, self.device)
@@ -226,6 +228,9 @@ class TrialRunner:
             outcome = self._train(plan, settings, observe, outside, stop_above)
         except Exception as error:  # noqa: BLE001 - a plan that fails here is not chosen; the others go on
             outcome = ([], None, None, f"{type(error).__name__}: {error}")
+            # Where it failed on some ranks only, the others wait inside the trial's collectives until the
+            # watchdog ends the job: its report then says why, from where this rank waits.
+            self.progress(f"setup: the trial of {plan_summary(plan)} failed on this rank ({outcome[3][:300]})")
         finally:
             gc.collect()
             if self.device.type == "cuda":

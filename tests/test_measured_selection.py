@@ -95,11 +95,21 @@ def test_measured_selection_trains_exactly_the_chosen_plan_is_cached_and_can_be_
 
 
 class _CountingGPT(GPTModule):
-    """The tiny GPT, counting the optimizers it made (trials make theirs on copies)."""
+    """The tiny GPT, counting the optimizers it made (trials make theirs on copies); with ``refuse_sharded``, its
+    training step fails where its weights are sharded (a user's code that cannot run under ZeRO-3)."""
+
+    refuse_sharded = False
 
     def configure_optimizers(self):
         self.optimizers_made = getattr(self, "optimizers_made", 0) + 1
         return super().configure_optimizers()
+
+    def training_step(self, batch, batch_idx):
+        from torch.distributed.tensor import DTensor
+
+        if self.refuse_sharded and any(isinstance(p, DTensor) for p in self.parameters()):
+            raise ValueError("this step cannot run on sharded weights")
+        return super().training_step(batch, batch_idx)
 
 
 def _trials_on_copies() -> dict:
@@ -111,6 +121,7 @@ def _trials_on_copies() -> dict:
     from lightning_galvatron.model.discovery import find_blocks
     from lightning_galvatron.model.outside_layers import trace_outside_layers
     from lightning_galvatron.runtime.mesh import MeshCache
+    from lightning_galvatron.search.report import plan_summary
     from lightning_galvatron.selection import preserved_rng
     from lightning_galvatron.trials import TrialRunner, global_batch_samples
 
@@ -148,7 +159,18 @@ def _trials_on_copies() -> dict:
     runner.run(plans[1], settings)  # without preserved_rng: a trial draws from the random state (dropout)
     drawn = not torch.equal(rng, torch.get_rng_state())
     stopped, _ = runner.run(plans[1], settings, stop_above=0.0)  # slower than any plan could be: stops at once
+    marks = []
+    runner.progress = marks.append
+    module.refuse_sharded = True  # the trial fails (on every rank); the runner goes on with the next
+    failed, failed_observations = runner.run(plans[1], settings)
+    after_failure, _ = runner.run(plans[0], settings)
+    module.refuse_sharded = False
     return dict(
+        failed=failed,
+        failed_observations=failed_observations,
+        after_failure=after_failure,
+        marks=marks,
+        failed_plan=plan_summary(plans[1]),
         results=results,
         restored=restored,
         drawn=drawn,
@@ -173,6 +195,12 @@ def test_trials_leave_the_module_its_optimizer_and_the_random_state_untouched(po
         stopped = out["stopped"]
         assert stopped.stopped_early and stopped.step_s > 0 and stopped.peak_bytes is None and stopped.error is None
         assert stopped.steps == (stopped.step_s,)
+        failed = out["failed"]
+        assert failed.step_s is None and failed.error == "ValueError: this step cannot run on sharded weights"
+        assert out["failed_observations"] == [] and out["after_failure"].error is None
+        assert out["after_failure"].step_s > 0
+        # What the watchdog reports where this rank waits, if the others were stuck in the trial's collectives.
+        assert out["marks"] == [f"setup: the trial of {out['failed_plan']} failed on this rank ({failed.error})"]
         for measurement, observations in out["results"]:
             assert measurement.error is None and measurement.step_s > 0 and measurement.peak_bytes > 0
             # The trial's step is the median of its timed steps (what training runs at), not the fastest one.
