@@ -16,6 +16,8 @@ median over rounds, and each default-path way's step time over the explicit plan
 median: above 1 is slower).
 
     python benchmarks/default_path_overhead.py [--world-size 2] [--rounds 6] [--timed-steps 10]
+    python benchmarks/default_path_overhead.py --budget-mib 51.9 --max-pp 1 --output default_path_overhead_m2.json
+        # plan_vs_baselines' no-DDP budget at 2 processes with pipelines off: DDP over 2 micro-batches
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--timed-steps", type=int, default=10)
+    parser.add_argument("--budget-mib", type=float, default=BUDGET / 2**20, help="the memory budget (default ample)")
+    parser.add_argument("--max-pp", type=int, default=None, help="passed to the strategy (default: its own)")
+    parser.add_argument("--output", default="default_path_overhead.json", help="file name in benchmarks/results")
     args = parser.parse_args()
     model, world = BenchModel(), args.world_size
     scratch = Path(tempfile.mkdtemp(prefix="default_path_overhead_"))
@@ -52,7 +57,9 @@ def main() -> None:
     cached = scratch / "cached"
 
     def default_path(cache: Path) -> dict:
-        return {"kind": "galvatron", "kwargs": {"memory_budget": BUDGET, "profile_cache": str(cache)}}
+        limits = {"max_pp": args.max_pp} if args.max_pp is not None else {}
+        budget = int(args.budget_mib * 2**20)
+        return {"kind": "galvatron", "kwargs": {"memory_budget": budget, "profile_cache": str(cache), **limits}}
 
     started = time.perf_counter()
     pools = Pools()
@@ -89,7 +96,7 @@ def main() -> None:
             f"{name:26s} {statistics.median(times) * 1e3:7.1f} ms   x{statistics.median(per_round):.3f} the explicit "
             f"plan's step time (per round {min(per_round):.2f}-{max(per_round):.2f})"
         )
-    output = RESULTS / "default_path_overhead.json"
+    output = RESULTS / args.output
     output.write_text(
         json.dumps(
             {
@@ -98,6 +105,8 @@ def main() -> None:
                 "world_size": world,
                 "rounds": args.rounds,
                 "timed_steps": args.timed_steps,
+                "memory_budget_bytes": int(args.budget_mib * 2**20),
+                "max_pp": args.max_pp,
                 "plan": plan,
                 "ways": summary,
                 "seconds": time.perf_counter() - started,
