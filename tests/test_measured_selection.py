@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import time
 
 import pytest
 import torch
@@ -349,6 +350,42 @@ def test_a_close_call_by_measurement_or_by_price_is_measured_again():
     far = record("far", 0.2, 0.2)
     assert close_call([mixed, far, zero2], 2**30) == []  # neither measured nor priced close
     assert close_call([mixed], 2**30) == [] and close_call([mixed, ddp], 0) == []  # nothing fits a tiny budget
+
+
+class _ScriptedTrials:
+    """Stands in for the trial runner in a test of the confirmation rule only: each plan's second trial (the one
+    with more steps) measures what the script says; the runner itself is tested above."""
+
+    def __init__(self, again: dict) -> None:
+        self.again, self.calls = again, []
+
+    def run(self, plan, settings, observe=True, stop_above=None):
+        from lightning_galvatron.selection.settings import Measurement
+
+        step = self.again[plan.micro_batches]
+        self.calls.append(plan.micro_batches)
+        return Measurement(step, 1, 0.1, steps=(step,) * settings.timed_steps), []
+
+
+def _confirm_until_settled() -> dict:
+    from lightning_galvatron.selection.measured import TrialRecord, _confirm_close_calls
+
+    def record(name, micro_batches, step, predicted):
+        plan = ParallelPlan.uniform(2, 4, S(), micro_batches=micro_batches)
+        return TrialRecord(name, plan, predicted, 1.0, step, 1, steps=(step,) * 3)
+
+    # The benchmark's case: DDP (m2) 113 ms and a mixed plan (here m1) 116 ms are measured again and come out at
+    # 124 and 119 ms; the pipeline (here m4) at 116 ms, tried once, is then the fastest: it is measured again too.
+    records = [record("pipeline", 4, 0.1164, 0.117), record("mixed", 1, 0.1161, 0.135), record("ddp", 2, 0.1133, 0.14)]
+    runner = _ScriptedTrials({2: 0.1239, 1: 0.1188, 4: 0.1370})
+    _confirm_close_calls(records, runner, TrialSettings(timed_steps=3), 2**30, time.perf_counter(), print, print)
+    return dict(calls=runner.calls, steps={r.name: r.step_s for r in records})
+
+
+def test_close_calls_are_measured_again_until_the_fastest_two_were(pools):
+    for out in pools(2).run(_confirm_until_settled):
+        assert out["calls"] == [1, 2, 4]  # each plan once: the runner-up first, then the new fastest
+        assert out["steps"] == {"pipeline": pytest.approx(0.1370), "mixed": 0.1188, "ddp": 0.1239}
 
 
 def test_the_runner_up_is_named_only_when_its_trial_was_measurably_faster_than_training(monkeypatch):
