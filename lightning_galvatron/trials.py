@@ -60,8 +60,8 @@ from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 from lightning_galvatron.search.calibration import Observation
 from lightning_galvatron.search.report import plan_summary
 from lightning_galvatron.selection import SelectionCache, select_by_measurement
-from lightning_galvatron.selection.measured import measurably_faster
 from lightning_galvatron.selection.memory import step_peak_bytes
+from lightning_galvatron.selection.resolution import measurably_faster
 from lightning_galvatron.selection.settings import Measurement, TrialSettings, TrialUnavailable
 
 # ---------------------------------------------------------------------------------------------- the strategy's side

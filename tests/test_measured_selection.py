@@ -19,7 +19,7 @@ from lightning_galvatron.profiles import Profile
 from lightning_galvatron.search import evaluate, search
 from lightning_galvatron.search.candidates import Candidate, diverse_candidates, plan_kind, trial_order
 from lightning_galvatron.selection import TrialSettings
-from lightning_galvatron.selection.measured import TIE, _complexity, measurably_faster
+from lightning_galvatron.selection.resolution import TIE, _complexity, measurably_faster
 from tests.helpers.training import TINY_GPT, dataset, run_distributed
 
 pytestmark = pytest.mark.timeout(600)
@@ -294,7 +294,8 @@ def test_the_calibrated_search_leaves_out_what_no_trial_measured():
 
 
 def test_extra_machinery_must_beat_a_simpler_plan_by_more_than_the_trials_can_resolve():
-    from lightning_galvatron.selection.measured import TrialRecord, _simplest_within_resolution
+    from lightning_galvatron.selection.measured import TrialRecord
+    from lightning_galvatron.selection.resolution import _simplest_within_resolution
 
     uniform = ParallelPlan.uniform(2, 4, S(), micro_batches=2)
     mixed = ParallelPlan(world_size=2, layers=(S(),) * 2 + (S(recompute=True),) * 2)
