@@ -52,13 +52,13 @@ def main() -> None:
     parser.add_argument("--output", default="default_path_overhead.json", help="file name in benchmarks/results")
     args = parser.parse_args()
     model, world = BenchModel(), args.world_size
+    budget = int(args.budget_mib * 2**20)
+    limits = {"max_pp": args.max_pp} if args.max_pp is not None else {}
     scratch = Path(tempfile.mkdtemp(prefix="default_path_overhead_"))
     fresh_caches = (scratch / f"fresh-{i}" for i in itertools.count())
     cached = scratch / "cached"
 
     def default_path(cache: Path) -> dict:
-        limits = {"max_pp": args.max_pp} if args.max_pp is not None else {}
-        budget = int(args.budget_mib * 2**20)
         return {"kind": "galvatron", "kwargs": {"memory_budget": budget, "profile_cache": str(cache), **limits}}
 
     started = time.perf_counter()
@@ -105,7 +105,7 @@ def main() -> None:
                 "world_size": world,
                 "rounds": args.rounds,
                 "timed_steps": args.timed_steps,
-                "memory_budget_bytes": int(args.budget_mib * 2**20),
+                "memory_budget_bytes": budget,
                 "max_pp": args.max_pp,
                 "plan": plan,
                 "ways": summary,

@@ -61,7 +61,7 @@ from lightning_galvatron.search.calibration import Observation
 from lightning_galvatron.search.report import plan_summary
 from lightning_galvatron.selection import SelectionCache, select_by_measurement
 from lightning_galvatron.selection.memory import step_peak_bytes
-from lightning_galvatron.selection.resolution import measurably_faster
+from lightning_galvatron.selection.resolution import measurably_faster, trial_steps
 from lightning_galvatron.selection.settings import Measurement, TrialSettings, TrialUnavailable
 
 # ---------------------------------------------------------------------------------------------- the strategy's side
@@ -84,7 +84,7 @@ def choose_plan(strategy: Any, trainer: Any, auto: Any, loader: Any, global_batc
             chosen, other = selection.chosen, selection.runner_up
             if chosen is not None:
                 predicted, trial_s = chosen.calibrated_step_s or chosen.predicted_step_s, chosen.step_s
-            runner_up = (other.name, other.plan, other.steps or (other.step_s,)) if other is not None else None
+            runner_up = (other.name, other.plan, trial_steps(other)) if other is not None else None
     if strategy.global_rank == 0 and trainer.state.fn == TrainerFn.FITTING:
         trainer.callbacks.append(StepClock(predicted, trial_s, runner_up, rank_zero_info))
     return plan
@@ -406,7 +406,7 @@ class StepClock(Callback):
         predicted_s: the running plan's predicted step time (the calibrated one when there is one).
         trial_s: its step time measured in its trial, if it had one.
         runner_up: ``(name, plan, step times)`` of the fastest other fitting plan of the trials: named only when
-            its trial was measurably faster (:func:`~lightning_galvatron.selection.measured.measurably_faster`)
+            its trial was measurably faster (:func:`~lightning_galvatron.selection.resolution.measurably_faster`)
             than the training steps timed here.
         report: where the line goes (rank 0's output).
     """

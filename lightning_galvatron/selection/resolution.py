@@ -60,15 +60,16 @@ def _simplest_within_resolution(fastest: TrialRecord, fitting: list[TrialRecord]
         return (
             not t.stopped_early
             and t.step_s <= (1 + TIE) * fastest.step_s
-            and not measurably_faster(_steps(fastest), _steps(t))
+            and not measurably_faster(trial_steps(fastest), trial_steps(t))
         )
 
     return min((t for t in fitting if indistinguishable(t)), key=lambda t: (_complexity(t.plan), t.step_s))
 
 
-def _steps(t: TrialRecord) -> tuple[float, ...]:
+def trial_steps(t: TrialRecord) -> tuple[float, ...]:
+    """A measured trial's timed steps (selections cached before the steps were kept have the median only)."""
     assert t.step_s is not None
-    return t.steps or (t.step_s,)  # selections cached before the steps were kept have the median only
+    return t.steps or (t.step_s,)
 
 
 def measurably_faster(fast: Sequence[float], slow: Sequence[float]) -> bool:
