@@ -96,6 +96,8 @@ REFUSED = {
         for case in ("pp_1f1b", "pp_interleaved")
     },
     ("bloom", "ulysses"): r"BLOOM's attention computes its scores itself \(baddbmm with ALiBi\)",
+    ("mpt", "ulysses"): r"MPT's attention computes its scores itself \(matmul with an ALiBi bias\)",
+    ("codegen", "ulysses"): r"CodeGen's attention computes its scores itself \(matmul in float32\)",
     (
         "gptj",
         "ulysses",
@@ -104,19 +106,11 @@ REFUSED = {
     ("torch_encoder", "sequence"): r"nn.MultiheadAttention checks its masks against the sequence it receives",
     ("torch_encoder", "ulysses"): r"nn.MultiheadAttention checks its masks against the sequence it receives",
     # A norm over all heads between the projections tensor parallelism splits; an attention reading its global
-    # head count in forward; fused projections no plan knows.
+    # head count in forward; a mixture of experts (its experts stay whole).
     **{("olmo2", c): r"self_attn\.q_norm \(Olmo2RMSNorm\) holds weights of shape \(32,\)" for c in _TENSOR_CASES},
     **{("litgpt_norm_qk_olmo2", c): r"attn\.norm_q \(RMSNorm\) holds weights of shape \(32,\)" for c in _TENSOR_CASES},
     **{("stablelm", c): r"self_attn reads self\.num_heads, self\.num_key_value_heads in" for c in _TENSOR_CASES},
-    **{
-        (name, c): rf"no tensor-parallel plan is known for {block}"
-        for name, block in (
-            ("qwen2_moe", "Qwen2MoeDecoderLayer"),
-            ("mpt", "MptBlock"),
-            ("codegen", "CodeGenBlock"),
-        )
-        for c in _TENSOR_CASES
-    },
+    **{("qwen2_moe", c): r"no tensor-parallel plan is known for Qwen2MoeDecoderLayer" for c in _TENSOR_CASES},
     **{(name, c): _INFERRED_NO_SP for name in ("mixtral", "starcoder2") for c in ("sequence", "ulysses")},
 }
 

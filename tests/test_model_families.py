@@ -97,6 +97,25 @@ PLANS = {
         TORCH_BATCH,
         ParallelPlan.uniform(4, 4, S(tp=2, dp_type="zero2"), vocab=S(tp=2), pp=2, schedule="1f1b", micro_batches=2),
     ),
+    # Fused projections not laid out per head: CodeGen's heads in 4 partitions (its output projection split in
+    # 4 strided sections too), MPT's [q | k | v] with an ALiBi bias sliced per head.
+    **{
+        name: (
+            family(name),
+            8,
+            ParallelPlan(
+                world_size=4,
+                layers=(
+                    S(tp=2, sp="megatron", dp_type="zero3"),
+                    S(tp=2, recompute=True),
+                    S(tp=2, tp_consecutive=False, dp_type="zero2"),
+                    S(dp_type="zero3"),
+                ),
+                vocab=S(tp=2),
+            ),
+        )
+        for name in ("codegen", "mpt")
+    },
     "hf_llama_pipelined_with_tp": (
         hf_llama,
         8,

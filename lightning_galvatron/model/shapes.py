@@ -155,7 +155,7 @@ def block_shape(block: nn.Module, hidden: int) -> BlockShape:
         supports_tensor_parallel=plan is not None,
         supports_megatron_sp=plan is not None and plan.megatron_sp,
         supports_ulysses=plan is not None and plan.ulysses,
-        tp_collectives_per_forward=_row_parallel_layers(plan) or 2,
+        tp_collectives_per_forward=(plan.row_parallel_layers() if plan is not None else 0) or 2,
         tensor_parallel_divisors=tuple(plan.divisible.values()) if plan is not None else (),
         ulysses_divisors=tuple(plan.ulysses_sizes.values()) if plan is not None else (),
     )
@@ -179,18 +179,6 @@ def _query_width(block: nn.Module, hidden: int) -> int:
         if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in _QUERY_NAMES:
             return m.out_features
     return hidden
-
-
-def _row_parallel_layers(plan: Any) -> int:
-    if plan is None:
-        return 0
-    from torch.distributed.tensor.parallel import RowwiseParallel
-
-    from lightning_galvatron.runtime.tensor_parallel import ParallelMultiheadAttention, RowwiseConv1D
-
-    return sum(
-        isinstance(s, (RowwiseParallel, RowwiseConv1D, ParallelMultiheadAttention)) for s in plan.styles(False).values()
-    )
 
 
 def _vocabulary(structure: ModelStructure) -> tuple[nn.Embedding | None, nn.Linear | None, bool]:

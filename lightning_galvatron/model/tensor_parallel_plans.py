@@ -12,7 +12,7 @@ Plans come from, in order:
 1. plans registered with :func:`register_tensor_parallel_plan`: the user's, and the built-in plans of
    known families (:mod:`lightning_galvatron.model.families`: Hugging Face GPT-2, GPT-NeoX, Llama, Qwen2,
    Qwen3, Mistral, Gemma, Gemma-3, Granite, Helium, SmolLM3, Cohere, Phi, Phi-3, OPT, Falcon, BLOOM, GPT-J,
-   GPTBigCode, BART, T5, LitGPT, ``nn.Transformer*``),
+   GPTBigCode, MPT, CodeGen, BART, T5, LitGPT, ``nn.Transformer*``),
    registered through the same function by qualified class name (nothing is imported for them); a
    registration for a class wins over one for its base classes, a user's over a built-in one;
 2. BERT-style encoder layers found by their structure (BERT, RoBERTa and others with

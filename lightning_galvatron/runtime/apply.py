@@ -220,6 +220,7 @@ def apply_plan(
                 extras_source=vocab_layout,
                 carried=outputs.of(index - 1) if index not in starts else None,
                 folded=tp_plan.folded_inputs if tp_plan is not None else {},
+                shared=tp_plan.shared_inputs if tp_plan is not None else frozenset(),
                 positions=tp_plan.position_inputs if tp_plan is not None else {},
             )
             applied.hooks.append(outputs.record(block, index))

@@ -215,6 +215,7 @@ def relocate_inputs(
     carried: Any = None,
     folded: Mapping[str, int] | None = None,
     positions: Mapping[str | int, int] | None = None,
+    shared: frozenset[str] = frozenset(),
 ) -> list[Any]:
     """Forward pre-hook: bring the block's inputs to the ``target`` layout.
 
@@ -223,7 +224,8 @@ def relocate_inputs(
     tables, memory) move from ``extras_source`` (the vocabulary layout) along the batch only -- or from
     the previous block's layout when ``carried(tensor)`` says the previous block returned them.
     ``folded`` names inputs whose first dimension is the batch times a factor (an ALiBi bias per head);
-    ``positions`` those with one entry per position, batch-major (position ids).
+    ``positions`` those with one entry per position, batch-major (position ids); ``shared`` those the same for
+    every sample, whatever their first dimension (an ALiBi bias ``[heads, 1, keys]``), which never move.
     Registered before recomputation so that recompute replays from already relocated inputs.
     """
     # Other inputs (masks, positions, an encoder's memory) are made outside the blocks and handed to every
@@ -271,6 +273,7 @@ def relocate_inputs(
             name
             for name, v in slots
             if moves[name] != batch_only_target
+            and name not in shared
             and _is_per_sample(
                 name,
                 _unfolded(v, folded.get(name)),

@@ -3,7 +3,7 @@
 ``nn.Linear`` layers use PyTorch's own ``ColwiseParallel`` / ``RowwiseParallel`` /
 ``SequenceParallel`` styles through ``parallelize_module``. Hugging Face's ``Conv1D`` (GPT-2: a
 linear layer with a transposed weight, and a fused query/key/value projection) has no built-in
-style; :class:`ColwiseFused` (``conv1d=True``) and :class:`RowwiseConv1D` keep its weights as DTensors (so sharding,
+style; :class:`ColwiseFused` and :class:`RowwiseFused` (``conv1d=True``) keep its weights as DTensors (so sharding,
 FSDP2 and checkpoints work as for any parameter) and compute on the local shards with the two
 Megatron collectives: identity forward / all-reduce backward in front of a column-parallel layer,
 all-reduce forward / identity backward behind a row-parallel one. A fused projection of ``k``
@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_galvatron.rules import degree_problem
@@ -84,6 +84,8 @@ class BlockTensorParallelPlan:
             sequence position, and the dimension of the positions (see :data:`HF_POSITION_INPUTS`).
         folded_inputs: block inputs whose first dimension is the batch times a factor (BLOOM's ALiBi bias
             is ``[batch x heads, 1, keys]``): name -> factor; they move with their samples as the rest.
+        shared_inputs: block inputs that are the same for every sample (MPT's ALiBi bias ``[heads, 1, keys]``):
+            never moved with the samples, whatever their first dimension.
         why_not_megatron_sp, why_not_ulysses: what to tell a user who asks for them.
     """
 
@@ -95,6 +97,7 @@ class BlockTensorParallelPlan:
     ulysses_divisible: Mapping[str, int] | None = None
     position_inputs: Mapping[str | int, int] = field(default_factory=lambda: dict(HF_POSITION_INPUTS))
     folded_inputs: Mapping[str, int] = field(default_factory=dict)
+    shared_inputs: frozenset[str] = frozenset()
     why_not_megatron_sp: str = NO_MEGATRON_SP
     why_not_ulysses: str = NO_ULYSSES
 
@@ -105,6 +108,12 @@ class BlockTensorParallelPlan:
             return self.ulysses_divisible
         heads = {k: v for k, v in self.divisible.items() if k == "attention heads"}
         return heads or dict(self.divisible)
+
+    def row_parallel_layers(self) -> int:
+        """All-reduces per forward under Megatron TP: one behind each row-parallel layer (an attention split
+        whole, :class:`ParallelMultiheadAttention`, ends in its output projection)."""
+        row_parallel = (RowwiseParallel, RowwiseFused, ParallelMultiheadAttention)
+        return sum(isinstance(s, row_parallel) for s in self.styles(False).values())
 
     def unsupported(self, tp: int, sp: str) -> str | None:
         """Why ``(tp, sp)`` cannot run exactly on this block, or ``None`` if it can.
@@ -266,21 +275,27 @@ class PerHeadWeights(ParallelStyle):
         return module
 
 
-class RowwiseConv1D(ParallelStyle):
-    """Split a ``Conv1D`` along its inputs; the partial outputs are summed (or, with ``sequence_parallel``,
-    reduce-scattered along the sequence), then the bias is added."""
+class RowwiseFused(ParallelStyle):
+    """Split a projection along its inputs where ``RowwiseParallel`` cannot: a Hugging Face ``Conv1D``
+    (``conv1d=True``: a transposed weight), or inputs that come in ``sections`` equal parts each split over the
+    group (CodeGen's heads, grouped in 4 partitions of which every rank holds its share: a strided shard). The
+    partial outputs are summed (with ``sequence_parallel``, reduce-scattered along the sequence), then the bias,
+    kept whole, is added."""
 
-    def __init__(self, sequence_parallel: bool = False) -> None:
+    def __init__(self, sections: int = 1, *, conv1d: bool = False, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.sequence_parallel = sequence_parallel
+        self.sections, self.conv1d, self.sequence_parallel = sections, conv1d, sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = device_mesh.get_group()
-        _distribute_parameter(module, "weight", device_mesh, Shard(0))
+        in_dim = 0 if self.conv1d else 1
+        placement = Shard(in_dim) if self.sections == 1 else _StridedShard(in_dim, split_factor=self.sections)
+        _distribute_parameter(module, "weight", device_mesh, placement)
         _distribute_parameter(module, "bias", device_mesh, Replicate())
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            partial = _conv1d_forward(x, module.weight.to_local(), None)
+            weight = module.weight.to_local()
+            partial = _conv1d_forward(x, weight, None) if self.conv1d else F.linear(x, weight)
             if module.bias is None:
                 bias = None
             elif self.sequence_parallel:  # each rank adds it to its own positions: the gradient is summed

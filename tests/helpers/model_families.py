@@ -395,7 +395,7 @@ FAMILY_MODELS = {
         "GPTJForCausalLM",
         "GPTJConfig",
         n_embd=HIDDEN,
-        n_head=HEADS,
+        n_head=2 * HEADS,  # its attention groups the heads in 4 partitions: 8 heads split over 2 ranks
         n_layer=4,
         n_positions=8,
         rotary_dim=4,
@@ -413,7 +413,7 @@ FAMILY_MODELS = {
         "GPTBigCodeForCausalLM",
         "GPTBigCodeConfig",
         n_embd=HIDDEN,
-        n_head=HEADS,
+        n_head=2 * HEADS,  # its attention groups the heads in 4 partitions: 8 heads split over 2 ranks
         n_layer=4,
         n_positions=8,
         resid_pdrop=0.0,
@@ -553,7 +553,7 @@ FAMILY_MODELS = {
         "CodeGenForCausalLM",
         "CodeGenConfig",
         n_embd=HIDDEN,
-        n_head=HEADS,
+        n_head=2 * HEADS,  # its attention groups the heads in 4 partitions: 8 heads split over 2 ranks
         n_layer=4,
         n_positions=8,
         n_ctx=8,

@@ -45,7 +45,7 @@ from lightning_galvatron.runtime.tensor_parallel import (
     CopyOutput,
     GatherSequence,
     ParallelMultiheadAttention,
-    RowwiseConv1D,
+    RowwiseFused,
     SliceHeads,
 )
 from lightning_galvatron.runtime.ulysses import ulysses_group
@@ -112,7 +112,7 @@ def _split_parameters(style: ParallelStyle, layer: nn.Module) -> set[str] | None
         return None if None in parts else set().union(*parts)
     if isinstance(style, ColwiseParallel):
         names = {"weight", "bias"}
-    elif isinstance(style, (RowwiseParallel, RowwiseConv1D)):
+    elif isinstance(style, (RowwiseParallel, RowwiseFused)):
         names = {"weight"}
     elif isinstance(style, ColwiseFused):  # split as a DTensor when every section is split evenly, else kept whole
         strided = all(style.split) and len(set(style.sections)) == 1

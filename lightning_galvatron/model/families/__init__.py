@@ -15,6 +15,7 @@ from lightning_galvatron.model.families import (  # noqa: F401 - each module reg
     gptj,
     litgpt,
     llama,
+    mpt_codegen,
     opt_bart,
     t5,
     torch_layers,

@@ -22,7 +22,7 @@ from lightning_galvatron.runtime.tensor_parallel import (
     BlockTensorParallelPlan,
     GatherSequence,
     PerHeadWeights,
-    RowwiseConv1D,
+    RowwiseFused,
 )
 
 
@@ -44,6 +44,7 @@ def megatron_plan(
     *,
     columns: Mapping[str, ParallelStyle | None],
     rows: Sequence[str],
+    row_sections: Mapping[str, int] | None = None,
     norms: Sequence[str],
     gathers: Sequence[str],
     divisible: Mapping[str, int],
@@ -54,6 +55,7 @@ def megatron_plan(
     megatron_sp: bool | str = True,
     position_inputs: Mapping[str | int, int] = HF_POSITION_INPUTS,
     folded_inputs: Mapping[str, int] | None = None,
+    shared_inputs: Sequence[str] = (),
     ulysses_divisible: Mapping[str, int] | None = None,
     head_dim: int | None = None,
 ) -> BlockTensorParallelPlan | str:
@@ -62,6 +64,8 @@ def megatron_plan(
     Args:
         columns: column-parallel layers and their style (``None``: ``ColwiseParallel``).
         rows: row-parallel layers (``nn.Linear`` or ``Conv1D``).
+        row_sections: row-parallel layers whose inputs come in several equal sections, each split (CodeGen's heads,
+            grouped in 4 partitions): name -> number of sections.
         norms: norms on the residual stream (on sequence shards under Megatron-SP).
         gathers: sub-layers (or column layers called directly by the block) whose hidden-states input
             Megatron-SP gathers; a column layer named here gathers itself.
@@ -94,8 +98,9 @@ def megatron_plan(
                 out[name] = style if style is not None else ColwiseParallel()
         for name in rows:
             conv1d = type(block.get_submodule(name)).__name__ == "Conv1D"
-            if conv1d:
-                out[name] = RowwiseConv1D(sequence_parallel=sequence_parallel)
+            sections = (row_sections or {}).get(name, 1)
+            if conv1d or sections > 1:
+                out[name] = RowwiseFused(sections, conv1d=conv1d, sequence_parallel=sequence_parallel)
             else:
                 out[name] = (
                     RowwiseParallel(output_layouts=Shard(dims.get(name, 1))) if sequence_parallel else RowwiseParallel()
@@ -119,6 +124,7 @@ def megatron_plan(
         ulysses_divisible=ulysses_divisible,
         position_inputs=dict(position_inputs),
         folded_inputs=dict(folded_inputs or {}),
+        shared_inputs=frozenset(shared_inputs),
         **({"why_not_megatron_sp": megatron_sp} if isinstance(megatron_sp, str) else {}),
         **({"why_not_ulysses": ulysses} if isinstance(ulysses, str) else {}),
     )

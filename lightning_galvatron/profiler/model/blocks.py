@@ -83,11 +83,12 @@ class _BlockProfiler(_DegreeMeasurement):
         hidden = torch.randn(shape, dtype=self.hidden.dtype, device=self.device, requires_grad=True)
 
         folded = dict(self.tp_plan.folded_inputs) if self.tp_plan is not None else {}
+        shared = self.tp_plan.shared_inputs if self.tp_plan is not None else frozenset()
 
         def resize(value: Any, name: Any = None) -> Any:
             if value is self.hidden:
                 return hidden
-            if not isinstance(value, torch.Tensor) or value.dim() < 1:
+            if not isinstance(value, torch.Tensor) or value.dim() < 1 or name in shared:
                 return value
             factor = folded.get(name)
             if factor and value.shape[0] == captured_batch * factor:  # one row per sample and head (ALiBi)
@@ -246,7 +247,7 @@ class _BlockProfiler(_DegreeMeasurement):
             supports_tensor_parallel=styles.tensor_parallel,
             supports_megatron_sp=styles.megatron_sp,
             supports_ulysses=styles.ulysses,
-            tp_collectives_per_forward=self.row_parallel_layers() or 2,
+            tp_collectives_per_forward=(self.tp_plan.row_parallel_layers() if self.tp_plan is not None else 0) or 2,
             ulysses_all_to_alls_per_forward=4 * attention_calls if attention_calls else 4,
             tensor_parallel_divisors=tuple(plan.divisible.values()) if plan is not None else (),
             ulysses_divisors=tuple(plan.ulysses_sizes.values()) if plan is not None else (),
@@ -269,21 +270,6 @@ class _BlockProfiler(_DegreeMeasurement):
         ]
         widths += [int(s) for m in self.block.modules() if type(m).__name__ == "Conv1D" for s in m.weight.shape]
         return max(widths, default=int(self.hidden.shape[-1]))
-
-    def row_parallel_layers(self) -> int:
-        """All-reduces per forward under Megatron TP: one behind each row-parallel layer."""
-        if self.tp_plan is None:
-            return 0
-        from torch.distributed.tensor.parallel import RowwiseParallel
-
-        from lightning_galvatron.runtime.tensor_parallel import ParallelMultiheadAttention, RowwiseConv1D
-
-        row_parallel = (
-            RowwiseParallel,
-            RowwiseConv1D,
-            ParallelMultiheadAttention,
-        )  # the attention ends in its out_proj
-        return sum(isinstance(s, row_parallel) for s in self.tp_plan.styles(False).values())
 
     def _cross_check(self, plain: Sequence[tuple[int, SavedTensorCounter]]) -> None:
         for b, counter in plain:
