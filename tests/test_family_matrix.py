@@ -62,6 +62,7 @@ MORE_FAMILIES = (
     "deit",
     "stablelm",
     "qwen2_moe",
+    "gpt_oss",
     "mpt",
     "codegen",
     "glm",
@@ -111,7 +112,7 @@ REFUSED = {
     **{("litgpt_norm_qk_olmo2", c): r"attn\.norm_q \(RMSNorm\) holds weights of shape \(32,\)" for c in _TENSOR_CASES},
     **{("stablelm", c): r"self_attn reads self\.num_heads, self\.num_key_value_heads in" for c in _TENSOR_CASES},
     **{("qwen2_moe", c): r"no tensor-parallel plan is known for Qwen2MoeDecoderLayer" for c in _TENSOR_CASES},
-    **{(name, c): _INFERRED_NO_SP for name in ("mixtral", "starcoder2") for c in ("sequence", "ulysses")},
+    **{(name, c): _INFERRED_NO_SP for name in ("mixtral", "starcoder2", "gpt_oss") for c in ("sequence", "ulysses")},
 }
 
 

@@ -29,10 +29,19 @@ from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiler import profile
-from lightning_galvatron.runtime.tensor_parallel import PerHeadWeights
+from lightning_galvatron.runtime.tensor_parallel import PerHeadWeights, SplitPerHead
 from lightning_galvatron.search import evaluate
 from tests.helpers.hf_models import hf_llama
-from tests.helpers.model_families import family, hf_bert, literal_heads, plain_blocks, torch_encoder, torch_seq2seq
+from tests.helpers.model_families import (
+    family,
+    folded_scale,
+    hf_bert,
+    literal_heads,
+    per_sample_positions,
+    plain_blocks,
+    torch_encoder,
+    torch_seq2seq,
+)
 from tests.helpers.training import QUICK_TRIALS, assert_close_runs, dataset, run_distributed, run_single
 from tests.test_parity_data_parallel import FP32_TOL
 
@@ -116,6 +125,13 @@ PLANS = {
         )
         for name in ("codegen", "mpt")
     },
+    # Later stages compute the rotary tables per sample from their own micro-batches (the layers outside the
+    # blocks are stand-ins there, the rotary embedding holds no parameters and runs).
+    "hf_llama_per_sample_positions_pipelined": (
+        per_sample_positions,
+        8,
+        ParallelPlan.uniform(4, 4, S(tp=2), vocab=S(tp=2), pp=2, schedule="1f1b", micro_batches=2),
+    ),
     "hf_llama_pipelined_with_tp": (
         hf_llama,
         8,
@@ -157,6 +173,17 @@ HETEROGENEOUS = {
             world_size=4,
             layers=(S(tp=2), S(tp=4, dp_type="zero3"), S(tp=2, dp_type="zero2", recompute=True), S(dp_type="zero3")),
             vocab=S(dp_type="zero2"),
+        ),
+    ),
+    # Rotary tables per sample, a (cos, sin) tuple: moved with their samples between consecutive and strided
+    # tensor-parallel groups (the same number of samples per shard, other samples) and data-parallel blocks.
+    "hf_llama_per_sample_positions": (
+        per_sample_positions,
+        8,
+        ParallelPlan(
+            world_size=4,
+            layers=(S(tp=2), S(tp=2, tp_consecutive=False), S(dp_type="zero3"), S(tp=2, tp_consecutive=False)),
+            vocab=S(tp=2),
         ),
     ),
 }
@@ -219,6 +246,10 @@ def test_weights_inside_a_split_attention_are_kept_per_head_or_refused():
     assert "one head is 8 wide" in olmo2
     stablelm = tensor_parallel_plan_or_reason(find_blocks(family("stablelm")()).blocks[0])
     assert "self_attn reads self.num_heads, self.num_key_value_heads in forward" in stablelm
+    # One entry per head on the attention itself (GPT-OSS's sinks): split with the heads (all 8 cases of the matrix
+    # with GALVATRON_ALL_FAMILIES=1; refused before, as a weight inside the split attention).
+    gpt_oss = find_blocks(family("gpt_oss")()).blocks[0]
+    assert type(tensor_parallel_plan_or_reason(gpt_oss).styles(False)["self_attn"]) is SplitPerHead
 
 
 def _auto_plan_with_warnings(model: Callable[[], L.LightningModule], cache: str) -> tuple:
@@ -258,6 +289,20 @@ def test_tensor_parallelism_for_a_block_without_plan_is_refused(pools):
         AssertionError, match=r"layers\[0\]: MixerBlock has no tensor-parallel plan, so tp=2 cannot run"
     ):
         pools(4).run(run_distributed, plan, model=plain_blocks)
+
+
+def test_per_sample_inputs_the_runtime_cannot_move_are_refused(pools):
+    """An input with rows per sample in a shape the runtime does not recognise (two rows per sample) stays where it
+    is while the samples move between consecutive and strided tensor-parallel groups (shards of equal size): each
+    rank would scale other samples with its own rows, silently. Its ranks' copies differ, so it is refused in the
+    first step, with what to declare."""
+    plan = ParallelPlan(world_size=4, layers=(S(tp=2), S(tp=2, tp_consecutive=False)), vocab=S(tp=2))
+    with pytest.raises(
+        AssertionError,
+        match=r"FoldedScaleBlock received input\(s\) positional argument 1 that differ between ranks but do not hold "
+        r"one row per sample",
+    ):
+        pools(4).run(run_distributed, plan, model=folded_scale)
 
 
 def test_encoder_decoder_pipeline_is_refused(pools):

@@ -206,7 +206,9 @@ def _linear_plan(block: nn.Module) -> BlockTensorParallelPlan | str | None:
         if problem:
             return f"{parent} reads {problem} in forward, a size tensor parallelism divides by the degree"
         head_dim = _head_dim(module, heads["attention heads"], columns, parent)
-        per_head = per_head_styles(module, parent, head_dim, {name for name, _ in columns + rows})
+        per_head = per_head_styles(
+            module, parent, head_dim, {name for name, _ in columns + rows}, heads["attention heads"]
+        )
         if isinstance(per_head, str):
             return per_head
         extra |= per_head

@@ -26,6 +26,7 @@ inputs along the batch), and each block list's last output returns to the vocabu
 
 from __future__ import annotations
 
+import hashlib
 import math
 import weakref
 from collections.abc import Mapping
@@ -235,6 +236,7 @@ def relocate_inputs(
     batch_only_previous = ActivationLayout(source.layout)
     folded = dict(folded or {})
     positions = dict(positions or {})
+    unmoved_checked = [False]
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if is_recomputing(module):
@@ -269,37 +271,50 @@ def relocate_inputs(
             args = tuple(dict(slots).get(i, a) for i, a in enumerate(args))
             kwargs = {k: dict(slots).get(k, v) for k, v in kwargs.items()}
         moves = {name: batch_only_previous if name in from_previous else batch_only_source for name, _ in slots}
-        per_sample = {  # only where something moves: an input that stays where it is needs no reading
-            name
-            for name, v in slots
-            if moves[name] != batch_only_target
-            and name not in shared
-            and _is_per_sample(
+
+        def sample_rows(name: Any, value: Any) -> bool:
+            return name not in shared and _is_per_sample(
                 name,
-                _unfolded(v, folded.get(name)),
+                _unfolded(value, folded.get(name)),
                 previous_batch if name in from_previous else extras_batch,
                 seq,
                 module,
                 batch_major=name in positions,
             )
+
+        per_sample = {  # only where something moves: an input that stays where it is needs no reading
+            name
+            for name, v in slots
+            if moves[name] != batch_only_target and any(sample_rows(name, p) for p in _parts(v))
         }
-        if _extras_cross_ranks(batch_only_source, batch_only_target, micro_batch.size) or from_previous & per_sample:
+        crossing = _extras_cross_ranks(batch_only_source, batch_only_target, micro_batch.size)
+        if crossing or from_previous & per_sample:
             _agree_on_per_sample_inputs(module, [name in per_sample for name, _ in slots], group)
+        if crossing and not unmoved_checked[0]:
+            unmoved_checked[0] = True
+            unmoved = [
+                (name, p)
+                for name, v in slots
+                if name not in from_previous
+                for p in _parts(v)
+                if isinstance(p, torch.Tensor) and not (name in per_sample and sample_rows(name, p))
+            ]
+            _check_unmoved_inputs_agree(module, unmoved, group)
+
+        def move_rows(name: Any, value: torch.Tensor) -> torch.Tensor:
+            moved = relocate(
+                _unfolded(value, folded.get(name)), moves[name], batch_only_target, micro_batch.size, position, group
+            )
+            return moved.flatten(0, 1) if name in folded else moved
 
         def move(name: Any, value: Any) -> Any:
             if name == "hidden":
                 return relocate(value, source, target, micro_batch.size, position, group)
-            if name in per_sample:
-                moved = relocate(
-                    _unfolded(value, folded.get(name)),
-                    moves[name],
-                    batch_only_target,
-                    micro_batch.size,
-                    position,
-                    group,
-                )
-                return moved.flatten(0, 1) if name in folded else moved
-            return value
+            if name not in per_sample:
+                return value
+            if isinstance(value, (tuple, list)):  # rotary (cos, sin) per sample: each part that has its rows
+                return type(value)(move_rows(name, p) if sample_rows(name, p) else p for p in value)
+            return move_rows(name, value)
 
         new_args = tuple(move("hidden" if i == hidden_index else i, a) for i, a in enumerate(args))
         new_kwargs = {
@@ -308,6 +323,49 @@ def relocate_inputs(
         return new_args, new_kwargs
 
     return [block.register_forward_pre_hook(hook, with_kwargs=True)]
+
+
+def _parts(value: Any) -> tuple:
+    """A block input's tensors: the parts of a tuple or list (rotary ``(cos, sin)``), else the input itself."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _check_unmoved_inputs_agree(
+    block: nn.Module, unmoved: list[tuple[Any, torch.Tensor]], group: dist.ProcessGroup
+) -> None:
+    """The inputs that stay where they are while the samples move between ranks must be the same on every rank of
+    the stage (a causal mask, positions shared by all samples): one that differs holds something per sample in a
+    shape the runtime did not recognise, and each rank would apply its own to other samples -- a silently wrong
+    result. Checked once per block (a digest of each tensor's bytes, compared over the stage). Collective."""
+    if "fake" in str(dist.get_backend(group)):  # the dry run: no values travel between its ranks
+        return
+    digests = [_digest(t) for _, t in unmoved]
+    lowest = reduce_over_ranks([*digests, *(-d for d in digests)], dist.ReduceOp.MIN, group)
+    n = len(digests)
+    differ = [
+        name if isinstance(name, str) else f"positional argument {name}"
+        for i, (name, _) in enumerate(unmoved)
+        if lowest[i] != -lowest[n + i]
+    ]
+    if differ:
+        raise PlanError(
+            f"{model_class(block).__name__} received input(s) {', '.join(sorted(set(differ)))} that differ between "
+            "ranks but do not hold one row per sample (first dimension the samples of a shard, or declared per "
+            "sample): the plan moves the samples between ranks before this block, and these inputs could not follow "
+            "them. Declare them in the block's tensor-parallel plan (folded_inputs for rows per sample and head, "
+            "position_inputs for per-position inputs), or keep these blocks in the embedding's layout"
+        )
+
+
+def _digest(tensor: torch.Tensor) -> float:
+    """48 bits of a hash of a tensor's shape and bytes, exact as a float64 (0 for a tensor without readable data:
+    the dry run's fake tensors)."""
+    if type(tensor) is not torch.Tensor or tensor.device.type == "meta":
+        return 0.0
+    data = tensor.detach().contiguous().cpu().reshape(-1)
+    raw = data.view(torch.uint8) if data.dtype != torch.bool else data.to(torch.uint8)
+    digest = hashlib.blake2b(str(tuple(tensor.shape)).encode() + raw.numpy().tobytes(), digest_size=6).digest()
+    return float(int.from_bytes(digest, "big"))
 
 
 def _unfolded(value: Any, factor: int | None) -> Any:

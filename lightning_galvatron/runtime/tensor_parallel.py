@@ -275,6 +275,30 @@ class PerHeadWeights(ParallelStyle):
         return module
 
 
+class SplitPerHead(ParallelStyle):
+    """A module's own 1-D parameters with one entry per head (GPT-OSS's attention sinks) split with the heads: each
+    rank holds its heads' entries (a DTensor sharded as the projections are, so ZeRO and checkpoints see it) and its
+    forward reads them as plain local tensors."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        names = [name for name, p in module._parameters.items() if p is not None]
+        for name in names:
+            _distribute_parameter(module, name, device_mesh, Shard(0))
+        forward = module.forward
+
+        def local(*args: object, **kwargs: object) -> object:
+            held = {name: module._parameters[name] for name in names}  # FSDP2's unsharded ones during a step
+            try:
+                for name, p in held.items():
+                    module._parameters[name] = p.to_local()
+                return forward(*args, **kwargs)
+            finally:
+                module._parameters.update(held)
+
+        module.forward = local  # type: ignore[method-assign]
+        return module
+
+
 class RowwiseFused(ParallelStyle):
     """Split a projection along its inputs where ``RowwiseParallel`` cannot: a Hugging Face ``Conv1D``
     (``conv1d=True``: a transposed weight), or inputs that come in ``sections`` equal parts each split over the

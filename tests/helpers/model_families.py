@@ -493,6 +493,17 @@ FAMILY_MODELS = {
     "granite": _hf("causal", "GraniteForCausalLM", "GraniteConfig", **_ROTARY, num_key_value_heads=2),
     "cohere": _hf("causal", "CohereForCausalLM", "CohereConfig", **_ROTARY, num_key_value_heads=2),
     "mixtral": _hf("causal", "MixtralForCausalLM", "MixtralConfig", **_ROTARY, num_key_value_heads=2),
+    # GPT-OSS: attention sinks (one learned logit per head), alternating sliding and full attention, experts
+    "gpt_oss": _hf(
+        "causal",
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        **_ROTARY,
+        num_key_value_heads=2,
+        head_dim=HIDDEN // HEADS,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
     "qwen2_moe": _hf(
         "causal",
         "Qwen2MoeForCausalLM",
@@ -643,3 +654,73 @@ def _family(name: str) -> L.LightningModule:
     if name == "torch_encoder":
         return TorchEncoderLM()
     return FamilyLM(name)
+
+
+# ---------------------------------------------------------------------------------------------- per-sample positions
+class PerSamplePositionsLM(FamilyLM):
+    """Llama given position ids that differ per sample (as packed or left-padded batches do): its rotary tables
+    reach every block as a ``(cos, sin)`` tuple of ``[batch, seq, head_dim]`` tensors, which must move with their
+    samples between blocks of different layouts."""
+
+    def logits(self, batch):  # noqa: ANN001, ANN201
+        inputs, _ = batch
+        # Positions 1, 2 or 3 apart, from the sample itself (rotary attention sees only distances: an offset alone
+        # would change nothing).
+        stride = 1 + inputs.sum(dim=1, keepdim=True) % 3
+        positions = torch.arange(inputs.shape[1], device=inputs.device) * stride
+        return self.model(input_ids=inputs, position_ids=positions).logits
+
+
+def per_sample_positions() -> PerSamplePositionsLM:
+    torch.manual_seed(1234)
+    return PerSamplePositionsLM("llama")
+
+
+# ---------------------------------------------------------------------------------------------- unrecognised rows
+class _Attention(nn.Module):
+    """Causal attention by the usual layer names, reshaping with -1 heads: its tensor-parallel plan is inferred."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads = HEADS  # what the inferred plan divides by the degree
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(HIDDEN, HIDDEN) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (
+            p(x).view(b, s, -1, HIDDEN // HEADS).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        return self.o_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+
+
+class FoldedScaleBlock(nn.Module):
+    """Attention scaled per sample by an input of two rows per sample, ``[2 x samples, 1]``: rows per sample in a
+    shape the runtime cannot recognise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _Attention()
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(x) * scale.view(x.shape[0], 2).mean(dim=1).view(-1, 1, 1)
+
+
+class FoldedScaleLM(_Trainable):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(FoldedScaleBlock() for _ in range(2))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def logits(self, batch):  # noqa: ANN001, ANN201
+        inputs, _ = batch
+        scale = (1 + inputs.sum(dim=1) % 3).float().repeat_interleave(2).view(-1, 1)
+        x = self.embedding(inputs)
+        for block in self.blocks:
+            x = block(x, scale)
+        return self.head(x)
+
+
+def folded_scale() -> FoldedScaleLM:
+    torch.manual_seed(1234)
+    return FoldedScaleLM()

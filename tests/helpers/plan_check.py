@@ -47,6 +47,7 @@ from lightning_galvatron.runtime.tensor_parallel import (
     ParallelMultiheadAttention,
     RowwiseFused,
     SliceHeads,
+    SplitPerHead,
 )
 from lightning_galvatron.runtime.ulysses import ulysses_group
 from lightning_galvatron.runtime.vocab_parallel import find_vocabulary_layers
@@ -117,6 +118,8 @@ def _split_parameters(style: ParallelStyle, layer: nn.Module) -> set[str] | None
     elif isinstance(style, ColwiseFused):  # split as a DTensor when every section is split evenly, else kept whole
         strided = all(style.split) and len(set(style.sections)) == 1
         names = ({"weight", "bias"} if len(style.sections) == 1 else {"weight"}) if strided else set()
+    elif isinstance(style, SplitPerHead):
+        return {name for name, p in layer.named_parameters(recurse=False)}
     elif isinstance(style, ColwiseEmbedding):
         names = {"weight"}
     elif isinstance(style, ParallelMultiheadAttention):

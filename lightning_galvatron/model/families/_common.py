@@ -23,6 +23,7 @@ from lightning_galvatron.runtime.tensor_parallel import (
     GatherSequence,
     PerHeadWeights,
     RowwiseFused,
+    SplitPerHead,
 )
 
 
@@ -151,14 +152,16 @@ def local_heads(module: nn.Module, tp: int, *names: str) -> None:
 
 
 def per_head_styles(
-    parent: nn.Module, prefix: str, head_dim: int | None, styled: set[str]
+    parent: nn.Module, prefix: str, head_dim: int | None, styled: set[str], heads: int | None = None
 ) -> dict[str, ParallelStyle] | str:
     """Styles for what a split sub-layer (an attention, an MLP) holds besides the modules the plan ``styled`` (its
     projections; names in the block), or why it cannot be split.
 
     Between its column- and row-parallel layers a rank sees only its heads (its part of the width). A module
     there whose every weight is one head wide (``q_norm``/``k_norm`` of Qwen3 and Gemma3) applies to each head
-    alike: it stays whole, its gradient summed over the group (:class:`PerHeadWeights`). Any other weight there
+    alike: it stays whole, its gradient summed over the group (:class:`PerHeadWeights`). The attention's own 1-D
+    weights with one entry per head (GPT-OSS's sinks; ``heads`` given) are split with the heads
+    (:class:`SplitPerHead`). Any other weight there
     (a norm over all heads, as OLMo-2's; a per-head parameter) would see part of what it expects.
     """
     styles: dict[str, ParallelStyle] = {}
@@ -169,6 +172,9 @@ def per_head_styles(
             continue
         if name and head_dim is not None and all(w.dim() == 1 and w.numel() == head_dim for w in weights):
             styles[where] = PerHeadWeights()
+            continue
+        if not name and heads is not None and all(w.dim() == 1 and w.numel() == heads for w in weights):
+            styles[where] = SplitPerHead()
             continue
         shapes = ", ".join(str(tuple(w.shape)) for w in weights)
         return (
