@@ -21,7 +21,10 @@ same gradient, which is what DTensor assumes for replicated tensors.
 
 :func:`relocate_inputs` and :func:`relocate_output` are the hooks that do this on the blocks: every
 input of a block reaches its layout (the hidden states along batch and sequence, other per-sample
-inputs along the batch), and each block list's last output returns to the vocabulary layout.
+inputs along the batch, tuples of them part by part), and each block list's last output returns to the vocabulary
+layout. An input that stays where it is while samples move must be the same on every rank of the stage: the first
+step compares a digest of each over the stage and refuses one that differs (rows per sample in a shape not
+recognised), which would otherwise be applied to other samples.
 """
 
 from __future__ import annotations

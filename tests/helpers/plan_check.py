@@ -39,12 +39,12 @@ from lightning_galvatron.model.families._common import Compose
 from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan
 from lightning_galvatron.runtime.mesh import local_tensor
+from lightning_galvatron.runtime.multihead_attention import ParallelMultiheadAttention
 from lightning_galvatron.runtime.tensor_parallel import (
     ColwiseEmbedding,
     ColwiseFused,
     CopyOutput,
     GatherSequence,
-    ParallelMultiheadAttention,
     RowwiseFused,
     SliceHeads,
     SplitPerHead,

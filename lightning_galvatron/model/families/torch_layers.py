@@ -1,5 +1,5 @@
 """PyTorch's ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer``: attention(s) split by heads
-(:class:`~lightning_galvatron.runtime.tensor_parallel.ParallelMultiheadAttention`), the feed-forward
+(:class:`~lightning_galvatron.runtime.multihead_attention.ParallelMultiheadAttention`), the feed-forward
 ``linear1`` by columns and ``linear2`` by rows; no sequence parallelism.
 
 Only ``batch_first=True`` layers: between blocks the runtime moves activations along their first
@@ -12,11 +12,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_galvatron.model.plan_registry import add_plan
-from lightning_galvatron.runtime.tensor_parallel import (
-    BlockTensorParallelPlan,
-    ParallelMultiheadAttention,
-    multihead_attention_unsupported,
-)
+from lightning_galvatron.runtime.multihead_attention import ParallelMultiheadAttention, multihead_attention_unsupported
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan
 
 _NO_SEQUENCE_PARALLEL = (
     "nn.MultiheadAttention checks its masks against the sequence it receives, so these layers run on whole sequences"
