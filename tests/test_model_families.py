@@ -33,6 +33,7 @@ from lightning_galvatron.runtime.tensor_parallel import PerHeadWeights, SplitPer
 from lightning_galvatron.search import evaluate
 from tests.helpers.hf_models import hf_llama
 from tests.helpers.model_families import (
+    declared_folded_scale,
     family,
     folded_scale,
     hf_bert,
@@ -303,6 +304,9 @@ def test_per_sample_inputs_the_runtime_cannot_move_are_refused(pools):
         r"one row per sample",
     ):
         pools(4).run(run_distributed, plan, model=folded_scale)
+    # Declared as the message says (two rows per sample), it moves with its samples and matches one process.
+    result = pools(4).run(run_distributed, plan, model=declared_folded_scale)[0]
+    assert_close_runs(result, run_single(model=declared_folded_scale), **FP32_TOL)
 
 
 def test_encoder_decoder_pipeline_is_refused(pools):
@@ -354,6 +358,8 @@ AUTO = {
     "hf_bert": (hf_bert, 8, {}),
     "torch_encoder_decoder": (torch_seq2seq, TORCH_BATCH, {}),
     "plain_blocks": (plain_blocks, 8, {}),
+    # Rotary tables per sample, a (cos, sin) tuple: profiled at other batch sizes part by part.
+    "hf_llama_per_sample_positions": (per_sample_positions, 8, {}),
 }
 
 

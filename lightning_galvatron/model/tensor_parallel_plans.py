@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -79,6 +79,8 @@ def register_tensor_parallel_plan(
     megatron_sp: bool = False,
     ulysses: bool = False,
     localize: Callable[[nn.Module, int], None] | None = None,
+    folded_inputs: Mapping[str | int, int] | None = None,
+    shared_inputs: Sequence[str | int] = (),
 ) -> None:
     """Declare how to split a block class (the class, or its qualified name ``"package.module.Class"``).
 
@@ -96,6 +98,11 @@ def register_tensor_parallel_plan(
     ``localize(block, tp)`` must fix the attributes it reads. For plans that depend on the block's
     configuration, pass ``plan=``: a function of the block returning a :class:`BlockTensorParallelPlan`, or a
     string saying why blocks like this one cannot be split (they are then planned with ``tp = 1``).
+
+    Block inputs other than the hidden states (names, or positions of positional arguments) move with their
+    samples between blocks of different layouts when their first dimension is the samples of a shard;
+    ``folded_inputs`` names those whose first dimension is the samples times a factor (``{"alibi": heads}``),
+    ``shared_inputs`` those that are the same for every sample whatever their shape (never moved).
     """
     _load_builtin_families()
     if (styles is None) == (plan is None):
@@ -106,7 +113,13 @@ def register_tensor_parallel_plan(
         def plan(block: nn.Module) -> BlockTensorParallelPlan:
             sizes = divisible(block) if callable(divisible) else dict(divisible or {})
             return BlockTensorParallelPlan(
-                styles_fn, dict(sizes), megatron_sp, ulysses, localize or (lambda b, tp: None)
+                styles_fn,
+                dict(sizes),
+                megatron_sp,
+                ulysses,
+                localize or (lambda b, tp: None),
+                folded_inputs=dict(folded_inputs or {}),
+                shared_inputs=frozenset(shared_inputs),
             )
 
     add_plan(block_class, plan)

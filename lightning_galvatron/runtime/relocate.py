@@ -217,9 +217,9 @@ def relocate_inputs(
     first: bool,
     extras_source: ActivationLayout,
     carried: Any = None,
-    folded: Mapping[str, int] | None = None,
+    folded: Mapping[str | int, int] | None = None,
     positions: Mapping[str | int, int] | None = None,
-    shared: frozenset[str] = frozenset(),
+    shared: frozenset[str | int] = frozenset(),
 ) -> list[Any]:
     """Forward pre-hook: bring the block's inputs to the ``target`` layout.
 
@@ -355,8 +355,9 @@ def _check_unmoved_inputs_agree(
             f"{model_class(block).__name__} received input(s) {', '.join(sorted(set(differ)))} that differ between "
             "ranks but do not hold one row per sample (first dimension the samples of a shard, or declared per "
             "sample): the plan moves the samples between ranks before this block, and these inputs could not follow "
-            "them. Declare them in the block's tensor-parallel plan (folded_inputs for rows per sample and head, "
-            "position_inputs for per-position inputs), or keep these blocks in the embedding's layout"
+            "them. Declare them with lightning_galvatron.register_tensor_parallel_plan(<block class>, ..., "
+            "folded_inputs={<input>: <rows per sample>}) (or shared_inputs=[...] for inputs the same for every "
+            "sample), or keep these blocks in the embedding's layout"
         )
 
 

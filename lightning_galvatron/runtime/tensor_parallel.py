@@ -88,8 +88,8 @@ class BlockTensorParallelPlan:
     localize: Callable[[nn.Module, int], None] = field(default=lambda block, tp: None)
     ulysses_divisible: Mapping[str, int] | None = None
     position_inputs: Mapping[str | int, int] = field(default_factory=lambda: dict(HF_POSITION_INPUTS))
-    folded_inputs: Mapping[str, int] = field(default_factory=dict)
-    shared_inputs: frozenset[str] = frozenset()
+    folded_inputs: Mapping[str | int, int] = field(default_factory=dict)
+    shared_inputs: frozenset[str | int] = frozenset()
     why_not_megatron_sp: str = NO_MEGATRON_SP
     why_not_ulysses: str = NO_ULYSSES
 

@@ -705,11 +705,15 @@ class FoldedScaleBlock(nn.Module):
         return x + self.attn(x) * scale.view(x.shape[0], 2).mean(dim=1).view(-1, 1, 1)
 
 
+class DeclaredFoldedScaleBlock(FoldedScaleBlock):
+    """The same block, its scale declared as two rows per sample (:func:`declared_folded_scale`)."""
+
+
 class FoldedScaleLM(_Trainable):
-    def __init__(self) -> None:
+    def __init__(self, block: type[nn.Module] = FoldedScaleBlock) -> None:
         super().__init__()
         self.embedding = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(FoldedScaleBlock() for _ in range(2))
+        self.blocks = nn.ModuleList(block() for _ in range(2))
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def logits(self, batch):  # noqa: ANN001, ANN201
@@ -724,3 +728,25 @@ class FoldedScaleLM(_Trainable):
 def folded_scale() -> FoldedScaleLM:
     torch.manual_seed(1234)
     return FoldedScaleLM()
+
+
+def declared_folded_scale() -> FoldedScaleLM:
+    """What the refusal of :func:`folded_scale` asks for: the block's plan declares its scale (positional argument
+    1) as two rows per sample, so it moves with its samples."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from lightning_galvatron import register_tensor_parallel_plan
+
+    register_tensor_parallel_plan(
+        DeclaredFoldedScaleBlock,
+        {
+            "attn.q_proj": ColwiseParallel(),
+            "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(),
+            "attn.o_proj": RowwiseParallel(),
+        },
+        divisible={"attention heads": HEADS},
+        folded_inputs={1: 2},
+    )
+    torch.manual_seed(1234)
+    return FoldedScaleLM(DeclaredFoldedScaleBlock)

@@ -88,6 +88,8 @@ class _BlockProfiler(_DegreeMeasurement):
         def resize(value: Any, name: Any = None) -> Any:
             if value is self.hidden:
                 return hidden
+            if isinstance(value, (tuple, list)):  # rotary (cos, sin) per sample: part by part
+                return type(value)(resize(part, name) for part in value)
             if not isinstance(value, torch.Tensor) or value.dim() < 1 or name in shared:
                 return value
             factor = folded.get(name)
@@ -98,7 +100,7 @@ class _BlockProfiler(_DegreeMeasurement):
                 return _resize_tensor(value, batch)
             return value
 
-        args = tuple(resize(a) for a in self.call.args)
+        args = tuple(resize(a, i) for i, a in enumerate(self.call.args))
         kwargs = {k: resize(v, k) for k, v in self.call.kwargs.items()}
         return args, kwargs
 
