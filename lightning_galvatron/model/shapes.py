@@ -24,7 +24,11 @@ import torch
 from torch import nn
 
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks, model_class
-from lightning_galvatron.model.tensor_parallel_plans import _attention_heads, tensor_parallel_plan
+from lightning_galvatron.model.tensor_parallel_plans import (
+    _attention_heads,
+    tensor_parallel_plan,
+    tp_collectives_per_forward,
+)
 from lightning_galvatron.producers.analytic import ArchitectureShape, BlockShape, VocabShape
 
 #: Config attributes that count blocks in ``transformers`` models (decoder-only, encoder-only, T5, BART, ...).
@@ -155,7 +159,7 @@ def block_shape(block: nn.Module, hidden: int) -> BlockShape:
         supports_tensor_parallel=plan is not None,
         supports_megatron_sp=plan is not None and plan.megatron_sp,
         supports_ulysses=plan is not None and plan.ulysses,
-        tp_collectives_per_forward=(plan.row_parallel_layers() if plan is not None else 0) or 2,
+        tp_collectives_per_forward=tp_collectives_per_forward(plan),
         tensor_parallel_divisors=tuple(plan.divisible.values()) if plan is not None else (),
         ulysses_divisors=tuple(plan.ulysses_sizes.values()) if plan is not None else (),
     )

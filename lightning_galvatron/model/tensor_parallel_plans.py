@@ -56,6 +56,7 @@ __all__ = [
     "register_tensor_parallel_plan",
     "tensor_parallel_plan",
     "tensor_parallel_plan_or_reason",
+    "tp_collectives_per_forward",
 ]
 
 
@@ -149,6 +150,12 @@ def tensor_parallel_plan_or_reason(block: nn.Module) -> BlockTensorParallelPlan 
 def block_tensor_parallel_plans(structure: ModelStructure) -> list[BlockTensorParallelPlan | str]:
     """The plan (or why there is none) of every block, in order: what the glue hands to the runtime."""
     return [tensor_parallel_plan_or_reason(block) for block in structure.blocks]
+
+
+def tp_collectives_per_forward(plan: BlockTensorParallelPlan | None) -> int:
+    """All-reduces per forward of a block under Megatron TP, as the cost model prices them: one per row-parallel
+    layer of its ``plan``; a Megatron block's 2 where there is no plan or it names none."""
+    return (plan.row_parallel_layers() if plan is not None else 0) or 2
 
 
 def tensor_parallel_plan(block: nn.Module) -> BlockTensorParallelPlan | None:

@@ -103,8 +103,8 @@ class BlockTensorParallelPlan:
 
     def row_parallel_layers(self) -> int:
         """All-reduces per forward under Megatron TP: one behind each row-parallel layer (PyTorch's
-        ``RowwiseParallel``, or a style of ours whose ``reduces_output`` says so: an attention split whole ends in
-        its output projection)."""
+        ``RowwiseParallel``, or a style of ours whose ``reduces_output`` says so: an attention split whole ends
+        in its output projection)."""
         return sum(
             isinstance(s, RowwiseParallel) or getattr(s, "reduces_output", False) for s in self.styles(False).values()
         )
@@ -252,20 +252,8 @@ class PerHeadWeights(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = device_mesh.get_group()
-        forward = module.forward
-
-        def summed(*args: object, **kwargs: object) -> object:
-            # The parameters the forward reads (FSDP2's unsharded ones during a step), each behind the Megatron
-            # copy: identity forward, gradient summed over the group; the module keeps its own parameters.
-            held = {name: p for name, p in module._parameters.items() if p is not None}
-            try:
-                for name, p in held.items():
-                    module._parameters[name] = _CopyToGroup.apply(p, group)
-                return forward(*args, **kwargs)
-            finally:
-                module._parameters.update(held)
-
-        module.forward = summed  # type: ignore[method-assign]
+        # Each behind the Megatron copy: identity forward, gradient summed over the group.
+        _read_own_parameters_as(module, lambda p: _CopyToGroup.apply(p, group))
         return module
 
 
@@ -275,22 +263,27 @@ class SplitPerHead(ParallelStyle):
     forward reads them as plain local tensors."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        names = [name for name, p in module._parameters.items() if p is not None]
-        for name in names:
+        for name in [name for name, p in module._parameters.items() if p is not None]:
             _distribute_parameter(module, name, device_mesh, Shard(0))
-        forward = module.forward
-
-        def local(*args: object, **kwargs: object) -> object:
-            held = {name: module._parameters[name] for name in names}  # FSDP2's unsharded ones during a step
-            try:
-                for name, p in held.items():
-                    module._parameters[name] = p.to_local()
-                return forward(*args, **kwargs)
-            finally:
-                module._parameters.update(held)
-
-        module.forward = local  # type: ignore[method-assign]
+        _read_own_parameters_as(module, lambda p: p.to_local())
         return module
+
+
+def _read_own_parameters_as(module: nn.Module, view: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Make ``module``'s forward read each of its own parameters as ``view(parameter)``: the parameters present
+    when it runs (FSDP2's unsharded ones during a step), swapped in for the call only; the module keeps its own."""
+    forward = module.forward
+
+    def viewed(*args: object, **kwargs: object) -> object:
+        held = {name: p for name, p in module._parameters.items() if p is not None}
+        try:
+            for name, p in held.items():
+                module._parameters[name] = view(p)
+            return forward(*args, **kwargs)
+        finally:
+            module._parameters.update(held)
+
+    module.forward = viewed  # type: ignore[method-assign]
 
 
 class RowwiseFused(ParallelStyle):

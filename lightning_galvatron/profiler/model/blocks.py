@@ -25,6 +25,7 @@ from lightning_galvatron.model.tensor_parallel_plans import (
     BlockTensorParallelPlan,
     _attention_heads,
     tensor_parallel_plan,
+    tp_collectives_per_forward,
 )
 from lightning_galvatron.profiler.model.capture import _BlockCall
 from lightning_galvatron.profiler.model.degrees import _DegreeMeasurement, _Styles
@@ -249,7 +250,7 @@ class _BlockProfiler(_DegreeMeasurement):
             supports_tensor_parallel=styles.tensor_parallel,
             supports_megatron_sp=styles.megatron_sp,
             supports_ulysses=styles.ulysses,
-            tp_collectives_per_forward=(self.tp_plan.row_parallel_layers() if self.tp_plan is not None else 0) or 2,
+            tp_collectives_per_forward=tp_collectives_per_forward(self.tp_plan),
             ulysses_all_to_alls_per_forward=4 * attention_calls if attention_calls else 4,
             tensor_parallel_divisors=tuple(plan.divisible.values()) if plan is not None else (),
             ulysses_divisors=tuple(plan.ulysses_sizes.values()) if plan is not None else (),
