@@ -19,7 +19,7 @@ from lightning_galvatron.profiles import Profile
 from lightning_galvatron.search import evaluate, search
 from lightning_galvatron.search.candidates import Candidate, diverse_candidates, plan_kind, trial_order
 from lightning_galvatron.selection import TrialSettings
-from lightning_galvatron.selection.resolution import TIE, _complexity, measurably_faster
+from lightning_galvatron.selection.resolution import TIE, complexity, measurably_faster
 from tests.helpers.training import TINY_GPT, dataset, run_distributed
 
 pytestmark = pytest.mark.timeout(600)
@@ -62,7 +62,7 @@ def test_measured_selection_trains_exactly_the_chosen_plan_is_cached_and_can_be_
     # The fastest measured plan that fits, or a simpler one the trials cannot tell from it (said in the note).
     fastest = min((t for t in selection.trials if t.fits(selection.memory_budget_bytes)), key=lambda t: t.step_s)
     if selection.chosen.step_s != fastest.step_s:
-        assert _complexity(selection.chosen.plan) < _complexity(fastest.plan), selection.report()
+        assert complexity(selection.chosen.plan) < complexity(fastest.plan), selection.report()
         assert not measurably_faster(fastest.steps, selection.chosen.steps), selection.report()
         assert selection.chosen.step_s <= (1 + TIE) * fastest.step_s, selection.report()
         assert "so the simpler plan is trained" in selection.note
@@ -295,7 +295,7 @@ def test_the_calibrated_search_leaves_out_what_no_trial_measured():
 
 def test_extra_machinery_must_beat_a_simpler_plan_by_more_than_the_trials_can_resolve():
     from lightning_galvatron.selection.measured import TrialRecord
-    from lightning_galvatron.selection.resolution import _simplest_within_resolution
+    from lightning_galvatron.selection.resolution import simplest_within_resolution
 
     uniform = ParallelPlan.uniform(2, 4, S(), micro_batches=2)
     mixed = ParallelPlan(world_size=2, layers=(S(),) * 2 + (S(recompute=True),) * 2)
@@ -308,30 +308,30 @@ def test_extra_machinery_must_beat_a_simpler_plan_by_more_than_the_trials_can_re
     noisy = [0.100, 0.092, 0.108, 0.097, 0.104, 0.110, 0.095, 0.101, 0.106]
     baseline = record("uniform ddp", uniform, [s + 0.001 for s in noisy])
     close = record("searched", mixed, noisy)  # 1 ms ahead, steps spread over 18 ms: not resolved
-    assert _simplest_within_resolution(close, [close, baseline]) is baseline
+    assert simplest_within_resolution(close, [close, baseline]) is baseline
     clear = record("searched", mixed, [s - 0.015 for s in noisy])  # 16 ms ahead: resolved
-    assert _simplest_within_resolution(clear, [clear, baseline]) is clear
+    assert simplest_within_resolution(clear, [clear, baseline]) is clear
     steady = record("searched", mixed, [0.0995] * 9)  # both steady (GPU-like): 0.5 ms ahead is resolved
     steady_baseline = record("uniform ddp", uniform, [0.1] * 9)
-    assert _simplest_within_resolution(steady, [steady, steady_baseline]) is steady
-    assert _simplest_within_resolution(baseline, [close, baseline]) is baseline  # the simplest fastest needs no proof
+    assert simplest_within_resolution(steady, [steady, steady_baseline]) is steady
+    assert simplest_within_resolution(baseline, [close, baseline]) is baseline  # the simplest fastest needs no proof
     # A pipeline is uniform too, but more machinery than DDP over micro-batches.
     piped = record("pp2", pipeline, [s - 0.002 for s in noisy])
-    assert _simplest_within_resolution(piped, [piped, baseline, close]) is baseline
+    assert simplest_within_resolution(piped, [piped, baseline, close]) is baseline
     # Sharding is machinery too: DDP over 2 micro-batches is simpler than ZeRO-3 over one.
     zero3 = ParallelPlan.uniform(2, 4, S(dp_type="zero3"), vocab=S(dp_type="zero3"))
-    assert _complexity(uniform) < _complexity(zero3) and _complexity(ParallelPlan.uniform(2, 4, S(tp=2))) > (
-        _complexity(zero3)
+    assert complexity(uniform) < complexity(zero3) and complexity(ParallelPlan.uniform(2, 4, S(tp=2))) > (
+        complexity(zero3)
     )
     # A trial so noisy that a plan twice as slow is "indistinguishable" does not make it win: the tie must be close.
     wild = record("uniform ddp", ParallelPlan.uniform(2, 4, S()), [0.150, 0.215, 0.400])
-    assert _simplest_within_resolution(clear, [clear, wild]) is clear
+    assert simplest_within_resolution(clear, [clear, wild]) is clear
     within_tie = record("uniform ddp", ParallelPlan.uniform(2, 4, S()), [0.090, 0.104, 0.140])
-    assert _simplest_within_resolution(baseline, [baseline, within_tie]) is within_tie
+    assert simplest_within_resolution(baseline, [baseline, within_tie]) is within_tie
     # Simpler but not measured (stopped early) or clearly slower: the fastest stays.
     stopped = record("ddp", ParallelPlan.uniform(2, 4, S()), [0.5], stopped_early=True)
-    assert _simplest_within_resolution(clear, [clear, stopped]) is clear
-    assert _simplest_within_resolution(stopped, [stopped]) is stopped
+    assert simplest_within_resolution(clear, [clear, stopped]) is clear
+    assert simplest_within_resolution(stopped, [stopped]) is stopped
 
 
 def test_a_close_call_by_measurement_or_by_price_is_measured_again():

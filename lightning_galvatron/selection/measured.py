@@ -39,7 +39,7 @@ from lightning_galvatron.jsonfile import write_atomically
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.search.calibration import Calibration
 from lightning_galvatron.search.report import plan_summary, text_table
-from lightning_galvatron.selection.resolution import _simplest_within_resolution
+from lightning_galvatron.selection.resolution import simplest_within_resolution
 from lightning_galvatron.selection.settings import Measurement, TrialSettings, preserved_rng
 from lightning_galvatron.units import format_bytes
 
@@ -496,7 +496,7 @@ def _decide(auto, records, calibration, budget, note, seconds) -> Selection:
     measured = [t for t in records if t.step_s is not None]
     if fitting:
         fastest = min(fitting, key=lambda t: t.step_s)
-        chosen = _simplest_within_resolution(fastest, fitting)
+        chosen = simplest_within_resolution(fastest, fitting)
         plan = chosen.plan
         if chosen is not fastest:
             note = (note + "; " if note else "") + (

@@ -26,7 +26,7 @@ TIE = 0.05
 _SHARDING = {"ddp": 0, "zero2": 1, "zero3": 2}
 
 
-def _complexity(plan: ParallelPlan) -> tuple[int, ...]:
+def complexity(plan: ParallelPlan) -> tuple[int, ...]:
     """How much machinery a plan runs, simplest first: mixed strategies per layer, pipeline stages, virtual stages,
     split weights (tensor parallelism, then sharding: ZeRO-3 over ZeRO-2 over DDP), micro-batches, recomputed
     layers. What a few trial steps miss (a pipeline's bubbles, per-call overheads varying with the machine's load)
@@ -43,8 +43,8 @@ def _complexity(plan: ParallelPlan) -> tuple[int, ...]:
     )
 
 
-def _simplest_within_resolution(fastest: TrialRecord, fitting: list[TrialRecord]) -> TrialRecord:
-    """The simplest plan of ``fitting`` (by :func:`_complexity`) that the trials cannot tell apart from ``fastest``
+def simplest_within_resolution(fastest: TrialRecord, fitting: list[TrialRecord]) -> TrialRecord:
+    """The simplest plan of ``fitting`` (by :func:`complexity`) that the trials cannot tell apart from ``fastest``
     (its median within :data:`RESOLUTION` standard errors of the difference of the two medians, and within
     :data:`TIE` of the fastest's); ``fastest`` when none is simpler.
 
@@ -63,7 +63,7 @@ def _simplest_within_resolution(fastest: TrialRecord, fitting: list[TrialRecord]
             and not measurably_faster(trial_steps(fastest), trial_steps(t))
         )
 
-    return min((t for t in fitting if indistinguishable(t)), key=lambda t: (_complexity(t.plan), t.step_s))
+    return min((t for t in fitting if indistinguishable(t)), key=lambda t: (complexity(t.plan), t.step_s))
 
 
 def trial_steps(t: TrialRecord) -> tuple[float, ...]:
