@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 
@@ -10,6 +11,21 @@ torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.helpers.pool import PoolManager  # noqa: E402
+
+#: LitGPT's own pins contradict the newest transformers, so requirements/test.lock installs it without its
+#: dependencies; an environment resolved from the test extra alone runs without it.
+LITGPT_INSTALLED = importlib.util.find_spec("litgpt") is not None
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ANN001, ANN201
+    if LITGPT_INSTALLED:
+        return
+    if os.environ.get("CI") and not os.environ.get("GALVATRON_LOWER_BOUNDS"):  # .ci/lower_bounds runs without it
+        raise pytest.UsageError("litgpt is not installed: CI installs requirements/test.lock, which has it")
+    skip = pytest.mark.skip(reason="litgpt is not installed (requirements/test.lock installs it, without its pins)")
+    for item in items:
+        if "litgpt" in item.nodeid:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ import os
 import re
 
 import pytest
+import transformers
 from torch import nn
 
 from lightning_galvatron.model.discovery import find_blocks
@@ -99,10 +100,15 @@ REFUSED = {
     ("bloom", "ulysses"): r"BLOOM's attention computes its scores itself \(baddbmm with ALiBi\)",
     ("mpt", "ulysses"): r"MPT's attention computes its scores itself \(matmul with an ALiBi bias\)",
     ("codegen", "ulysses"): r"CodeGen's attention computes its scores itself \(matmul in float32\)",
-    (
-        "gptj",
-        "ulysses",
-    ): r"its attention implementation is 'eager': Ulysses needs one that calls F.scaled_dot_product_attention",
+    # GPT-J's attention calls F.scaled_dot_product_attention in the transformers releases that support it for GPT-J.
+    **(
+        {}
+        if getattr(transformers.GPTJPreTrainedModel, "_supports_sdpa", False)
+        else {
+            ("gptj", "ulysses"): r"its attention implementation is 'eager': Ulysses needs one that calls "
+            r"F.scaled_dot_product_attention"
+        }
+    ),
     **{(name, "ulysses"): r"T5's attention computes its scores itself" for name in ("t5", "mt5")},
     ("torch_encoder", "sequence"): r"nn.MultiheadAttention checks its masks against the sequence it receives",
     ("torch_encoder", "ulysses"): r"nn.MultiheadAttention checks its masks against the sequence it receives",

@@ -31,6 +31,7 @@ from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiler import profile
 from lightning_galvatron.runtime.tensor_parallel import PerHeadWeights, SplitPerHead
 from lightning_galvatron.search import evaluate
+from tests.conftest import LITGPT_INSTALLED
 from tests.helpers.hf_models import hf_llama
 from tests.helpers.model_families import (
     declared_folded_scale,
@@ -237,11 +238,14 @@ def test_weights_inside_a_split_attention_are_kept_per_head_or_refused():
         ("gemma3", ("self_attn.q_norm", "self_attn.k_norm")),
         ("litgpt_norm_qk", ("attn.norm_q", "attn.norm_k")),  # a family plan of its own: the check is in every plan
     ):
+        if name.startswith("litgpt") and not LITGPT_INSTALLED:
+            continue
         block = find_blocks(family(name)()).blocks[0]
         styles = tensor_parallel_plan_or_reason(block).styles(False)
         assert all(type(styles[n]) is PerHeadWeights for n in norms), name
-    litgpt_olmo2 = tensor_parallel_plan_or_reason(find_blocks(family("litgpt_norm_qk_olmo2")()).blocks[0])
-    assert "attn.norm_q (RMSNorm) holds weights of shape (32,)" in litgpt_olmo2
+    if LITGPT_INSTALLED:
+        litgpt_olmo2 = tensor_parallel_plan_or_reason(find_blocks(family("litgpt_norm_qk_olmo2")()).blocks[0])
+        assert "attn.norm_q (RMSNorm) holds weights of shape (32,)" in litgpt_olmo2
     olmo2 = tensor_parallel_plan_or_reason(find_blocks(family("olmo2")()).blocks[0])
     assert "self_attn.q_norm (Olmo2RMSNorm) holds weights of shape (32,)" in olmo2
     assert "one head is 8 wide" in olmo2
@@ -251,6 +255,44 @@ def test_weights_inside_a_split_attention_are_kept_per_head_or_refused():
     # with GALVATRON_ALL_FAMILIES=1; refused before, as a weight inside the split attention).
     gpt_oss = find_blocks(family("gpt_oss")()).blocks[0]
     assert type(tensor_parallel_plan_or_reason(gpt_oss).styles(False)["self_attn"]) is SplitPerHead
+
+
+def _unexpected_blocks(registered: str) -> list[nn.Module]:
+    """Blocks of the registered class's qualified name laid out as no plan expects: empty; the usual sub-layer names
+    holding other kinds of modules; the usual linear names one level off."""
+    module_name, _, class_name = registered.rpartition(".")
+    made = []
+    for build in (
+        lambda block: None,
+        lambda block: [setattr(block, n, nn.Identity()) for n in ("attention", "attn", "self_attn", "mlp", "ln_1")],
+        lambda block: [setattr(block, n, nn.Linear(8, 8)) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc")],
+    ):
+        block = type(class_name, (nn.Module,), {"__module__": module_name, "__qualname__": class_name})()
+        build(block)
+        made.append(block)
+    return made
+
+
+def test_every_registered_plan_gives_a_reason_for_a_block_it_does_not_expect():
+    """A library release that renames a block's layers (transformers 5.x's ViT: ``attention.attention.query`` became
+    ``attention.q_proj``) reached users as an AttributeError from the family plan on every rank. Every registered plan,
+    fed blocks of its class laid out otherwise, gives the reason (the block then trains with tp = 1) and never
+    raises."""
+    from lightning_galvatron.model import plan_registry
+
+    tensor_parallel_plan_or_reason(nn.Linear(2, 2))  # loads the built-in families
+    assert len(plan_registry._REGISTRY) > 20
+    for registered in sorted(plan_registry._REGISTRY):
+        for block in _unexpected_blocks(registered):
+            reason = tensor_parallel_plan_or_reason(block)
+            assert isinstance(reason, str) and reason, (registered, reason)
+
+
+def test_vit_plans_follow_the_installed_layout():
+    """ViT/DeiT's layers by what they are, in the layout of the installed transformers (both layouts are known)."""
+    for name in ("vit", "deit"):
+        plan = tensor_parallel_plan_or_reason(find_blocks(family(name)()).blocks[0])
+        assert not isinstance(plan, str), plan
 
 
 def _auto_plan_with_warnings(model: Callable[[], L.LightningModule], cache: str) -> tuple:

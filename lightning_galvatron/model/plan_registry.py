@@ -7,6 +7,7 @@ that loads them (:mod:`lightning_galvatron.model.tensor_parallel_plans`): import
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from importlib.metadata import PackageNotFoundError, version
 
 from torch import nn
 
@@ -35,3 +36,12 @@ def find_plan(classes: Iterable[type]) -> PlanFactory | None:
         if make is not None:
             return make
     return None
+
+
+def library_release(block: nn.Module) -> str:
+    """``"transformers 5.25.0"``: the installed release of the package that defines ``block``'s class."""
+    package = type(block).__module__.split(".", 1)[0]
+    try:
+        return f"{package} {version(package)}"
+    except PackageNotFoundError:  # not an installed distribution (a user's own module)
+        return f"the installed {package}"

@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_galvatron.model.discovery import ModelStructure, model_class
-from lightning_galvatron.model.plan_registry import PlanFactory, add_plan, find_plan
+from lightning_galvatron.model.plan_registry import PlanFactory, add_plan, find_plan, library_release
 
 # The runtime defines the plan type it executes; families fill it in (model/ -> runtime/).
 from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
@@ -131,7 +131,7 @@ def tensor_parallel_plan_or_reason(block: nn.Module) -> BlockTensorParallelPlan 
     _load_builtin_families()
     make = find_plan(model_class(block).__mro__)
     if make is not None:
-        return make(block)
+        return _registered_plan(make, block)
     from lightning_galvatron.model.families.bert import bert_style_plan, is_bert_style_layer
 
     if is_bert_style_layer(block):
@@ -145,6 +145,20 @@ def tensor_parallel_plan_or_reason(block: nn.Module) -> BlockTensorParallelPlan 
     if isinstance(plan, str):
         return f"the tensor-parallel plan inferred for {model_class(block).__name__} cannot run: {plan}"
     return plan
+
+
+def _registered_plan(make: PlanFactory, block: nn.Module) -> BlockTensorParallelPlan | str:
+    """A registered plan for ``block``, or why it has none -- also where the plan function fails on a block laid out
+    otherwise than it expects (a library release that renamed its layers): the block is then planned with
+    ``tp = 1`` and the reason reported, instead of the error ending the user's setup."""
+    try:
+        return make(block)
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError) as error:
+        return (
+            f"the tensor-parallel plan registered for {model_class(block).__name__} does not fit this block in "
+            f"{library_release(block)} ({type(error).__name__}: {error}); declare one with "
+            "lightning_galvatron.register_tensor_parallel_plan"
+        )
 
 
 def block_tensor_parallel_plans(structure: ModelStructure) -> list[BlockTensorParallelPlan | str]:

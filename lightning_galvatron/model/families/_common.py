@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
+from lightning_galvatron.model.plan_registry import library_release
 from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
 from lightning_galvatron.runtime.tensor_parallel import (
     BlockTensorParallelPlan,
@@ -78,6 +79,10 @@ def megatron_plan(
             ``q_norm``/``k_norm``): they stay whole, their gradient summed over the group (:func:`per_head_styles`,
             which checks every split sub-layer of every plan).
     """
+    problem = unexpected_layers(block, [name for name, style in columns.items() if style is None], rows)
+    problem = problem or unexpected_layers(block, [*columns, *gathers, *(extra or {})], kinds=None)
+    if problem:
+        return problem
     dims = dict(sequence_dims or {})
     extra = dict(extra or {})
     styled = {*columns, *rows, *extra}
@@ -131,6 +136,44 @@ def megatron_plan(
     )
 
 
+#: What a plan splits by its features: ``nn.Linear`` and Hugging Face's ``Conv1D`` (GPT-2's transposed linear).
+_SPLITTABLE = ("Linear", "Conv1D")
+
+
+def unexpected_layers(
+    block: nn.Module, *groups: Sequence[str], kinds: Sequence[str] | None = _SPLITTABLE
+) -> str | None:
+    """Why ``block`` does not hold the layers a family plan names (relative to the block) as the plan expects them:
+    one missing, or (with ``kinds``) not a linear layer. A library release that renames or restructures a block
+    then gets a reason and ``tp = 1`` rather than an error."""
+    present = dict(block.named_modules())
+    for name in (name for group in groups for name in group):
+        module = present.get(name)
+        if module is None:
+            return (
+                f"{type(block).__name__} has no {name!r}: the plan for it was written for another layout of this block "
+                f"({library_release(block)}); declare one with lightning_galvatron.register_tensor_parallel_plan"
+            )
+        if kinds is not None and not any(cls.__name__ in kinds for cls in type(module).__mro__):
+            return (
+                f"{type(block).__name__}.{name} is a {type(module).__name__}, not a linear layer the plan can split "
+                f"({library_release(block)})"
+            )
+    return None
+
+
+def layout_of(block: nn.Module, layouts: Mapping[str, Mapping[str, str]]) -> Mapping[str, str] | str:
+    """The first of ``layouts`` (each: role -> layer name) whose layers ``block`` holds as linear layers, or why
+    none fits: for blocks whose library has shipped them with other layer names."""
+    for names in layouts.values():
+        if unexpected_layers(block, list(names.values())) is None:
+            return names
+    return (
+        f"{type(block).__name__} matches none of the layouts its plan knows ({', '.join(layouts)}) in "
+        f"{library_release(block)}; declare a plan with lightning_galvatron.register_tensor_parallel_plan"
+    )
+
+
 def hf_sdpa(module: nn.Module) -> bool | str:
     """``True`` if a Hugging Face block's attention calls ``F.scaled_dot_product_attention``, else why not."""
     config = next(
@@ -149,6 +192,12 @@ def local_heads(module: nn.Module, tp: int, *names: str) -> None:
     """Divide the head counts (or widths) a module reads in its forward by the degree."""
     for name in names:
         setattr(module, name, getattr(module, name) // tp)
+
+
+def localize_groups(attn: nn.Module, tp: int, heads: int, kv_heads: int) -> None:
+    """Query heads per key/value head on this rank (read when keys are repeated for a mask)."""
+    if hasattr(attn, "num_key_value_groups"):
+        attn.num_key_value_groups = (heads // tp) // (1 if kv_heads == 1 else kv_heads // tp)
 
 
 def per_head_styles(

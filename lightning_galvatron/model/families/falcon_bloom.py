@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_galvatron.model.families._common import hf_sdpa, local_heads, megatron_plan
+from lightning_galvatron.model.families._common import hf_sdpa, local_heads, localize_groups, megatron_plan
 from lightning_galvatron.model.plan_registry import add_plan
 from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, ColwiseFused, CopyOutput, SliceHeads
 
@@ -48,6 +48,7 @@ def falcon_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
         local_heads(module.self_attention, tp, "num_heads")
         if kv_heads > 1:
             local_heads(module.self_attention, tp, "num_kv_heads")
+        localize_groups(module.self_attention, tp, heads, kv_heads)  # read by the sdpa/eager repeat of keys
 
     return megatron_plan(
         block,

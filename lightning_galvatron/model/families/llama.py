@@ -15,7 +15,7 @@ import copy
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_galvatron.model.families._common import hf_sdpa, megatron_plan
+from lightning_galvatron.model.families._common import hf_sdpa, localize_groups, megatron_plan
 from lightning_galvatron.model.plan_registry import add_plan
 from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, ColwiseFused
 
@@ -34,12 +34,6 @@ def attention_projections(attn: nn.Module, prefix: str) -> tuple[dict[str, Paral
         columns |= {f"{prefix}.k_proj": None, f"{prefix}.v_proj": None}
         sizes = {"attention heads": heads, "key/value heads": kv_heads}
     return columns, sizes, kv_heads
-
-
-def localize_groups(attn: nn.Module, tp: int, heads: int, kv_heads: int) -> None:
-    """Query heads per key/value head on this rank (read when keys are repeated for a mask)."""
-    if hasattr(attn, "num_key_value_groups"):
-        attn.num_key_value_groups = (heads // tp) // (1 if kv_heads == 1 else kv_heads // tp)
 
 
 def gated_mlp_columns(mlp: nn.Module) -> tuple[dict[str, ParallelStyle | None], int]:
