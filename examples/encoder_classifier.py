@@ -9,10 +9,10 @@ Both train on the same samples per step and log the same loss curve (dropout is 
 that the curves can be compared number for number). The task is generated, nothing is downloaded: is
 there a majority of "1" tokens in a sequence of "0"s and "1"s?
 
-Logging metrics: ``self.log("train_acc", self.train_acc(preds, labels))`` logs the tensor that a
-torchmetrics metric returns for the batch. Under micro-batches or a pipeline the strategy records
-the logs of every micro-batch and replays them, which works for tensors but not for ``Metric``
-objects, so log what calling the metric returns, not the metric itself.
+Logging metrics: ``self.log("train_acc", self.train_acc(preds, labels), sync_dist=True)`` logs the
+tensor that a torchmetrics metric returns for the batch, averaged over the ranks; logging the
+``Metric`` object itself (``self.log("val_acc", self.val_acc)``) works too, under every plan, with
+DDP's values (see docs/runtime.md).
 """
 
 from __future__ import annotations

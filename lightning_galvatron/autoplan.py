@@ -145,13 +145,19 @@ def plan_automatically(
     device: torch.device,
     settings: SearchSettings,
     optimizer: str = "adamw",
+    manual_optimizers: int = 0,
 ) -> AutoPlan:
     """Profile (all ranks), search (rank 0), broadcast. Raises the same :class:`PlanError` on every rank.
 
     On one device nothing communicates: the hardware profile holds only the device's memory, and the search
     chooses recomputation and micro-batches (gradient accumulation inside the step) to fit the budget.
+
+    ``manual_optimizers``: how many optimizers a module with manual optimization has (0: automatic
+    optimization). Its step is profiled with stand-ins for them, and plans that run the backward pass inside the
+    strategy (pipelines, micro-batches: :func:`~lightning_galvatron.rules.manual_optimization_problem`) are left out.
     """
     from lightning_galvatron.profiler import profile
+    from lightning_galvatron.profiler.model import manual_optimization_step
     from lightning_galvatron.search import evaluate, search
     from lightning_galvatron.search.report import describe_alternatives
 
@@ -168,14 +174,17 @@ def plan_automatically(
             cache=settings.profile_cache,
             device=device,
             info=cache_info,
+            step=manual_optimization_step(manual_optimizers) if manual_optimizers else None,
         )
     profiled = time.perf_counter()
     budget = settings.memory_budget_bytes or default_memory_budget(device, devices_per_node)
-    # Pipelines cannot carry an encoder's output to decoder stages (see runtime.pipeline); on one device every
+    # Pipelines cannot carry an encoder's output to decoder stages (see runtime.pipeline), nor run a step that does
+    # its own backward (manual optimization, as micro-batches cannot); on one device every
     # uniform plan is the same, so there are no baselines to compare with.
     options = dataclasses.replace(
         settings.options,
-        max_pp=1 if len(structure.block_lists) > 1 else settings.options.max_pp,
+        max_pp=1 if len(structure.block_lists) > 1 or manual_optimizers else settings.options.max_pp,
+        max_micro_batches=1 if manual_optimizers else settings.options.max_micro_batches,
         baselines=settings.options.baselines and world_size > 1,
     )
     outcome: tuple[dict | None, str, str | None] = (None, "", None)

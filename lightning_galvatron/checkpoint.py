@@ -99,6 +99,15 @@ def load_checkpoint(
         raise CheckpointError(f"cannot read {str(path / METADATA_FILE)!r} ({type(err).__name__}: {err})") from None
 
 
+def without_created_states(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's state dict as it was before ``get_optimizer_state_dict`` made it: that function steps an
+    optimizer without states once (zero gradients, no learning rate) to create them, so a checkpoint saved before
+    the first step (``Tuner.lr_find``'s) left Adam counting a step it never took. Call with what it returned for
+    an optimizer that had no states: they are dropped from the optimizer and from ``saved``."""
+    optimizer.state.clear()
+    return {**saved, "state": {}} if "state" in saved else saved  # rank 0 only holds a full state dict
+
+
 # DCP writes a DTensor's local chunk at the offset a plain ``Shard`` would have: a ``_StridedShard`` (a fused
 # q/k/v projection split by heads, see runtime/tensor_parallel.ColwiseFused) would land on its neighbours'
 # rows. Such tensors are saved whole (every rank holds the same copy: DCP writes one) and split again on load.
@@ -181,20 +190,35 @@ def _load_optimizer(
             f"checkpoint {str(path)!r} has no state for optimizer {key[len('optimizer_') :]} (saved with "
             "save_weights_only=True, or with fewer optimizers): it can initialise a model but not resume its training"
         )
-    state = get_optimizer_state_dict(model, optimizer)
+    state = _saved_entries(get_optimizer_state_dict(model, optimizer), key, saved)
     own_groups = [list(group["params"]) for group in state["param_groups"]]
+    saved_groups = len({name.split(".")[2] for name in saved if name.startswith(f"{key}.param_groups.")})
+    if saved_groups != len(own_groups):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: optimizer {key[len('optimizer_') :]} has {len(own_groups)} parameter "
+            f"groups but the checkpoint's has {saved_groups}; configure_optimizers must build the same groups"
+        )
     holder = {key: {**state, "state": _whole_holders(state["state"])}}
     dcp_load(holder, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=not strict))
     loaded = {**holder[key], "state": _split_like(holder[key]["state"], state["state"])}
-    if len(loaded["param_groups"]) != len(own_groups):
-        raise CheckpointError(
-            f"checkpoint {str(path)!r}: optimizer {key[len('optimizer_') :]} has {len(own_groups)} parameter "
-            f"groups but the checkpoint's has {len(loaded['param_groups'])}; configure_optimizers must build the "
-            "same groups"
-        )
     for group, params in zip(loaded["param_groups"], own_groups):
         group["params"] = params  # one rank's names were stored; hyper-parameters are the same on every rank
     set_optimizer_state_dict(model, optimizer, loaded, options=StateDictOptions(strict=strict))
+
+
+def _saved_entries(state: dict[str, Any], key: str, saved: set[str]) -> dict[str, Any]:
+    """An optimizer's state dict as the checkpoint has it: without the hyper-parameters added to its groups since
+    the save (a scheduler made later sets ``initial_lr``: ``Tuner.lr_find``) and the states of parameters that had
+    none then. Loaded, the optimizer is as it was saved, as ``Optimizer.load_state_dict`` makes it."""
+    groups = [
+        {name: value for name, value in group.items() if f"{key}.param_groups.{index}.{name}" in saved}
+        for index, group in enumerate(state["param_groups"])
+    ]
+    states = {
+        fqn: {name: value for name, value in values.items() if f"{key}.state.{fqn}.{name}" in saved}
+        for fqn, values in state["state"].items()
+    }
+    return {**state, "param_groups": groups, "state": {fqn: values for fqn, values in states.items() if values}}
 
 
 def _load_full(

@@ -47,3 +47,9 @@ def _caused_by(value: BaseException | None, exception: BaseException) -> bool:
             return True
         value, seen = value.__cause__ or value.__context__, seen + 1
     return False
+
+
+def note_cause(exception: BaseException, note: str | None) -> None:
+    """Add ``note`` to ``exception`` (shown with its traceback, wherever it is printed or caught; Python 3.11+)."""
+    if note and hasattr(exception, "add_note"):
+        exception.add_note(note)

@@ -3,7 +3,8 @@
 Lightning only validates precision for ``ModelParallelStrategy`` instances given directly, and its
 norm clipping stacks per-parameter norms, which fails for parameters on different meshes. Each
 supported precision therefore reuses Lightning's own plugin (autocast for ``bf16-mixed``, a bf16
-module for ``bf16-true``) with norm clipping replaced by the global norm across meshes and stages,
+module for ``bf16-true``) with norm clipping replaced by the global norm across meshes and stages
+(and value clipping done on local shards: one foreach call fails on a mix of DTensors and tensors),
 and maps onto the FSDP2 ``MixedPrecisionPolicy`` that the runtime applies per block.
 """
 
@@ -18,13 +19,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from lightning_galvatron._compat import override
-from lightning_galvatron.runtime.clipping import clip_grad_norm_
+from lightning_galvatron.runtime.clipping import clip_grad_norm_, clip_grad_value_
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
 class _GlobalNormClipping(Precision):
-    """Mixin: clip by the norm over every mesh and pipeline stage."""
+    """Mixin: clip by the norm over every mesh and pipeline stage, by value on each rank's shards."""
 
     pipeline_group: dist.ProcessGroup | None = None
     norm_excluded: frozenset[int] | set[int] = frozenset()  # ids of weights another stage already counts
@@ -33,6 +34,10 @@ class _GlobalNormClipping(Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         clip_grad_norm_(params, clip_val, pipeline_group=self.pipeline_group, norm_excluded=self.norm_excluded)
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        clip_grad_value_([p for group in optimizer.param_groups for p in group["params"]], clip_val)
 
 
 class GalvatronFullPrecision(_GlobalNormClipping, Precision):

@@ -25,6 +25,7 @@ __all__ = [
     "degree_problem",
     "interleaved_rounds",
     "layer_problem",
+    "manual_optimization_problem",
     "pipeline_problem",
     "plan_problems",
     "schedule_problem",
@@ -82,6 +83,18 @@ def pipeline_problem(pp: int, block_lists: int | Sequence[str]) -> str | None:
     return (
         f"pp={pp} is not executable: pipeline parallelism over {lists} is not supported: the decoder's stages would "
         "need the encoder's output; use pp=1 (every other kind of parallelism works per block)"
+    )
+
+
+def manual_optimization_problem(plan: ParallelPlan) -> str | None:
+    """Pipelines and micro-batches run the backward pass inside the strategy, between the micro-batches; a
+    ``training_step`` with manual optimization runs its own backward and optimizer steps on the whole batch."""
+    if plan.pp == 1 and plan.micro_batches == 1:
+        return None
+    return (
+        f"manual optimization (automatic_optimization = False) cannot run under this plan's pp={plan.pp} and "
+        f"micro_batches={plan.micro_batches}: pipelines and micro-batches run the backward pass inside the strategy; "
+        'use a plan with pp=1 and micro_batches=1, or plan="auto" (it then leaves pipelines and micro-batches out)'
     )
 
 

@@ -10,8 +10,8 @@
   searched by :mod:`lightning_galvatron.autoplan`) and its prediction (:mod:`lightning_galvatron.prediction`),
   report them, broadcast rank 0's weights, apply the plan (the runtime does the work), create the optimizers,
   add the callback that logs plan and measurements (:mod:`lightning_galvatron.monitor`).
-- ``distributed_sampler_kwargs`` / ``process_dataloader``: give each data shard of the plan's input
-  layout the samples DDP would have trained on (batch semantics, see :mod:`lightning_galvatron.data`).
+- ``distributed_sampler_kwargs`` / ``process_dataloader`` / ``batch_to_device``: give each data shard the samples DDP
+  would train on, check its ranks got the same, test and predict as DDP lays them out (:mod:`lightning_galvatron.data`).
 - ``training_step`` / ``validation_step`` / ...: with one micro-batch and no pipeline, Lightning's own
   path; otherwise the runtime's runner drives the micro-batches (and the pipeline schedule) through
   the user's step, backward included -- Lightning's ``zero_grad``/``backward`` are switched off for
@@ -20,8 +20,9 @@
   the last stage to all ranks and replayed (:mod:`lightning_galvatron.step_logs`).
 - ``backward``: scale the loss to the global-batch mean (gradients are summed over dp groups).
 - ``training_step`` / ``optimizer_step``: also tell the rank monitor where this rank is (an assignment).
-- ``save_checkpoint`` / ``load_checkpoint``: sharded DCP checkpoints (saved by ``ModelParallelStrategy``,
-  with the plan recorded in the metadata; loaded by :mod:`lightning_galvatron.checkpoint` into any plan).
+- ``optimizer_state`` / ``save_checkpoint`` / ``load_checkpoint``: sharded DCP checkpoints (saved by
+  ``ModelParallelStrategy``, with the plan recorded in the metadata, an optimizer that has not stepped left without
+  states; loaded by :mod:`lightning_galvatron.checkpoint` into any plan).
 - ``on_exception`` / ``teardown``: one rank prints the error (or names the rank that died); stop the monitor.
 
 No parallelism maths lives here: plans in :mod:`lightning_galvatron.plan`, execution in
@@ -50,7 +51,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
@@ -59,18 +60,20 @@ from torch.optim import Optimizer
 from lightning_galvatron._compat import override
 from lightning_galvatron.arguments import check_strategy_arguments
 from lightning_galvatron.autoplan import SearchSettings, check_memory_budget, optimizer_kind, plan_automatically
-from lightning_galvatron.checkpoint import hf_models, load_checkpoint, whole_strided_tensors
+from lightning_galvatron.checkpoint import hf_models, load_checkpoint, whole_strided_tensors, without_created_states
 from lightning_galvatron.data import (
+    DataShards,
     batch_index,
     example_batch,
     first_dataloader,
     loader_batch_size,
-    rebatch,
-    shard_batch_size,
+    sampler_kwargs,
+    shard_batch_step,
 )
 from lightning_galvatron.display import setup_report
-from lightning_galvatron.errors import leave_to_reporting_rank
-from lightning_galvatron.micro_batches import run_micro_batches
+from lightning_galvatron.errors import leave_to_reporting_rank, note_cause
+from lightning_galvatron.metrics import metric_states_kept, sync_metrics_over_data_shards
+from lightning_galvatron.micro_batches import run_micro_batches, step_args_for_token_means
 from lightning_galvatron.model.discovery import ModelStructure, find_blocks
 from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
 from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans, tensor_parallel_plan_or_reason
@@ -84,6 +87,7 @@ from lightning_galvatron.precision import (
     precision_plugin_for,
 )
 from lightning_galvatron.prediction import Prediction, plan_source_name, price_given_plan, searched_prediction
+from lightning_galvatron.rules import manual_optimization_problem
 from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan, check_runtime_support, input_shard
 from lightning_galvatron.runtime.compile import compile_options
 from lightning_galvatron.runtime.mesh import MeshCache
@@ -211,6 +215,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         self._meshes: MeshCache | None = None
         self._parallelised: torch.nn.Module | None = None  # the model the plan was applied to
         self._applied: AppliedPlan | None = None
+        self.data_shards: DataShards = None  # type: ignore[assignment]  # what loaders read: made with the plan in setup
 
     @classmethod
     @override
@@ -251,7 +256,8 @@ class GalvatronStrategy(ModelParallelStrategy):
         if self._add_monitor and not any(isinstance(c, GalvatronMonitor) for c in trainer.callbacks):
             trainer.callbacks.insert(0, GalvatronMonitor())  # first: its step ends before other callbacks' work
         if self._parallelised is not self.model:  # validate/test after fit reuse the parallel model, on its device
-            self._parallelise(trainer)  # places the model on the device too (see model_to_device)
+            with metric_states_kept(self.lightning_module):  # profiling and tracing run its steps
+                self._parallelise(trainer)  # places the model on the device too (see model_to_device)
         self.barrier()
 
         if trainer.state.fn == TrainerFn.FITTING:
@@ -259,13 +265,9 @@ class GalvatronStrategy(ModelParallelStrategy):
             assert self._applied is not None
             for optimizer in self.optimizers:
                 optimizer.register_step_post_hook(lambda *_: self._applied.gradients.optimizer_stepped())
-            if self._runner is not None:
-                if not self.lightning_module.automatic_optimization:
-                    raise PlanError(
-                        "pipelines and micro-batches run the backward pass inside the strategy, which needs "
-                        "automatic optimization; use a plan with pp=1 and micro_batches=1 for manual optimization"
-                    )
+            if self._runner is not None:  # never with manual optimization (refused in _parallelise)
                 trainer.fit_loop._skip_backward = True  # the runner does zero_grad and backward itself
+        self.data_shards = DataShards(self.plan, self.global_rank, self._meshes, self.root_device)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -288,6 +290,9 @@ class GalvatronStrategy(ModelParallelStrategy):
         self._tp_plans = block_tensor_parallel_plans(self.structure)  # the model side's plans, for the runtime
         self._progress("setup: resolving the plan")
         self.plan, self.prediction = self._resolve_plan(trainer, self.structure)
+        manual = trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization
+        if manual and (problem := manual_optimization_problem(self.plan)):  # before a pipeline's trace runs the step
+            raise PlanError(problem)
         rank_zero_info(setup_report(self.prediction, self.structure.block_names))
         outside = self._trace_outside_layers(trainer) if self.plan.pp > 1 else None
         self._progress("setup: applying the plan")
@@ -320,6 +325,7 @@ class GalvatronStrategy(ModelParallelStrategy):
             place=self._place,
         )
         self._parallelised = self.model
+        sync_metrics_over_data_shards(module, self.plan)  # torchmetrics: one state per data shard, as under DDP
         rank_zero_info(f"Galvatron: setup took {time.perf_counter() - started:.2f} s")
         partition = self._applied.partition
         self.precision_plugin.pipeline_group = self._applied.pipeline_group
@@ -350,13 +356,14 @@ class GalvatronStrategy(ModelParallelStrategy):
         module = self.lightning_module
         loader = first_dataloader(trainer)
         per_device = loader_batch_size(loader)
+        optimizers = _configured_optimizers(module)
         context = {
             "world_size": self.world_size,
             "devices_per_node": self.num_processes,
             "device": self.root_device,
             "precision": precision_flag(self.precision_plugin),
             "settings": self._search,
-            "optimizer": optimizer_kind(_configured_optimizer(module)),
+            "optimizer": optimizer_kind(optimizers[0] if optimizers else None),
         }
         if self._plan_source != "auto":
             plan = self._load_plan(self.world_size)
@@ -386,6 +393,7 @@ class GalvatronStrategy(ModelParallelStrategy):
                 "Galvatron: one device: nothing communicates, so no hardware profile is measured; the plan chooses "
                 "recomputation and micro-batches to fit the memory budget"
             )
+        context["manual_optimizers"] = 0 if module.automatic_optimization else max(len(optimizers), 1)
         auto = plan_automatically(module, structure, example, global_batch_size=global_batch, **context)
         plan = choose_plan(self, trainer, auto, loader, global_batch)  # trials when fitting (measured selection)
         check_runtime_support(plan, structure, self._tp_plans)  # before the plan is printed or applied
@@ -403,27 +411,17 @@ class GalvatronStrategy(ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        num_shards, shard = input_shard(self._require_plan(), self.global_rank)
-        return {"num_replicas": num_shards, "rank": shard}
+        stage = self.lightning_module.trainer.state.stage
+        return sampler_kwargs(self.plan, self.global_rank, self.world_size, stage)  # DDP's until there is a plan
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        plan = self._require_plan()
-        num_shards, _ = input_shard(plan, self.global_rank)
-        per_device = loader_batch_size(dataloader)
-        if per_device is None:
-            return dataloader
-        ddp_batch = per_device * self.world_size
-        training = self.lightning_module.trainer.state.stage == RunningStage.TRAINING
-        global_batch = (plan.global_batch_size or ddp_batch) if training else ddp_batch
-        if training:
-            plan.check_batch_size(global_batch)
-            if global_batch != ddp_batch:
-                rank_zero_info(
-                    f"Galvatron: training on a global batch of {global_batch} samples per step (the DataLoader's "
-                    f"batch_size {per_device} x {self.world_size} devices would give {ddp_batch})"
-                )
-        return rebatch(dataloader, shard_batch_size(global_batch, num_shards))
+        return self.data_shards.process_dataloader(dataloader, self.lightning_module.trainer.state.stage)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        self.data_shards.check_first_batch(batch, self.lightning_module.trainer.state.stage, dataloader_idx)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     # ------------------------------------------------------------------ steps
     @property
@@ -443,7 +441,7 @@ class GalvatronStrategy(ModelParallelStrategy):
             self._monitor.step_started(self.lightning_module.trainer.global_step)
         if self._runner is None:
             with self._step_context():
-                return super().training_step(*args, **kwargs)
+                return super().training_step(*step_args_for_token_means(args, self._applied), **kwargs)
         return self._run_micro_batches("training_step", self.precision_plugin.train_step_context, args, kwargs)
 
     @override
@@ -452,19 +450,21 @@ class GalvatronStrategy(ModelParallelStrategy):
             self._monitor.evaluation_step("validation", batch_index(args, kwargs))
         if self._runner is None:
             with self._step_context():
-                return super().validation_step(*args, **kwargs)
+                return super().validation_step(*step_args_for_token_means(args, self._applied), **kwargs)
         return self._run_micro_batches("validation_step", self.precision_plugin.val_step_context, args, kwargs)
 
     @override
+    @shard_batch_step  # DDP's samples on every rank: the step runs on the data shard's (see DataShards)
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
             self._monitor.evaluation_step("test", batch_index(args, kwargs))
         if self._runner is None:
             with self._step_context():
-                return super().test_step(*args, **kwargs)
+                return super().test_step(*step_args_for_token_means(args, self._applied), **kwargs)
         return self._run_micro_batches("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
     @override
+    @shard_batch_step
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._monitor is not None:
             self._monitor.evaluation_step("predict", batch_index(args, kwargs))
@@ -515,6 +515,13 @@ class GalvatronStrategy(ModelParallelStrategy):
         self._progress(f"saved the checkpoint {filepath}")
 
     @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Saved before the first step, an optimizer stays without states (see ``without_created_states``)."""
+        unstepped = not optimizer.state
+        state = super().optimizer_state(optimizer)
+        return without_created_states(optimizer, state) if unstepped else state
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # Lightning's loader needs a DTensor parameter (a plan of plain DDP blocks has none) and restores the
         # optimizer's hyper-parameters only where the saving rank held the same parameters; ours loads any plan.
@@ -539,6 +546,8 @@ class GalvatronStrategy(ModelParallelStrategy):
             return
         death = monitor.failure_report(exception)  # a rank died: the others' errors are only its echo
         first = monitor.claim_first_failure()
+        if death is None and not first:  # likely an echo ("connection closed"): say of which rank's error
+            note_cause(exception, monitor.failed_elsewhere())
         monitor.stop(failure=exception)
         if death is not None:
             if first:
@@ -576,13 +585,13 @@ def _reported_by_rank_zero() -> Generator:
         raise
 
 
-def _configured_optimizer(module: Any) -> Optimizer | None:
-    """The optimizer the module's configure_optimizers returns (the search sizes its states)."""
+def _configured_optimizers(module: Any) -> list[Optimizer]:
+    """The optimizers the module's configure_optimizers returns (the search sizes the first one's states)."""
     try:
         optimizers, _, _ = _init_optimizers_and_lr_schedulers(module)
     except Exception:  # noqa: BLE001 - sized as Adam, the common worst case
-        return None
-    return optimizers[0] if optimizers else None
+        return []
+    return list(optimizers)
 
 
 GalvatronStrategy.register_strategies(StrategyRegistry)  # also called by _registry once Lightning is imported

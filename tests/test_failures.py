@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from lightning_galvatron.errors import note_cause
 from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.profiler import profile
 from lightning_galvatron.profiler.cache import ProfileCache, contradiction, fingerprint, model_signature
@@ -205,6 +207,26 @@ def test_the_rank_behind_is_named_and_a_slow_step_everywhere_is_not(monkeypatch)
     poll()
     clock[0] += 1000
     assert poll() == [None, None, None]
+
+
+def test_an_echo_of_another_ranks_error_names_it():
+    """The last pipeline stage fails in the user's step; rank 0 only sees the connection close (or time out). Its
+    error says which rank failed and with what, wherever it is printed or caught (rank 1 prints the error itself)."""
+    store = _Store()
+    ranks = [RankMonitor(r, 2, WatchdogSettings(), store, run=0) for r in range(2)]
+    for monitor in ranks:
+        monitor.evaluation_step("validation", 0)
+        monitor._publish()
+    assert ranks[1].claim_first_failure()
+    ranks[1].stop(failure=TypeError("self.log('val_acc', MulticlassAccuracy) cannot be averaged"))
+    echo = RuntimeError("Connection closed by peer [127.0.0.1]:38600")
+    assert not ranks[0].claim_first_failure()
+    assert ranks[0].failure_report(echo) is None  # rank 1 failed with its own error: it did not die
+    note_cause(echo, ranks[0].failed_elsewhere())
+    assert (
+        "Galvatron: rank 1 failed in validation step 0, with TypeError: self.log('val_acc', MulticlassAccuracy) "
+        "cannot be averaged (that rank prints its error)"
+    ) in "".join(traceback.format_exception(echo))
 
 
 # ---------------------------------------------------------------------------------------------- the cache

@@ -261,13 +261,16 @@ def apply_plan(
     if place is not None:
         place(model)
     applied.gradients.build()
+    tied_group = _tied_weights_group(plan, applied.partition, position)
+    if tied_group is not None:
+        partition = applied.partition
+        applied.gradients.add_shared(lambda: partition.tied, tied_group)
 
     if plan.pp > 1 or plan.micro_batches > 1:
         applied.runner = PipelineRunner(
             plan,
             applied.partition,
             applied.pipeline_group,
-            _tied_weights_group(plan, applied.partition, position),
             _device_of(model),
             set_micro_batch_size=lambda size: setattr(micro_batch, "size", size),
             input_shards=applied.input_shards,
@@ -334,3 +337,9 @@ def input_shard(plan: ParallelPlan, rank: int) -> tuple[int, int]:
     layout = Layout.of(plan, plan.vocab)
     _, dp_rank, _ = layout.coordinates(rank)
     return layout.dp, dp_rank
+
+
+def input_shard_group(plan: ParallelPlan, meshes: MeshCache) -> dist.ProcessGroup:
+    """The ranks that read this rank's data shard: every stage and tensor-parallel rank at its dp coordinate of the
+    vocabulary layout, in mesh order. Collective the first time (the mesh caches it)."""
+    return meshes.mesh(Layout.of(plan, plan.vocab))["pp", "tp"]._flatten().get_group()

@@ -4,6 +4,10 @@
 DTensors on different meshes, and per pipeline stage it would clip by a partial norm. Here the
 norm is reduced per mesh (where DTensor knows the placements), the per-mesh norms are combined as
 plain tensors, and across pipeline stages the result is reduced over the stage group.
+
+Clipping by value is elementwise, so it is exact on each rank's shards; but
+``torch.nn.utils.clip_grad_value_`` clamps all gradients in one foreach call, which refuses a mix of
+DTensors and plain tensors (or DTensors on different meshes): here it clamps the local shards.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_galvatron.runtime.mesh import collective_device
+from lightning_galvatron.runtime.mesh import collective_device, local_tensor
 
 
 def clip_grad_norm_(
@@ -62,3 +66,11 @@ def clip_grad_norm_(
     for params in groups.values():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+def clip_grad_value_(parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
+    """Clamp every gradient in place to ``[-clip_value, clip_value]``, shard by shard."""
+    with torch.no_grad():
+        for p in parameters:
+            if p.grad is not None:
+                local_tensor(p.grad).clamp_(min=-float(clip_value), max=float(clip_value))

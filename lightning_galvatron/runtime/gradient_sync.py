@@ -14,6 +14,9 @@ Gradients are **summed** (the runtime's convention, see ``sharding``). The sum i
 accumulation over micro-batches or over Lightning's ``accumulate_grad_batches`` reduces once, after
 the last backward of the window (:meth:`GradientReducer.deferred`, then :meth:`GradientReducer.reduce`).
 Summed gradients cannot be summed again: a second backward before the optimizer steps is refused.
+Weights that two pipeline stages hold (a tied embedding and head) are summed across those stages at the
+same moment (:meth:`GradientReducer.add_shared`): a sum per batch would add the batches summed before it
+in the accumulation window again.
 
 Every rank registers the same layers in the same order and launches its buckets strictly in that order,
 so the collectives of each group match across its ranks. A gradient missing on some rank (a parameter
@@ -141,6 +144,7 @@ class GradientReducer:
     _callback_queued: bool = False
     _summed: bool = False  # gradients were summed and the optimizer has not stepped since
     _hooks: list = field(default_factory=list)
+    _shared: list[tuple[Callable[[], list[nn.Parameter]], dist.ProcessGroup]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ registration (before training)
     def add(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, reduce_last: bool = False) -> None:
@@ -154,6 +158,12 @@ class GradientReducer:
         self._registered.update(id(p) for p in params)
         if params:
             self._pending.append((params, group if dist.get_world_size(group) > 1 else None, reduce_last))
+
+    def add_shared(self, params: Callable[[], list[nn.Parameter]], group: dist.ProcessGroup) -> None:
+        """Sum the gradients of ``params()`` (this rank's copies of weights other ranks of ``group`` hold too, each
+        computing part of their gradient) over ``group`` in :meth:`reduce`, before the dp reduction; backward
+        passes that compute them must run :meth:`deferred`. A callable: sharding replaces parameter objects."""
+        self._shared.append((params, group))
 
     def owns(self, param: nn.Parameter) -> bool:
         """Whether ``param`` is data-parallel through this reducer (FSDP must leave it alone)."""
@@ -215,9 +225,17 @@ class GradientReducer:
         """Sum every bucket now (after backward passes run under :meth:`deferred`)."""
         if self._launched == 0:
             self._check_not_summed()
+            self._sum_shared()
         while self._launched < len(self._buckets):
             self._launch_next()
         self._finish()
+
+    def _sum_shared(self) -> None:
+        for params, group in self._shared:
+            for param in params():
+                if param.grad is not None:
+                    match_parameter_layout(param)  # the embedding's and the head's gradients may differ in layout
+                    dist.all_reduce(local_tensor(param.grad), group=group)
 
     def _check_not_summed(self) -> None:
         if self._summed and any(p.grad is not None for bucket in self._buckets for p in bucket.params):

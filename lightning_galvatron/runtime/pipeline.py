@@ -28,7 +28,8 @@ Which layers outside the blocks run before them and which after is not read from
 ``__init__`` but observed on the step itself, once, before training
 (:func:`~lightning_galvatron.model.outside_layers.trace_outside_layers`), which also refuses what a
 pipeline could not run exactly. Weights shared between the two sides (a tied embedding and head)
-live on both end stages; their gradients are summed across the two.
+live on both end stages; their gradients are summed across the two once per optimizer step, with the
+data-parallel sums (:meth:`~lightning_galvatron.runtime.gradient_sync.GradientReducer.add_shared`).
 """
 
 from __future__ import annotations
@@ -43,8 +44,6 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_galvatron.plan import ParallelPlan, PlanError
-from lightning_galvatron.runtime.gradient_sync import match_parameter_layout
-from lightning_galvatron.runtime.mesh import local_tensor
 from lightning_galvatron.runtime.stage import Boundary, Chunk, PipelineUsageError, StagePartition
 from lightning_galvatron.runtime.structure import is_kv_cache
 
@@ -84,7 +83,6 @@ class PipelineRunner:
         plan: the plan.
         partition: this rank's stage (see :class:`StagePartition`); ``None`` when ``pp == 1``.
         pipeline_group: the ranks at this rank's position on every stage (``None`` when ``pp == 1``).
-        tied_group: the first and last stage ranks at this position, when they share weights.
         boundary_shape: local ``(batch, seq)`` of the activation leaving block ``i`` on this rank, for a
             stage-wide micro-batch of ``batch`` samples of length ``seq``: ``boundary_shape(i, batch, seq)``.
         hidden_width: the width of the hidden states block ``i`` returns: ``hidden_width(i)``.
@@ -99,7 +97,6 @@ class PipelineRunner:
         plan: ParallelPlan,
         partition: StagePartition | None,
         pipeline_group: dist.ProcessGroup | None,
-        tied_group: dist.ProcessGroup | None,
         device: torch.device,
         set_micro_batch_size: Callable[[int], None],
         input_shards: int,
@@ -111,7 +108,6 @@ class PipelineRunner:
         self._hidden_width = hidden_width
         self.partition = partition
         self.group = pipeline_group
-        self._tied_group = tied_group
         self.device = device
         self._set_micro_batch_size = set_micro_batch_size
         self._input_shards = input_shards
@@ -139,8 +135,6 @@ class PipelineRunner:
             self._run_schedule(loss_scale, train)
         finally:
             self._step, self._micro_batches = None, []
-        if train and self._tied_group is not None:
-            self._sum_tied_gradients()
         return self._outputs
 
     def broadcast_from_last_stage(self, obj: Any) -> Any:
@@ -246,13 +240,6 @@ class PipelineRunner:
         self._outputs.append(out)
         loss = loss_of(out) if self._train else None  # forward-only: the schedule needs a scalar, not predictions
         return torch.zeros((), device=self.device) if loss is None else loss.float()
-
-    def _sum_tied_gradients(self) -> None:
-        assert self.partition is not None
-        for param in self.partition.tied:
-            if param.grad is not None:
-                match_parameter_layout(param)  # the embedding's and the head's gradients may differ in layout
-                dist.all_reduce(local_tensor(param.grad), group=self._tied_group)
 
 
 class _ScaledLoss:

@@ -292,7 +292,7 @@ def relocate_inputs(
         }
         crossing = _extras_cross_ranks(batch_only_source, batch_only_target, micro_batch.size)
         if crossing or from_previous & per_sample:
-            _agree_on_per_sample_inputs(module, [name in per_sample for name, _ in slots], group)
+            _agree_on_per_sample_inputs(module, [name in per_sample for name, _ in slots], seq, group)
         if crossing and not unmoved_checked[0]:
             unmoved_checked[0] = True
             unmoved = [
@@ -342,7 +342,7 @@ def _check_unmoved_inputs_agree(
     result. Checked once per block (a digest of each tensor's bytes, compared over the stage). Collective."""
     if "fake" in str(dist.get_backend(group)):  # the dry run: no values travel between its ranks
         return
-    digests = [_digest(t) for _, t in unmoved]
+    digests = [tensor_digest(t) for _, t in unmoved]
     lowest = reduce_over_ranks([*digests, *(-d for d in digests)], dist.ReduceOp.MIN, group)
     n = len(digests)
     differ = [
@@ -361,7 +361,7 @@ def _check_unmoved_inputs_agree(
         )
 
 
-def _digest(tensor: torch.Tensor) -> float:
+def tensor_digest(tensor: torch.Tensor) -> float:
     """48 bits of a hash of a tensor's shape and bytes, exact as a float64 (0 for a tensor without readable data:
     the dry run's fake tensors)."""
     if type(tensor) is not torch.Tensor or tensor.device.type == "meta":
@@ -409,11 +409,24 @@ def _extras_cross_ranks(source: ActivationLayout, target: ActivationLayout, batc
     return _CROSSING[key]
 
 
-def _agree_on_per_sample_inputs(block: nn.Module, present: list[bool], group: dist.ProcessGroup) -> None:
-    """Ranks that exchange a block's per-sample inputs must all have them (else some would wait forever)."""
+def _agree_on_per_sample_inputs(block: nn.Module, present: list[bool], seq: int, group: dist.ProcessGroup) -> None:
+    """Ranks that exchange a block's per-sample inputs must all have them (else some would wait forever), for
+    sequences of one length (samples of different lengths cannot be stacked into one batch)."""
     # The least of "has it" and of "lacks it" over the ranks: both 0 where some ranks have it and some do not.
-    flags = reduce_over_ranks([int(p) for p in present] + [1 - int(p) for p in present], dist.ReduceOp.MIN, group)
+    flags = reduce_over_ranks(
+        [int(p) for p in present] + [1 - int(p) for p in present] + [seq, -seq], dist.ReduceOp.MIN, group
+    )
     n = len(present)
+    shortest, longest = int(flags[2 * n]), -int(flags[2 * n + 1])
+    if shortest != longest:
+        raise PlanError(
+            f"{model_class(block).__name__} gathers samples from ranks whose batches have sequences of different "
+            f"lengths ({shortest} to {longest} positions): each rank pads its batch to its own longest sample "
+            "(dynamic padding, e.g. a collate_fn or DataCollatorWithPadding padding to the longest). Pad every batch "
+            "to one fixed length (the tokenizer's padding='max_length' with max_length=, or a collate_fn padding to "
+            "a fixed length), or use a plan whose blocks keep the embedding's data-parallel layout (no tensor or "
+            "sequence parallelism in the blocks, or vocab tp equal to the blocks' tp)"
+        )
     if any(flags[i] == 0 and flags[n + i] == 0 for i in range(n)):
         raise PlanError(
             f"the ranks of a stage passed different inputs to {model_class(block).__name__}: some a per-sample "

@@ -19,6 +19,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_galvatron.plan import PlanError
+from lightning_galvatron.runtime.mesh import collective_device
 
 _BUCKET_BYTES = 64 * 2**20
 T = TypeVar("T")
@@ -40,6 +41,24 @@ def agree_across_ranks(decide: Callable[[], T], what: str) -> T:
     if any(result != results[0] for result in results):
         raise PlanError(f"the ranks disagree on {what}: {results}")
     return results[0]
+
+
+def values_differing_within_groups(group: int, value: float) -> dict[int, list[tuple[int, float]]]:
+    """Each rank's ``value`` and the index of its ``group`` (ranks that should agree on it), gathered over the world:
+    for every group whose ranks disagree, its ranks' ``(rank, value)``. Every rank gets the same answer, so all raise
+    together or none. Collective; empty on the dry run's fake backend (no values travel between its ranks).
+
+    Values travel as float64: exact for integers up to 2**53 (a 48-bit digest, a count).
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1 or "fake" in str(dist.get_backend()):
+        return {}
+    mine = torch.tensor([group, value], dtype=torch.float64, device=collective_device())
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    members: dict[int, list[tuple[int, float]]] = defaultdict(list)
+    for rank, (index, received) in enumerate(t.tolist() for t in gathered):
+        members[int(index)].append((rank, received))
+    return {index: ranks for index, ranks in members.items() if len({v for _, v in ranks}) > 1}
 
 
 def broadcast_module_states(module: nn.Module, src: int = 0) -> None:

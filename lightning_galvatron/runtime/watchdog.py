@@ -280,7 +280,7 @@ class RankMonitor:
 
     def failure_report(self, exception: BaseException) -> str | None:
         """A message naming the ranks that died, if that is why this rank failed; else ``None``."""
-        dead = self.dead_ranks()
+        dead = {r for r in self.dead_ranks() if self._seen[r].record.state != "failed"}  # failed ones said why
         if not dead:
             return None
         lines = []
@@ -292,6 +292,20 @@ class RankMonitor:
                 f"was last seen in {record.where}"
             )
         return "Galvatron: " + "; ".join(lines) + f". The other ranks stopped ({_one_line(exception)})."
+
+    def failed_elsewhere(self) -> str | None:
+        """The other ranks that failed with an error of their own, as they published it: what this rank's error
+        (a closed connection, a timeout) most likely echoes; ``None`` if none did."""
+        try:
+            self._read_all()
+        except Exception:  # noqa: BLE001, S110 - the store is gone: what was seen last still says it
+            pass
+        failed = [
+            f"rank {r} failed in {seen.record.where}"
+            for r, seen in enumerate(self._seen)
+            if r != self.rank and seen.record is not None and seen.record.state == "failed"
+        ]
+        return f"Galvatron: {'; '.join(failed)} (that rank prints its error)" if failed else None
 
     # ---------------------------------------------------------------- the thread
     def _beat_interval(self) -> float:

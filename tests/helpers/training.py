@@ -194,7 +194,8 @@ def _evaluate(
     trainer: L.Trainer, module: L.LightningModule, global_batch: int, batch_size: int, result: RunResult
 ) -> None:
     """Validation loss of the fit, then ``trainer.test`` and ``trainer.predict``: predictions keyed by their input
-    where ``predict_step`` returns ``(inputs, predictions)`` (comparable over data shards), else joined."""
+    where ``predict_step`` returns ``(inputs, predictions)`` (comparable over data shards), else joined over the
+    ranks in the order of the samples."""
     result.val_loss = float(trainer.callback_metrics["val_loss"])
     result.test_loss = float(
         trainer.test(module, _evaluation_data(global_batch, batch_size), verbose=False)[0]["test_loss"]
@@ -205,7 +206,17 @@ def _evaluate(
             tuple(x.tolist()): p.detach().float().cpu() for inputs, logits in outputs for x, p in zip(inputs, logits)
         }
     else:
-        result.predictions = torch.cat([p.detach().float().cpu() for p in outputs])
+        result.predictions = _in_sample_order(trainer, torch.cat([p.detach().float().cpu() for p in outputs]))
+
+
+def _in_sample_order(trainer: L.Trainer, predictions: torch.Tensor) -> torch.Tensor:
+    """Every rank's predictions in the order of the samples: DDP's predict sampler (which every strategy's predict
+    follows) gives rank ``r`` of ``W`` the samples ``r, r + W, ...``."""
+    if trainer.world_size == 1:
+        return predictions
+    gathered: list[torch.Tensor | None] = [None] * trainer.world_size
+    dist.all_gather_object(gathered, predictions)
+    return torch.stack(gathered, 1).flatten(0, 1)
 
 
 def _validation_loss(trainer: L.Trainer, module: GPTModule, batch_size: int) -> float:

@@ -49,7 +49,8 @@ storage (moved or cast for profiling) are restored afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -195,20 +196,12 @@ def default_step(module: nn.Module, batch: Any) -> torch.Tensor:
     if getattr(module, "automatic_optimization", True) is False:
         raise ValueError(
             f"{type(module).__name__} uses manual optimisation: its training_step runs backward and steps the "
-            "optimizer itself, which profiling must not do; pass step=lambda module, batch: <the loss>"
+            "optimizer itself, which profiling must not do; pass step=manual_optimization_step(<number of "
+            "optimizers>) or step=lambda module, batch: <the loss>"
         )
-    silenced = [name for name in ("log", "log_dict") if hasattr(module, name)]
-    own = {name: vars(module)[name] for name in silenced if name in vars(module)}
-    try:
-        for name in silenced:
-            setattr(module, name, _no_op)
+    silenced = {name: _no_op for name in ("log", "log_dict") if hasattr(module, name)}
+    with _replaced_methods(module, silenced):
         out = module.training_step(batch, 0)
-    finally:
-        for name in silenced:
-            if name in own:
-                setattr(module, name, own[name])
-            else:
-                delattr(module, name)
     loss = out.get("loss") if isinstance(out, Mapping) else out
     if not isinstance(loss, torch.Tensor):
         raise ValueError(
@@ -218,4 +211,65 @@ def default_step(module: nn.Module, batch: Any) -> torch.Tensor:
     return loss
 
 
-__all__ = ["SavedTensorCounter", "block_signature", "default_step", "measure_model", "profile_model"]
+class _StandInOptimizer:
+    """What ``self.optimizers()`` gives a profiled manual-optimization step: its steps change nothing (a closure
+    still runs: it holds the forward pass)."""
+
+    def __init__(self) -> None:
+        self.param_groups: list[dict[str, Any]] = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to zero: profiling computes no gradients for the optimizer."""
+
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:
+        return closure() if closure is not None else None
+
+
+def manual_optimization_step(optimizers: int = 1) -> Step:
+    """The step of a module with manual optimization (``automatic_optimization = False``): its ``training_step``,
+    logging silenced, with ``self.optimizers()`` giving ``optimizers`` stand-ins that do not step and
+    ``self.manual_backward`` recording the loss instead of running backward. Returns the sum of the recorded losses
+    (what the step's backward passes differentiate)."""
+
+    def step(module: nn.Module, batch: Any) -> torch.Tensor:
+        stand_ins = [_StandInOptimizer() for _ in range(optimizers)]
+        losses: list[torch.Tensor] = []
+        replacements: dict[str, Any] = {name: _no_op for name in ("log", "log_dict") if hasattr(module, name)}
+        replacements["optimizers"] = lambda use_pl_optimizer=True: stand_ins[0] if optimizers == 1 else stand_ins
+        replacements["manual_backward"] = lambda loss, *args, **kwargs: losses.append(loss)
+        with _replaced_methods(module, replacements):
+            module.training_step(batch, 0)
+        if not losses:
+            raise ValueError(
+                f"{type(module).__name__}.training_step (manual optimization) called self.manual_backward with no "
+                "loss; pass step=lambda module, batch: <the loss> to the profiler"
+            )
+        return torch.stack([loss.float() for loss in losses]).sum()
+
+    return step
+
+
+@contextlib.contextmanager
+def _replaced_methods(module: nn.Module, replacements: Mapping[str, Any]) -> Iterator[None]:
+    """``module``'s methods replaced on the instance while the step runs; its own attributes restored after."""
+    own = {name: vars(module)[name] for name in replacements if name in vars(module)}
+    try:
+        for name, replacement in replacements.items():
+            setattr(module, name, replacement)
+        yield
+    finally:
+        for name in replacements:
+            if name in own:
+                setattr(module, name, own[name])
+            else:
+                delattr(module, name)
+
+
+__all__ = [
+    "SavedTensorCounter",
+    "block_signature",
+    "default_step",
+    "manual_optimization_step",
+    "measure_model",
+    "profile_model",
+]
