@@ -5,9 +5,9 @@
 #
 # writes requirements/test.lock (the README's and CI's environment: the newest release of every dependency the
 # test extra allows, transformers and lightning included) and requirements/lowest.lock (the lower bounds of
-# pyproject.toml for transformers and lightning, the rest resolved around them). Both are complete: every package
-# pinned, installed with `pip install --no-deps -r ...`, so pip's resolver is never run on a user's machine and any
-# pip -- the 23.x a new venv ships included -- installs the same set.
+# pyproject.toml for transformers, lightning, torchmetrics and lightning-utilities, the rest resolved around them).
+# Both are complete: every package pinned, installed with `pip install --no-deps -r ...`, so pip's resolver is
+# never run on a user's machine and any pip -- the 23.x a new venv ships included -- installs the same set.
 #
 # LitGPT is added to test.lock without its dependencies: litgpt 0.5.13 pins huggingface-hub<1.4 and
 # jsonargparse<=4.41, which the newest transformers and jsonargparse contradict, and the tests use only its model
@@ -42,5 +42,6 @@ echo "$lock_litgpt" >>requirements/test.lock
 lower() {  # the lower bound pyproject.toml gives a package: "transformers>=4.45" -> 4.45
     grep -oE "\"$1>=[0-9][0-9.]*" pyproject.toml | head -1 | sed -E 's/.*>=//'
 }
-lock lowest -e ".[test]" "transformers==$(lower transformers)" "lightning==$(lower lightning)"
+lock lowest -e ".[test]" "transformers==$(lower transformers)" "lightning==$(lower lightning)" \
+    "torchmetrics==$(lower torchmetrics)" "lightning-utilities==$(lower lightning-utilities)"
 echo "wrote requirements/test.lock and requirements/lowest.lock"

@@ -37,7 +37,7 @@ def test_no_hard_dependency_switches_lightnings_defaults():
 
 
 def test_the_package_imports_only_what_it_declares():
-    declared = {"torch", "lightning", "numpy", "yaml"}  # yaml: the pyyaml distribution
+    declared = {"torch", "lightning", "lightning_utilities", "torchmetrics", "numpy", "yaml"}  # yaml: pyyaml
     optional = {"transformers", "pytorch_lightning", "matplotlib"}  # imported inside functions that need them
     imported = set()
     for path in (REPO / "lightning_galvatron").rglob("*.py"):
@@ -48,6 +48,11 @@ def test_the_package_imports_only_what_it_declares():
                 imported.add(node.module.split(".")[0])
     third_party = {name for name in imported if name not in sys.stdlib_module_names and name != "lightning_galvatron"}
     assert third_party <= declared | optional, sorted(third_party - declared - optional)
+    import tomllib
+
+    requirements = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    distributions = {re.split(r"[<>=!~ \[]", r, maxsplit=1)[0].replace("-", "_") for r in requirements}
+    assert {"pyyaml" if module == "yaml" else module for module in declared} == distributions
 
 
 def test_license_and_type_marker_are_shipped():

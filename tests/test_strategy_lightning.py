@@ -126,14 +126,19 @@ def test_registered_with_lightning_and_refused_with_the_reason_in_pytorch_lightn
         assert "`import lightning.pytorch as pl`" in out.stderr
 
 
-# A Lightning project without Rich: Lightning checks for it by its distribution's version and its module.
+# A Lightning project without Rich: Lightning checks for it by its distribution's version and its module,
+# transformers (imported by torchmetrics) by importlib.util.find_spec, which answers None for a missing package.
 _WITHOUT_RICH = """
-import importlib.abc, importlib.metadata, sys
+import importlib.abc, importlib.metadata, importlib.util, sys
 class NoRich(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] == "rich":
             raise ModuleNotFoundError(name)
 sys.meta_path.insert(0, NoRich())
+find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, package=None: (
+    None if name.split(".")[0] == "rich" else find_spec(name, package)
+)
 version = importlib.metadata.version
 def version_without_rich(name):
     if name == "rich":
