@@ -1,7 +1,9 @@
 """Checkpoints of ``GalvatronStrategy``: resume into any plan, and sharded checkpoints to one file.
 
 ``GalvatronStrategy`` saves Lightning checkpoints as DCP directories (one shard file per rank, DCP's
-``.metadata`` index, and ``meta.pt`` with Lightning's loop state). Parameter names are those of the
+``.metadata`` index, and ``meta.pt`` with Lightning's loop state), written aside and renamed into place when whole
+(:mod:`lightning_galvatron.checkpoint_files`); a directory whose files do not make one save is refused, naming the
+file (:func:`check_sharded_checkpoint`). Parameter names are those of the
 plain model whatever the plan, so a checkpoint loads into any other plan or world size
 (:func:`load_checkpoint`, what ``Trainer.fit(ckpt_path=...)`` runs) and assembles into the
 unparallelised model's state dict (:func:`consolidate`, ``lightning-galvatron consolidate CKPT_DIR -o
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-METADATA_FILE = "meta.pt"  # what Lightning's ModelParallelStrategy writes next to the shards
-DCP_INDEX_FILE = ".metadata"  # what DCP writes last, once every shard is on disk
+from lightning_galvatron.checkpoint_files import DCP_INDEX_FILE, METADATA_FILE, committed_path
+
 MODEL_KEY = "state_dict"
 
 
@@ -61,9 +64,44 @@ def check_sharded_checkpoint(path: str | os.PathLike) -> Any:
             "last -- the save that wrote it was interrupted; resume from an earlier checkpoint"
         )
     try:
-        return FileSystemReader(str(path)).read_metadata()
+        index = FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # noqa: BLE001 - a truncated or foreign index: say which file
         raise CheckpointError(f"cannot read {str(path / DCP_INDEX_FILE)!r} ({type(err).__name__}: {err})") from None
+    _check_shard_files(path, index)
+    return index
+
+
+def _check_shard_files(path: Path, index: Any) -> None:
+    """Every shard file the index names holds the bytes it places there: a save killed while it rewrote a directory
+    in place (before saves were staged) left the previous index beside half-written shards."""
+    needed: dict[str, int] = {}
+    for info in (getattr(index, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        have = shard.stat().st_size if shard.is_file() else None
+        if have is None or have < size:
+            found = "is missing" if have is None else f"holds {have} bytes"
+            raise CheckpointError(
+                f"checkpoint directory {str(path)!r} is incomplete: its shard file {name} {found} but the index "
+                f"({DCP_INDEX_FILE}) places {size} bytes in it -- a save was interrupted while it wrote this "
+                "directory; resume from an earlier checkpoint"
+            )
+
+
+def _check_same_save(path: Path, index: Any, loop_state: Any) -> None:
+    """``meta.pt`` records the save id of the index it was written with (checkpoints of this version): refuse a
+    directory whose two files come from different saves."""
+    recorded = (loop_state.get("galvatron") or {}).get("save_id") if isinstance(loop_state, dict) else None
+    indexed = getattr(getattr(index, "storage_meta", None), "save_id", None)
+    if recorded is not None and indexed is not None and recorded != indexed:
+        raise CheckpointError(
+            f"checkpoint directory {str(path)!r} mixes two saves: its {METADATA_FILE} was written with another "
+            f"save's shards than its {DCP_INDEX_FILE} indexes -- a save was interrupted while it wrote this "
+            "directory; resume from an earlier checkpoint"
+        )
 
 
 def load_checkpoint(
@@ -80,7 +118,13 @@ def load_checkpoint(
     its parameter groups; returns Lightning's metadata (loops, callbacks, schedulers, ...). A full checkpoint file
     (``save_distributed_checkpoint=False``) loads the same way, by parameter name.
     """
-    path = Path(path)
+    given, path = Path(path), committed_path(Path(path))
+    if path != given:
+        warnings.warn(
+            f"checkpoint {str(given)!r} is missing: the save that replaced it was killed between its two renames; "
+            f"loading the checkpoint it replaced, left at {str(path)!r}",
+            stacklevel=2,
+        )
     if path.is_file():
         return _load_full(path, model, optimizers, strict=strict, weights_only=weights_only)
     index = check_sharded_checkpoint(path)
@@ -89,14 +133,16 @@ def load_checkpoint(
             f"checkpoint directory {str(path)!r} is incomplete: it has no {METADATA_FILE} (Lightning's loop state, "
             "written after the shards) -- the save that wrote it was interrupted; resume from an earlier checkpoint"
         )
+    try:
+        loop_state = torch.load(path / METADATA_FILE, weights_only=weights_only)
+    except Exception as err:  # noqa: BLE001 - say which file
+        raise CheckpointError(f"cannot read {str(path / METADATA_FILE)!r} ({type(err).__name__}: {err})") from None
+    _check_same_save(path, index, loop_state)
     saved = set(index.state_dict_metadata)
     _load_model(path, model, saved, strict)
     for number, optimizer in enumerate(optimizers):
         _load_optimizer(path, model, optimizer, f"optimizer_{number}", saved, strict)
-    try:
-        return torch.load(path / METADATA_FILE, weights_only=weights_only)
-    except Exception as err:  # noqa: BLE001 - say which file
-        raise CheckpointError(f"cannot read {str(path / METADATA_FILE)!r} ({type(err).__name__}: {err})") from None
+    return loop_state
 
 
 def without_created_states(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
@@ -276,8 +322,6 @@ def load_model_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
 
     DCP's public API only: the index gives every entry's shape and dtype, ``load(..., no_dist=True)`` fills them.
     """
-    import warnings
-
     from torch.distributed.checkpoint import TensorStorageMetadata
     from torch.distributed.checkpoint import load as dcp_load
 

@@ -228,3 +228,31 @@ def test_fused_projections_under_tensor_parallelism_save_and_resume(pools, tmp_p
     assert_parameters_moved_alike(
         ddp.state, uninterrupted.state, uninterrupted.initial, FP32_TOL["param_rtol"], FP32_TOL["param_mean_rtol"]
     )
+
+
+#: What ``plan="auto"`` chose for the README example resumed into 3 CPU processes (issue 44): three GPipe stages.
+AUTO_AT_3 = ParallelPlan.uniform(3, 4, S(), pp=3, partition=(1, 2, 1), schedule="gpipe")
+
+
+def test_a_four_device_checkpoint_resumed_into_three_devices_trains_as_ddp_resumed_the_same_way(pools, profile_cache):
+    """Issue 44: the README example saved mid-epoch at step 3 on 4 devices (a global batch of 16) and resumed into 3
+    (a DataLoader batch of 5 per device, so 15: DDP's policy) logged 2.96, 2.87, 2.79, then a jump at step 6. The
+    same resume under plain DDP gives the same losses, step by step, and the same parameters: the resume is right.
+    The jump is the training's, not the resume's: the 4-device run that never stopped jumps at step 6 as well."""
+    cache, checkpoint = str(profile_cache), str(Path(profile_cache) / "four.ckpt")
+    common = dict(train_samples=512)
+    pools(4).run(_fit, DDP_PIPELINE, cache, max_steps=3, save_path=checkpoint, **common)
+    never_stopped = pools(4).run(_fit, DDP_PIPELINE, cache, max_steps=8, **common)[0]
+    resumed = pools(3).run(_fit, AUTO_AT_3, cache, max_steps=8, ckpt_path=checkpoint, **common)[0]
+    ddp = pools(3).run(_fit, ParallelPlan.uniform(3, 4, S()), cache, max_steps=8, ckpt_path=checkpoint, **common)[0]
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(ddp["losses"]), atol=1e-5, rtol=0)
+    assert_parameters_moved_alike(
+        resumed["state"],
+        ddp["state"],
+        _initial_state(),
+        FP32_TOL["param_rtol"],
+        FP32_TOL["param_mean_rtol"],
+        skip=rounding_noise_gradients(ddp["grads"]),  # Adam turns their rounding noise into steps
+    )
+    for losses in (ddp["losses"], never_stopped["losses"][3:]):  # steps 3..7
+        assert losses[3] > losses[2] + 0.5 and losses[3] == max(losses), losses  # step 6 jumps, with or without resume

@@ -113,7 +113,9 @@ def profile(
     if store is not None and rank == 0:
         key = cache_key(signature, **what)
         cached = store.load(key, fingerprint=measured_on)
-        problem = contradiction(cached, structure, devices_per_node) if cached is not None else None
+        problem = None
+        if cached is not None:
+            problem = contradiction(cached, structure, devices_per_node, type(module).__name__)
         if problem is not None:
             again = "; profiling again and overwriting it" if measure else ""
             warnings.warn(f"ignoring the cached profile {store.path(key)}: {problem}{again}", stacklevel=2)

@@ -24,9 +24,9 @@ the torch version): a new model on the same cluster measures only itself.
 
 A file is not trusted for its name alone: each profile carries its :func:`fingerprint` (what the key is
 the digest of), and a cached profile whose fingerprint differs from the live one, or whose content
-contradicts the live model (:func:`contradiction`: block count, parameters per block, devices per node)
--- a file copied from another machine, edited, or written by another model under this key -- is
-reported and measured again.
+contradicts the live model (:func:`contradiction`: model name, block count, classes, parameters and hidden
+sizes, devices per node) -- a file copied from another machine, edited, or written by another model under this
+key -- is reported and measured again.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,6 +44,9 @@ from lightning_galvatron.jsonfile import write_atomically
 from lightning_galvatron.profiles import PROFILE_VERSION, HardwareProfile, OptimizerProbe, Profile, ProfileError
 
 ENV_VAR = "LIGHTNING_GALVATRON_CACHE"
+
+#: Cache directories this process could not write, and where it writes instead (``None``: nowhere).
+_WRITE_FALLBACKS: dict[Path, Path | None] = {}
 
 
 def default_cache_dir() -> Path:
@@ -140,20 +144,67 @@ def cache_key(model_signature: str, **what: Any) -> str:
     return _digest(fingerprint(model_signature, **what))
 
 
-def contradiction(profile: Profile, structure: Any, devices_per_node: int) -> str | None:
-    """What in ``profile`` contradicts the live model's blocks (a
-    :class:`~lightning_galvatron.model.discovery.ModelStructure`) or cluster, or ``None``."""
+def contradiction(profile: Profile, structure: Any, devices_per_node: int, model_name: str | None = None) -> str | None:
+    """What in ``profile`` contradicts the live model (its name, ``model_name``; its blocks, a
+    :class:`~lightning_galvatron.model.discovery.ModelStructure`: count, class, parameters, hidden size) or cluster,
+    or ``None``. The key says what a profile was measured on; this reads what it says it measured."""
+    from lightning_galvatron.model.discovery import model_class
+
     model = profile.model
+    if model_name is not None and model.name != model_name:
+        return f"it describes the model {model.name!r}, not {model_name!r}"
     if len(model.blocks) != structure.num_blocks:
         return f"it describes {len(model.blocks)} blocks but the model has {structure.num_blocks}"
     for index, block in enumerate(structure.blocks):
+        layer_type = model.layer_types[model.blocks[index]]
         expected = sum(p.numel() for p in block.parameters())
-        profiled = model.layer_types[model.blocks[index]].parameters
-        if profiled != expected:
-            return f"its block {index} has {profiled} parameters but the model's has {expected}"
+        if layer_type.parameters != expected:
+            return f"its block {index} has {layer_type.parameters} parameters but the model's has {expected}"
+        block_class = model_class(block).__name__
+        if layer_type.name.split("#")[0] != block_class:
+            return f"its block {index} is a {layer_type.name.split('#')[0]}, the model's a {block_class}"
+        sizes = {size for p in block.parameters() for size in p.shape}
+        for what, hidden in (("block", layer_type.hidden_size), ("model", model.hidden_size)):
+            if sizes and hidden not in sizes:
+                return f"its {what} hidden size {hidden} is no size of block {index}'s parameters ({sorted(sizes)})"
     if profile.hardware.devices_per_node != devices_per_node:
         return f"it was measured with {profile.hardware.devices_per_node} devices per node, not {devices_per_node}"
     return None
+
+
+def write_to_cache(root: Path, relative: str, text: str) -> Path | None:
+    """Write ``text`` atomically to ``root / relative`` and return where it went. A cache is a hint, never a reason
+    to fail: when ``root`` cannot be written (read-only, no permission, full) this process writes to a temporary
+    directory instead, with one warning; when that fails too, it caches nothing (``None``)."""
+    while (target := _WRITE_FALLBACKS.get(root, root)) is not None:
+        try:
+            write_atomically(target / relative, text)
+            return target / relative
+        except OSError as err:
+            _WRITE_FALLBACKS[root] = _write_fallback(root, target, err)
+    return None
+
+
+def _write_fallback(root: Path, failed: Path, err: OSError) -> Path | None:
+    fallback = None
+    if failed == root:
+        try:
+            fallback = Path(tempfile.mkdtemp(prefix="lightning_galvatron-cache-"))
+        except OSError:
+            pass
+    instead = f"caching in {fallback} for the rest of this run" if fallback is not None else "running without a cache"
+    warnings.warn(
+        f"cannot write to the profile cache {failed} ({err}); {instead}. Pass profile_cache=<a writable directory> "
+        "to keep what is measured for the next run, or profile_cache=False not to cache",
+        stacklevel=4,
+    )
+    return fallback
+
+
+def cached_file(root: Path, relative: str) -> Path:
+    """Where to read ``root / relative``: this process's fallback copy if it wrote one (``root`` was not writable)."""
+    fallback = _WRITE_FALLBACKS.get(root)
+    return fallback / relative if fallback is not None and (fallback / relative).is_file() else root / relative
 
 
 class ProfileCache:
@@ -170,10 +221,10 @@ class ProfileCache:
     def load(self, key: str, fingerprint: Mapping[str, Any] | None = None) -> Profile | None:
         """The cached profile, or ``None`` if there is none, it cannot be read or it was measured on something
         other than ``fingerprint`` describes (with a warning naming the file)."""
-        path = self.path(key)
+        path = cached_file(self.directory, self.path(key).name)
         try:
             text = path.read_text()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # not cached (a file where the cache should be: see save)
             return None
         except OSError as err:
             warnings.warn(f"cannot read the cached profile {path}: {err}; profiling again", stacklevel=2)
@@ -198,19 +249,22 @@ class ProfileCache:
             return None
         return profile
 
-    def save(self, key: str, profile: Profile) -> Path:
-        """Write atomically: a temporary file in the same directory, renamed over the target."""
-        path = self.path(key)
-        write_atomically(path, profile.to_json() + "\n")
-        return path
+    def save(self, key: str, profile: Profile) -> Path | None:
+        """Write atomically (a temporary file in the same directory, renamed over the target); where it went
+        (see :func:`write_to_cache`)."""
+        return write_to_cache(self.directory, self.path(key).name, profile.to_json() + "\n")
 
     def cluster_path(self, fingerprint: Mapping[str, Any]) -> Path:
-        return self.directory / "clusters" / f"{_digest(fingerprint)}.json"
+        return self.directory / self._cluster_file(fingerprint)
+
+    @staticmethod
+    def _cluster_file(fingerprint: Mapping[str, Any]) -> str:
+        return f"clusters/{_digest(fingerprint)}.json"
 
     def load_cluster(self, fingerprint: Mapping[str, Any]) -> tuple[HardwareProfile, tuple[OptimizerProbe, ...]] | None:
         """The hardware profile and optimizer probes measured on the cluster ``fingerprint`` (a
         :func:`cluster_fingerprint`) describes, or ``None`` (with a warning when a file is there but unusable)."""
-        path = self.cluster_path(fingerprint)
+        path = cached_file(self.directory, self._cluster_file(fingerprint))
         try:
             data = json.loads(path.read_text())
             if not isinstance(data, dict) or data.get("fingerprint") != dict(fingerprint):
@@ -222,7 +276,7 @@ class ProfileCache:
                 HardwareProfile.from_dict(data.get("hardware")),
                 tuple(OptimizerProbe.from_dict(o, f"optimizer[{i}]") for i, o in enumerate(optimizer)),
             )
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except (OSError, ProfileError, TypeError, ValueError) as err:
             warnings.warn(f"ignoring the cached cluster measurements {path} ({err}); measuring again", stacklevel=2)
@@ -230,16 +284,15 @@ class ProfileCache:
 
     def save_cluster(
         self, fingerprint: Mapping[str, Any], hardware: HardwareProfile, optimizer: tuple[OptimizerProbe, ...]
-    ) -> Path:
+    ) -> Path | None:
         """Store what :meth:`load_cluster` returns (atomically, as :meth:`save`)."""
-        path = self.cluster_path(fingerprint)
         content = {
             "fingerprint": dict(fingerprint),
             "hardware": hardware.to_dict(),
             "optimizer": [o.to_dict() for o in optimizer],
         }
-        write_atomically(path, json.dumps(content, indent=1, sort_keys=True) + "\n")
-        return path
+        text = json.dumps(content, indent=1, sort_keys=True) + "\n"
+        return write_to_cache(self.directory, self._cluster_file(fingerprint), text)
 
 
 __all__ = [
@@ -251,4 +304,5 @@ __all__ = [
     "default_cache_dir",
     "fingerprint",
     "model_signature",
+    "write_to_cache",
 ]

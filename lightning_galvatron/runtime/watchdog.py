@@ -12,8 +12,10 @@ it waited for; a rank that dies makes the others fail with the transport's "conn
 * the same thread reads the other ranks' records and decides, on every rank alike, when the job is stuck:
   a rank whose heartbeat stopped (SIGSTOP, a hang that holds the interpreter) or that stayed behind the others
   (a data loader that never returns) for longer than the timeout; or every rank inside the same training step
-  for much longer than any step took. Then the lowest rank not at fault prints which ranks are missing and
-  where the others wait, the stuck ranks on its host are killed, and every rank exits;
+  for much longer than any step took. Then every rank silences its standard error and says it is ending; the
+  first to decide waits (briefly) until the others are ending too and prints which ranks are missing and where the
+  others wait -- the last thing the job prints, not followed by c10d's stack traces from ranks whose peers went
+  away -- the stuck ranks are killed, and every rank exits;
 * when a rank's step fails (an exception), :meth:`RankMonitor.failure_report` names the ranks that died
   (their process is gone, or their heartbeat stopped) so the message says who, and
   :meth:`RankMonitor.claim_first_failure` lets exactly one rank -- the first to fail -- print its error.
@@ -39,6 +41,7 @@ from typing import Any
 EXIT_CODE = 75  # what every rank of a job the watchdog ended exits with
 _PREFIX = "lightning_galvatron/monitor"
 _SEPARATOR = "\x1f"
+_ENDING = ("ended", "reported")  # states of a rank the watchdog is ending the job on
 
 
 @dataclass(frozen=True)
@@ -369,11 +372,12 @@ class RankMonitor:
                 seen.progress_changed = now
             seen.record = record
 
-    def _verdict(self) -> tuple[str, set[int]] | None:
-        """``(report, ranks at fault)`` when the job is stuck, else ``None``: the same rule on every rank.
+    def _verdict(self) -> tuple[str | None, set[int]] | None:
+        """``(report, ranks at fault)`` when the job is stuck, else ``None``: the same rule on every rank. The
+        report is ``None`` when another rank is ending the job and this one sees no cause itself (it ends quietly).
 
         A rank is judged by the longer of this rank's limit and its own (a rank writing a checkpoint has the
-        setup timeout even while the others wait in a step).
+        setup timeout even while the others wait in a step); a rank that is ending the job is not at fault.
         """
         now = time.monotonic()
         limit, reason = self._limit()
@@ -381,9 +385,9 @@ class RankMonitor:
         missing, behind = set(), set()
         lead = max((s.record.progress for s in self._seen if s.record is not None), default=0)
         for r, seen in enumerate(self._seen):
-            if r == self.rank:
-                continue
             record = seen.record
+            if r == self.rank or (record is not None and record.state in _ENDING):
+                continue
             allowed = max(limit, record.limit_s if record is not None else 0.0)
             if record is None:  # never started its monitor
                 if now - seen.beat_changed > allowed:
@@ -411,7 +415,8 @@ class RankMonitor:
                 report,
                 set(),
             )
-        return None
+        others = [seen.record for r, seen in enumerate(self._seen) if r != self.rank and seen.record is not None]
+        return (None, set()) if any(record.state in _ENDING for record in others) else None
 
     def _describe(self, missing: set[int], behind: set[int], limit: float, reason: str) -> str:
         lines = [f"Galvatron watchdog: no progress for {limit:.0f} s ({reason})."]
@@ -455,15 +460,29 @@ class RankMonitor:
         )
         return report, {0} if self.rank != 0 and not agent else set()
 
-    def _end(self, report: str, at_fault: set[int]) -> None:
-        """Print (the lowest rank not at fault; every rank in debug mode), kill the stuck ranks on this host, exit."""
+    def _end(self, report: str | None, at_fault: set[int]) -> None:
+        """End the job. Every rank first silences its standard error (the c10d stack traces of a process whose peers
+        or store host are gone are not the user's business) and says it is ending. The first rank to end with a
+        report (every rank in debug mode) waits until the others not at fault are ending too (bounded), prints the
+        report -- the last thing the job prints -- and exits; the others exit once it has. Each rank kills the
+        stuck ranks on its host on the way out."""
         from lightning_galvatron.errors import debug_enabled
 
-        reporter = min(set(range(self.world_size)) - at_fault, default=self.rank)
-        if debug_enabled():
-            print(f"[rank {self.rank}] {report}", file=sys.stderr, flush=True)
-        elif self.rank == reporter:
-            print(report, file=sys.stderr, flush=True)
+        stderr = _silence_stderr()
+        self._state = "ended"
+        deadline = time.monotonic() + min(max(2 * self._beat_interval(), 1.0), 15.0)
+        reports = False
+        try:
+            self._publish()
+            reports = report is not None and (debug_enabled() or self._claim("report"))
+            if reports:
+                self._wait_until(deadline, lambda: all(self._ending(r) for r in set(range(self.world_size)) - at_fault))
+                self._state = "reported"
+                self._publish()
+            else:
+                self._wait_until(deadline + 5.0, self._reported)
+        except Exception:  # noqa: BLE001 - the store is gone with its host: the lowest rank not at fault reports
+            reports = report is not None and self.rank == min(set(range(self.world_size)) - at_fault, default=self.rank)
         for r in at_fault - {self.rank}:
             record = self._seen[r].record
             if record is not None and record.host == self._host and record.state == "running":
@@ -471,7 +490,40 @@ class RankMonitor:
                     os.kill(record.pid, signal.SIGKILL)
                 except OSError:
                     pass
+        if reports:
+            os.dup2(stderr, 2)
+            prefix = f"[rank {self.rank}] " if debug_enabled() else ""
+            print(f"{prefix}{report}", file=sys.stderr, flush=True)
         os._exit(EXIT_CODE)
+
+    def _claim(self, what: str) -> bool:
+        """Whether this rank is the first of the job to claim ``what`` (through the store)."""
+        return int(self._on_store(lambda store: store.add(f"{self._prefix}/{what}", 1))) == 1
+
+    def _reported(self) -> bool:
+        return any(seen.record is not None and seen.record.state == "reported" for seen in self._seen)
+
+    def _ending(self, rank: int) -> bool:
+        record = self._seen[rank].record
+        return record is not None and (record.state != "running" or _process_gone(record, self._host))
+
+    def _wait_until(self, deadline: float, done: Any) -> None:
+        """Poll the others' records until ``done()`` or the deadline (a store error ends it: the store is gone)."""
+        while time.monotonic() < deadline:
+            self._read_all()
+            if done():
+                return
+            time.sleep(0.05)
+
+
+def _silence_stderr() -> int:
+    """Point this process's standard error (fd 2, where C++ writes too) at the null device; return the old one."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    return saved
 
 
 def _store_timeout(settings: WatchdogSettings) -> float:

@@ -35,7 +35,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_galvatron.jsonfile import write_atomically
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.search.calibration import Calibration
 from lightning_galvatron.search.report import plan_summary, text_table
@@ -186,7 +185,8 @@ class SelectionCache:
     """Selections on disk next to the profiles: ``<profile cache>/selections/<key>.json``, written atomically."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
-        self.directory = Path(directory).expanduser() / "selections"
+        self.root = Path(directory).expanduser()  # the profile cache's
+        self.directory = self.root / "selections"
 
     @classmethod
     def of(cls, profile_cache: bool | str | os.PathLike | None) -> SelectionCache | None:
@@ -203,19 +203,37 @@ class SelectionCache:
         return self.directory / f"{key}.json"
 
     def load(self, key: str) -> Selection | None:
-        path = self.path(key)
+        from lightning_galvatron.profiler.cache import cached_file
+
+        path = cached_file(self.root, f"selections/{key}.json")
         try:
             return Selection.from_dict(json.loads(path.read_text()), from_cache=True, cache_file=str(path))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except (OSError, ValueError, TypeError, KeyError) as err:
             warnings.warn(f"ignoring the cached selection {path} ({err}); measuring again", stacklevel=2)
             return None
 
-    def save(self, key: str, selection: Selection) -> Path:
-        path = self.path(key)
-        write_atomically(path, json.dumps(selection.to_dict(), indent=1) + "\n")
-        return path
+    def save(self, key: str, selection: Selection) -> Path | None:
+        """Where it was written: here, or -- the directory not writable -- where the profiles went instead."""
+        from lightning_galvatron.profiler.cache import write_to_cache
+
+        return write_to_cache(self.root, f"selections/{key}.json", json.dumps(selection.to_dict(), indent=1) + "\n")
+
+
+def unfit_selection(selection: Selection, searched: ParallelPlan, check: Callable[[ParallelPlan], None]) -> str | None:
+    """Why a cached selection cannot train the live model -- a file edited, copied or written for another model
+    under this key -- or ``None``. A cache is a hint: what does not fit is measured again, never refused."""
+    plan = selection.plan
+    if plan.world_size != searched.world_size:
+        return f"its plan is for {plan.world_size} devices, not {searched.world_size}"
+    if plan.num_layers != searched.num_layers:
+        return f"its plan has {plan.num_layers} layer strategies but the model has {searched.num_layers} blocks"
+    try:
+        check(plan)
+    except ValueError as err:
+        return f"its plan cannot run on this model ({err})"
+    return None
 
 
 def selection_key(profile: Any, search_arguments: Mapping[str, Any], settings: TrialSettings) -> str:
@@ -257,6 +275,13 @@ def select_by_measurement(
     found = [None]
     if rank == 0 and cache is not None:
         cached = cache.load(key)
+        problem = None if cached is None else unfit_selection(cached, auto.plan, check)
+        if problem is not None:
+            warnings.warn(
+                f"ignoring the cached selection {cached.cache_file}: {problem}; measuring again and overwriting it",
+                stacklevel=2,
+            )
+            cached = None
         found = [None if cached is None else (cached.to_dict(), cached.cache_file)]
     dist.broadcast_object_list(found, src=0)
     if found[0] is not None:
@@ -265,12 +290,8 @@ def select_by_measurement(
 
     with preserved_rng(runner.device):
         selection = _select(auto, runner, settings, check, report, progress, started)
-    if rank == 0 and cache is not None:
-        try:
-            path = cache.save(key, selection)
-            selection = dataclasses.replace(selection, cache_file=str(path))
-        except OSError as err:
-            warnings.warn(f"cannot write the selection to the cache {cache.directory}: {err}", stacklevel=2)
+    if rank == 0 and cache is not None and (path := cache.save(key, selection)) is not None:
+        selection = dataclasses.replace(selection, cache_file=str(path))
     return selection
 
 
