@@ -125,7 +125,8 @@ class ParallelPlan:
 
     Attributes:
         world_size: number of devices (processes) the plan is for.
-        layers: one :class:`LayerStrategy` per Transformer block, in model order.
+        layers: one :class:`LayerStrategy` per Transformer block, in model order; none for a model without blocks
+            (trained as one unit under ``vocab``, with ``pp = 1`` and one micro-batch).
         vocab: strategy of the embedding and the head (``tp`` = vocabulary-parallel degree).
         pp: number of pipeline stages.
         partition: blocks per pipeline chunk, in order; ``pp * virtual_stages`` entries summing
@@ -161,8 +162,13 @@ class ParallelPlan:
         _positive_int("pp", self.pp)
         _positive_int("micro_batches", self.micro_batches)
         _positive_int("virtual_stages", self.virtual_stages)
-        if not self.layers:
-            raise PlanError("a plan needs at least one layer strategy (one per Transformer block)")
+        if not self.layers and (self.pp, self.micro_batches) != (1, 1):
+            # No blocks: the whole model is one unit under the vocab strategy (plan="auto"'s floor for a model it
+            # cannot decompose), which neither a pipeline nor micro-batches can cut.
+            raise PlanError(
+                "a plan needs at least one layer strategy (one per Transformer block); without blocks the whole "
+                "model is one unit, with pp=1 and one micro-batch"
+            )
         for index, strategy in enumerate(self.layers):
             if not isinstance(strategy, LayerStrategy):
                 raise PlanError(f"layers[{index}] must be a LayerStrategy, got {type(strategy).__name__}")
@@ -190,7 +196,7 @@ class ParallelPlan:
         elif self.virtual_stages != 1:
             raise PlanError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b'")
         chunks = self.pp * self.virtual_stages
-        if chunks > self.num_layers:
+        if chunks > max(self.num_layers, 1):
             raise PlanError(
                 f"{chunks} pipeline chunks (pp={self.pp} x virtual_stages={self.virtual_stages}) for only "
                 f"{self.num_layers} blocks: every chunk needs at least one block"

@@ -112,13 +112,17 @@ REFUSED = {
     **{(name, "ulysses"): r"T5's attention computes its scores itself" for name in ("t5", "mt5")},
     ("torch_encoder", "sequence"): r"nn.MultiheadAttention checks its masks against the sequence it receives",
     ("torch_encoder", "ulysses"): r"nn.MultiheadAttention checks its masks against the sequence it receives",
-    # A norm over all heads between the projections tensor parallelism splits; an attention reading its global
-    # head count in forward; a mixture of experts (its experts stay whole).
+    # A norm over all heads between the projections tensor parallelism splits; a mixture of experts (its experts stay
+    # whole).
     **{("olmo2", c): r"self_attn\.q_norm \(Olmo2RMSNorm\) holds weights of shape \(32,\)" for c in _TENSOR_CASES},
     **{("litgpt_norm_qk_olmo2", c): r"attn\.norm_q \(RMSNorm\) holds weights of shape \(32,\)" for c in _TENSOR_CASES},
-    **{("stablelm", c): r"self_attn reads self\.num_heads, self\.num_key_value_heads in" for c in _TENSOR_CASES},
     **{("qwen2_moe", c): r"no tensor-parallel plan is known for Qwen2MoeDecoderLayer" for c in _TENSOR_CASES},
-    **{(name, c): _INFERRED_NO_SP for name in ("mixtral", "starcoder2", "gpt_oss") for c in ("sequence", "ulysses")},
+    # StableLM's attention reshapes with its head counts: divided by the degree, the split proven (issue 43).
+    **{
+        (name, c): _INFERRED_NO_SP
+        for name in ("mixtral", "starcoder2", "gpt_oss", "stablelm")
+        for c in ("sequence", "ulysses")
+    },
 }
 
 

@@ -25,7 +25,11 @@ from torch import nn
 
 from lightning_galvatron import GalvatronStrategy
 from lightning_galvatron.model.discovery import find_blocks
-from lightning_galvatron.model.tensor_parallel_plans import tensor_parallel_plan, tensor_parallel_plan_or_reason
+from lightning_galvatron.model.tensor_parallel_plans import (
+    block_tensor_parallel_plans,
+    tensor_parallel_plan,
+    tensor_parallel_plan_or_reason,
+)
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiler import profile
@@ -230,9 +234,9 @@ def test_blocks_and_plans_are_found():
 def test_weights_inside_a_split_attention_are_kept_per_head_or_refused():
     """What an attention holds besides its projections sees only a rank's heads under tensor parallelism: a norm
     one head wide (Qwen3's and Gemma3's q_norm/k_norm, LitGPT's with norm_qk) sums its gradient over the group (the
-    family matrix proves the parity); a norm over all heads (OLMo-2, LitGPT's OLMo-2 variant) and an attention
-    reshaping with its global head count (StableLM) are refused with the reason, where the plan inferred for them
-    once ran (or crashed the profiler) and LitGPT's plan trained apart from one process."""
+    family matrix proves the parity); a norm over all heads (OLMo-2, LitGPT's OLMo-2 variant) is refused with the
+    reason, where the plan inferred for it once ran and LitGPT's plan trained apart from one process. An attention
+    reshaping with its global head count (StableLM) has it divided by the degree, once the split is proven."""
     for name, norms in (
         ("qwen3", ("self_attn.q_norm", "self_attn.k_norm")),
         ("gemma3", ("self_attn.q_norm", "self_attn.k_norm")),
@@ -249,12 +253,14 @@ def test_weights_inside_a_split_attention_are_kept_per_head_or_refused():
     olmo2 = tensor_parallel_plan_or_reason(find_blocks(family("olmo2")()).blocks[0])
     assert "self_attn.q_norm (Olmo2RMSNorm) holds weights of shape (32,)" in olmo2
     assert "one head is 8 wide" in olmo2
-    stablelm = tensor_parallel_plan_or_reason(find_blocks(family("stablelm")()).blocks[0])
-    assert "self_attn reads self.num_heads, self.num_key_value_heads in forward" in stablelm
+    # StableLM's attention reshapes with self.num_heads: divided by the degree, proven on a real call (issue 43).
+    stablelm = find_blocks(family("stablelm")())
+    proven = block_tensor_parallel_plans(stablelm, "training_step", lambda: dataset(2)[0:2])[0]
+    assert not isinstance(proven, str), proven
     # One entry per head on the attention itself (GPT-OSS's sinks): split with the heads (all 8 cases of the matrix
     # with GALVATRON_ALL_FAMILIES=1; refused before, as a weight inside the split attention).
-    gpt_oss = find_blocks(family("gpt_oss")()).blocks[0]
-    assert type(tensor_parallel_plan_or_reason(gpt_oss).styles(False)["self_attn"]) is SplitPerHead
+    gpt_oss = block_tensor_parallel_plans(find_blocks(family("gpt_oss")()), "training_step", lambda: dataset(2)[0:2])[0]
+    assert type(gpt_oss.styles(False)["self_attn"]) is SplitPerHead
 
 
 def _unexpected_blocks(registered: str) -> list[nn.Module]:
@@ -304,13 +310,16 @@ def _auto_plan_with_warnings(model: Callable[[], L.LightningModule], cache: str)
 
 
 def test_a_block_that_fails_when_split_is_planned_without_tensor_parallelism(pools, profile_cache):
-    """An inferred plan can pass every static check and still not run (a literal head count in a reshape): the
-    profiler of ``plan="auto"`` drops what failed on its split copy, says so, and the plan trains as one process."""
-    result, warned = pools(2).run(_auto_plan_with_warnings, literal_heads, str(profile_cache))[0]
-    assert any(
-        re.search(r"LiteralHeadsBlock failed to run split for tensor parallelism while profiling \(RuntimeError: ", w)
-        for w in warned
-    ), warned
+    """An inferred plan can pass every static check and still not run (a literal head count in a reshape): the proof
+    of the guess on the block (a split forward simulated on one process) says why, and ``plan="auto"`` plans it with
+    ``tp = 1`` and trains as one process (the profiler, which drops what fails on its split copy, never splits it)."""
+    reason = tensor_parallel_plan_or_reason(literal_heads().blocks[0])
+    assert re.search(
+        r"LiteralHeadsBlock from its nn\.Linear layers is wrong for it: split 2 ways, its forward raises "
+        r"RuntimeError: shape",
+        reason,
+    ), reason
+    result, _ = pools(2).run(_auto_plan_with_warnings, literal_heads, str(profile_cache))[0]
     assert all(layer.tp == 1 for layer in result.plan.layers)
     assert_close_runs(result, run_single(model=literal_heads), **FP32_TOL)
 

@@ -32,7 +32,7 @@ INVALID = [
     (lambda: plan(layers=(S(tp=3),) * 4), "tp=3 does not divide the 8 devices"),
     (lambda: plan(pp=2, layers=(S(tp=8),) * 4), "layers[0]: tp=8 does not divide the 4 devices of a pipeline stage"),
     (lambda: plan(vocab=S(tp=16)), "vocab: tp=16 does not divide"),
-    (lambda: plan(layers=()), "at least one layer strategy"),
+    (lambda: plan(layers=(), pp=2), "at least one layer strategy"),
     (lambda: plan(schedule="pipedream"), "schedule must be one of"),
     (lambda: plan(pp=2, schedule="interleaved_1f1b"), "needs virtual_stages >= 2"),
     (lambda: plan(schedule="interleaved_1f1b", virtual_stages=2), "needs pp >= 2"),

@@ -11,7 +11,9 @@ in a small list inside each block never beat the block list itself). Encoder-dec
 their blocks in two containers (``encoder.layers`` and ``decoder.layers`` of ``nn.Transformer``,
 BART, T5, ...): every other container outside the winner -- neither inside it nor holding it --
 with at least :data:`COMPANION_SHARE` of its parameters is a block list too, in registration order
-(the encoder is registered first in these models). Users can name the list(s) explicitly, e.g.
+(the encoder is registered first in these models). A list of lists (Funnel's encoder) is never a block list: its
+model iterates it and calls the blocks in the lists inside, which are the block lists (hooks on a list that is never
+called would never run). Users can name the list(s) explicitly, e.g.
 ``layers="model.blocks"`` or ``layers=["encoder.layers", "decoder.layers"]``.
 """
 
@@ -32,6 +34,10 @@ __all__ = ["COMPANION_SHARE", "BlockDiscoveryError", "BlockList", "ModelStructur
 COMPANION_SHARE = 0.25
 
 
+#: Containers a model iterates instead of calling: never blocks themselves (Funnel's encoder keeps a list of lists).
+_UNCALLED = (nn.ModuleList, nn.ModuleDict)
+
+
 class BlockDiscoveryError(ValueError):
     """The model's Transformer blocks could not be found; the message says what to pass."""
 
@@ -47,13 +53,12 @@ def find_blocks(model: nn.Module, layers: str | Sequence[str] | None = None) -> 
         paths = [layers] if isinstance(layers, str) else list(layers)
         return ModelStructure(model, tuple(_named_block_list(model, path) for path in paths))
 
-    candidates = [
-        BlockList(name, module) for name, module in model.named_modules() if name and _is_block_container(module)
-    ]
+    candidates = _block_lists(model, min_blocks=2) or _block_lists(model, min_blocks=1)  # one block: a list of one
     if not candidates:
         raise BlockDiscoveryError(
             f"could not find the Transformer blocks of {type(model).__name__}: expected an nn.ModuleList or "
-            "nn.Sequential holding modules of one class. Put the blocks in such a list, or tell the strategy where "
+            "nn.Sequential holding modules of one class, each with parameters and submodules (lists seen: "
+            f"{_container_names(model) or 'none'}). Put the blocks in such a list, or tell the strategy where "
             "they are: GalvatronStrategy(layers='path.to.blocks')"
         )
     best = max(candidates, key=lambda c: (_num_params(c.container), -c.path.count(".")))
@@ -92,20 +97,32 @@ def _named_block_list(model: nn.Module, path: str) -> BlockList:
             f"layers={path!r} mixes block classes {sorted(classes)}; every block in one list must have the same "
             "class. Name one list per block type, e.g. layers=['encoder.layers', 'decoder.layers']"
         )
+    first = next(container.children())
+    if isinstance(first, _UNCALLED):  # recomputation, sharding and relocation hook the calls of blocks
+        inner = [f"{path}.{name}" for name, _ in container.named_children()]
+        raise BlockDiscoveryError(
+            f"layers={path!r} holds {type(first).__name__}s, which the model never calls (it calls what they hold): "
+            f"name the lists of blocks inside them, e.g. layers={inner!r}"
+        )
     return BlockList(path, container)
 
 
-def _is_block_container(module: nn.Module) -> bool:
+def _block_lists(model: nn.Module, min_blocks: int) -> list[BlockList]:
+    return [BlockList(name, m) for name, m in model.named_modules() if name and _is_block_container(m, min_blocks)]
+
+
+def _is_block_container(module: nn.Module, min_blocks: int) -> bool:
     if not isinstance(module, (nn.ModuleList, nn.Sequential)):
         return False
     children = list(module.children())
-    if len(children) < 2:
+    if len(children) < min_blocks:
         return False
     first = model_class(children[0])
     return (
         all(model_class(c) is first for c in children)
         and _num_params(children[0]) > 0
         and len(list(children[0].children())) > 0
+        and not issubclass(first, _UNCALLED)  # a list of lists is never called: the blocks in its lists are
     )
 
 

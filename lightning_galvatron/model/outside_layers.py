@@ -12,7 +12,9 @@ batch, and watches it:
   other inputs depend neither on parameters nor on the hidden states (only the hidden states
   travel between stages);
 - the step's outputs (the loss it returns, the values it logs) depend on what ran before the blocks
-  only through the first block's input, and on the blocks only through the last block's output.
+  only through the first block's input, and on the blocks only through the last block's output;
+- the model's loop carries nothing from block to block besides the hidden states, whose positions no block
+  changes (a stage restarts the loop at its first block: :mod:`~lightning_galvatron.model.loop_state`).
 
 Whatever a pipeline could not run exactly raises a :class:`~lightning_galvatron.plan.PlanError`
 naming the module and what to do. Blocks run without autograd (their own work does not matter
@@ -23,7 +25,7 @@ can tell which paths reach the step's outputs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_galvatron.model.loop_state import loop_state_problem
 from lightning_galvatron.plan import PlanError
 from lightning_galvatron.runtime.structure import (
     ModelStructure,
@@ -42,7 +45,14 @@ from lightning_galvatron.runtime.structure import (
     with_hidden_states,
 )
 
-__all__ = ["OutsideLayers", "block_output_hidden", "hidden_states_of", "parameter_holders", "trace_outside_layers"]
+__all__ = [
+    "OutsideLayers",
+    "block_output_hidden",
+    "hidden_states_of",
+    "parameter_holders",
+    "pipeline_loop_problem",
+    "trace_outside_layers",
+]
 
 BEFORE, BETWEEN, INSIDE, AFTER = "before", "between", "inside", "after"
 _WHERE = {
@@ -84,7 +94,28 @@ def trace_outside_layers(module: nn.Module, structure: ModelStructure, step: str
     problems = tracer.problems(outputs=[*tree_flatten(out)[0], *logged])  # autograd's graph outlives the hooks
     if problems:
         raise PlanError(_message(problems))
+    carried = pipeline_loop_problem(module, structure, step, sample)
+    if carried is not None:
+        raise PlanError(carried)
     return tracer.outside_layers()
+
+
+def pipeline_loop_problem(
+    module: nn.Module, structure: ModelStructure, step: str | Callable[[nn.Module, Any], Any], batch: Any
+) -> str | None:
+    """Why a pipeline stage could not restart the model's loop over its blocks at its first block (the loop carries
+    state besides the hidden states, or blocks change their positions: :mod:`~lightning_galvatron.model.loop_state`),
+    seen by running ``step`` (a step's name, or ``step(module, batch)``) on one sample of ``batch``; else ``None``.
+    Nothing of ``module`` changes."""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    sample = tree_map(lambda t: t[:1].to(device) if isinstance(t, torch.Tensor) and t.dim() > 0 else t, batch)
+
+    def run() -> None:
+        training = step == "training_step" or not isinstance(step, str)
+        with _untouched(module, train=training), _recording_logs(module), torch.no_grad():
+            getattr(module, step)(sample, 0) if isinstance(step, str) else step(module, sample)
+
+    return loop_state_problem(structure, run)
 
 
 # ---------------------------------------------------------------------------------------------- the tracer

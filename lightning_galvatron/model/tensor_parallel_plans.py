@@ -18,10 +18,15 @@ Plans come from, in order:
 2. BERT-style encoder layers found by their structure (BERT, RoBERTa and others with
    ``attention.self.query/key/value``, ``attention.output.dense``, ``intermediate.dense``, ``output.dense``);
 3. inference for blocks built from ``nn.Linear`` layers with the usual names (``q_proj``/``k_proj``/
-   ``v_proj``/``out_proj``/``o_proj``, ``up_proj``/``gate_proj``/``down_proj``, ``fc1``/``fc2``, ...):
-   this covers the example GPT and many others whose attention reshapes with ``-1`` heads. What a sub-layer
-   holds between its split projections must apply to each head alike (a norm one head wide), and its forward
-   must not read a global head count or width (``self.num_heads``): otherwise the block is refused with why.
+   ``v_proj``/``out_proj``/``o_proj``, a fused ``c_attn``/``qkv``, ``up_proj``/``gate_proj``/``down_proj``,
+   ``w1``/``w2``/``w3``, ``c_fc``/``c_proj``, ``fc1``/``fc2`` also on the block itself, ...): the example GPT,
+   nanoGPT- and minGPT-style blocks, a Llama written from scratch, Hugging Face layers without a plan of their
+   own. Head counts and widths an attention's forward reads from its own attributes (``self.n_head``,
+   ``self.n_embd``, ``self.num_heads``, ...) are divided by the degree; what a sub-layer holds between its split
+   projections must apply to each head alike (a norm one head wide). The guess is then proven on the block
+   (:mod:`~lightning_galvatron.model.tensor_parallel_proof`: every rank's split forward simulated in one process
+   against the whole block, trying a fused q/k/v laid out ``[q | k | v]`` and head by head); a guess that is wrong
+   or cannot be proven is refused with why.
 
 A block with no plan is offered ``tp = 1`` only, and the strategy says why once.
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -47,7 +53,7 @@ from lightning_galvatron.model.plan_registry import PlanFactory, add_plan, find_
 
 # The runtime defines the plan type it executes; families fill it in (model/ -> runtime/).
 from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
-from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, StylesFn
+from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, ColwiseFused, StylesFn
 
 __all__ = [
     "HF_POSITION_INPUTS",
@@ -127,7 +133,8 @@ def register_tensor_parallel_plan(
 
 
 def tensor_parallel_plan_or_reason(block: nn.Module) -> BlockTensorParallelPlan | str:
-    """The plan for ``block``'s type, or why it has none."""
+    """The plan for ``block``'s type, or why it has none. A plan inferred from layer names is used only once it is
+    proven on the block (:mod:`~lightning_galvatron.model.tensor_parallel_proof`)."""
     _load_builtin_families()
     make = find_plan(model_class(block).__mro__)
     if make is not None:
@@ -136,15 +143,78 @@ def tensor_parallel_plan_or_reason(block: nn.Module) -> BlockTensorParallelPlan 
 
     if is_bert_style_layer(block):
         return bert_style_plan(block)
-    plan = _linear_plan(block)
-    if plan is None:
+    plans = _linear_plan(block)
+    if plans is None:
         return (
             f"no tensor-parallel plan is known for {model_class(block).__name__} (declare one with "
             "lightning_galvatron.register_tensor_parallel_plan)"
         )
-    if isinstance(plan, str):
-        return f"the tensor-parallel plan inferred for {model_class(block).__name__} cannot run: {plan}"
-    return plan
+    if isinstance(plans, str):
+        return f"the tensor-parallel plan inferred for {model_class(block).__name__} cannot run: {plans}"
+    return _proven(block, plans)
+
+
+#: What the proof found per kind of block (see :func:`_signature`): the index of the plan proven, or why none was.
+_PROOFS: dict[tuple, int | str] = {}
+#: While :func:`block_tensor_parallel_plans` runs with an example step: how to get the inputs of real block calls.
+_EXAMPLES: list[Callable[[], dict[type, tuple[tuple, dict]]]] = []
+
+
+def _proven(block: nn.Module, plans: list[BlockTensorParallelPlan]) -> BlockTensorParallelPlan | str:
+    """The first of ``plans`` that splits ``block`` exactly, or why none is used; proven once per kind of block."""
+    from lightning_galvatron.model.tensor_parallel_proof import Unprovable, proof_degrees, prove_split
+
+    key = _signature(block)
+    if key not in _PROOFS:
+        name = model_class(block).__name__
+        try:
+            call = None if _takes_only_hidden_states(block) else _example_call(block)
+            problems = []
+            for plan in plans:
+                problem = prove_split(block, plan, proof_degrees(plan), call)
+                if problem is None:
+                    _PROOFS[key] = len(problems)
+                    break
+                problems.append(problem)
+            else:
+                _PROOFS[key] = (
+                    f"the tensor-parallel plan inferred for {name} from its nn.Linear layers is wrong for it: "
+                    f"{problems[0]} (declare a plan with "
+                    "lightning_galvatron.register_tensor_parallel_plan)"
+                )
+        except Unprovable as why:  # not remembered: real inputs may come later
+            return (
+                f"the tensor-parallel plan inferred for {name} from its nn.Linear layers cannot be proven on it: "
+                f"{why} (declare a plan with lightning_galvatron.register_tensor_parallel_plan)"
+            )
+    found = _PROOFS[key]
+    return found if isinstance(found, str) else plans[found]
+
+
+def _signature(block: nn.Module) -> tuple:
+    """What the proof's verdict depends on: the classes of the block and its modules, its weights' shapes and its
+    modules' plain settings (head counts; not whether they train)."""
+    settings = tuple(
+        (name, key, value)
+        for name, m in block.named_modules()
+        for key, value in sorted(vars(m).items())
+        if key != "training" and isinstance(value, (int, float, bool, str, type(None)))
+    )
+    shapes = tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
+    classes = tuple((name, model_class(m)) for name, m in block.named_modules())
+    return classes, shapes, settings
+
+
+def _example_call(block: nn.Module) -> tuple[tuple, dict]:
+    from lightning_galvatron.model.tensor_parallel_proof import Unprovable
+
+    calls = _EXAMPLES[-1]() if _EXAMPLES else {}
+    call = calls.get(model_class(block))
+    if call is None:
+        raise Unprovable(
+            "its forward takes more than its hidden states, and no call of it was observed to take them from"
+        )
+    return call
 
 
 def _registered_plan(make: PlanFactory, block: nn.Module) -> BlockTensorParallelPlan | str:
@@ -161,9 +231,36 @@ def _registered_plan(make: PlanFactory, block: nn.Module) -> BlockTensorParallel
         )
 
 
-def block_tensor_parallel_plans(structure: ModelStructure) -> list[BlockTensorParallelPlan | str]:
-    """The plan (or why there is none) of every block, in order: what the glue hands to the runtime."""
-    return [tensor_parallel_plan_or_reason(block) for block in structure.blocks]
+def block_tensor_parallel_plans(
+    structure: ModelStructure, step: str | None = None, batch: Callable[[], Any] | None = None
+) -> list[BlockTensorParallelPlan | str]:
+    """The plan (or why there is none) of every block, in order: what the glue hands to the runtime.
+
+    With the name of a LightningModule step and ``batch`` (a function returning an example batch), inferred plans of
+    blocks that take more than their hidden states are proven on the inputs of a real call, observed once by running
+    the step on one sample up to the blocks (only if such a block needs it).
+    """
+    if step is None or batch is None:
+        return [tensor_parallel_plan_or_reason(block) for block in structure.blocks]
+    from lightning_galvatron.model.tensor_parallel_proof import Unprovable, example_calls
+
+    observed: list[dict[type, tuple[tuple, dict]]] = []
+
+    def calls() -> dict[type, tuple[tuple, dict]]:
+        if not observed:
+            try:
+                observed.append(example_calls(structure.root, structure.blocks, step, batch()))
+            except Unprovable:
+                raise
+            except Exception as error:  # noqa: BLE001 - the user's step: reported as why nothing is proven
+                raise Unprovable(f"running {step} on an example failed ({type(error).__name__}: {error})") from error
+        return observed[0]
+
+    _EXAMPLES.append(calls)
+    try:
+        return [tensor_parallel_plan_or_reason(block) for block in structure.blocks]
+    finally:
+        _EXAMPLES.pop()
 
 
 def tp_collectives_per_forward(plan: BlockTensorParallelPlan | None) -> int:
@@ -197,88 +294,155 @@ COLUMN_NAMES = frozenset(
         "w3",
         "fc_in",
         "c_fc",
+        "c_fc2",
+        "fc_1",
+        "fc_2",
         "wi",
         "wi_0",
         "wi_1",
     }
 )
 _ATTENTION_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv"})
-ROW_NAMES = frozenset({"out_proj", "o_proj", "down_proj", "fc2", "w2", "wo", "fc_out", "c_proj"})
-_HEAD_ATTRIBUTES = ("num_heads", "n_head", "num_attention_heads", "n_heads")
-_KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
+#: Query, key and value projections fused in one ``nn.Linear`` (nanoGPT's and minGPT's ``c_attn``, ``qkv``).
+FUSED_NAMES = frozenset({"c_attn", "qkv", "qkv_proj", "Wqkv", "wqkv", "to_qkv"})
+ROW_NAMES = frozenset({"out_proj", "o_proj", "down_proj", "fc2", "w2", "wo", "fc_out", "c_proj", "proj"})
+_HEAD_ATTRIBUTES = ("num_heads", "n_head", "num_attention_heads", "n_heads", "n_local_heads")
+_KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_local_kv_heads")
 
 
-def _linear_plan(block: nn.Module) -> BlockTensorParallelPlan | str | None:
-    """The plan of a block of ``nn.Linear`` layers with the usual names; ``None`` where the names do not say,
-    or why the layers' roles are clear but the block still cannot be split."""
-    from lightning_galvatron.model.families._common import per_head_styles
+def _parent(name: str) -> str:
+    """The sub-layer holding the layer ``name`` (relative to the block): ``""`` for a layer of the block itself."""
+    return name.rsplit(".", 1)[0] if "." in name else ""
 
-    columns, rows, parents = [], [], set()
+
+def _linear_plan(block: nn.Module) -> list[BlockTensorParallelPlan] | str | None:
+    """The plans a block of ``nn.Linear`` layers with the usual names may take (several where a fused q/k/v
+    projection may be laid out ``[q | k | v]`` or head by head), each still to be proven
+    (:mod:`~lightning_galvatron.model.tensor_parallel_proof`); ``None`` where the names do not say, or why the
+    layers' roles are clear but the block still cannot be split."""
+    from lightning_galvatron.model.families._common import local_heads, per_head_styles
+
+    columns, rows, fused, whole = [], [], [], []
     for name, module in block.named_modules():
         if not isinstance(module, nn.Linear):
             continue
         leaf = name.rsplit(".", 1)[-1]
         if leaf in COLUMN_NAMES:
             columns.append((name, module))
+        elif leaf in FUSED_NAMES:
+            columns.append((name, module))
+            fused.append(name)
         elif leaf in ROW_NAMES:
             rows.append((name, module))
+        elif "." not in name:
+            whole.append(name)  # on the block, between its sub-layers: it sees whole hidden states and stays whole
         else:
-            return None  # an unknown projection: splitting the rest would change the maths
-        parents.add(name.rsplit(".", 1)[0] if "." in name else "")
+            return None  # an unknown projection inside a sub-layer: splitting the rest would change the maths
     if not columns or not rows:
         return None
-    if {n.rsplit(".", 1)[0] for n, _ in columns} != {n.rsplit(".", 1)[0] for n, _ in rows}:
+    if {_parent(n) for n, _ in columns} != {_parent(n) for n, _ in rows}:
         return None  # every group of column-parallel layers must end in a row-parallel one
     heads = _attention_heads(block)
     if heads is None:
         return None
-    column_parents = {n.rsplit(".", 1)[0] for n, _ in columns if "." in n}
+    column_parents = {_parent(n) for n, _ in columns if "." in n}
     extra: dict[str, ParallelStyle] = {}
+    local_sizes: dict[str, list[str]] = {}
     for parent in sorted(column_parents):
         module = block.get_submodule(parent)
-        problem = _reads_global_sizes(module)
-        if problem:
-            return f"{parent} reads {problem} in forward, a size tensor parallelism divides by the degree"
-        head_dim = _head_dim(module, heads["attention heads"], columns, parent)
+        read = _reads_global_sizes(module)
+        if read and any(attribute.startswith("self.config.") for attribute in read.split(", ")):
+            return f"{parent} reads {read} in forward, a size tensor parallelism divides by the degree"
+        # Head counts and widths read in forward are divided by the degree; the proof shows whether that is all.
+        local_sizes[parent] = [
+            a.removeprefix("self.") for a in (read.split(", ") if read else []) if _local_size(module, a)
+        ]
+        head_dim = _head_dim(module, heads, columns, parent)
         per_head = per_head_styles(
             module, parent, head_dim, {name for name, _ in columns + rows}, heads["attention heads"]
         )
         if isinstance(per_head, str):
             return per_head
         extra |= per_head
-    widths = {f"{name} width": m.out_features for name, m in columns} | {
+    layouts = _fused_layouts(block, fused, heads)
+    if isinstance(layouts, str):
+        return layouts
+    widths = {f"{name} width": m.out_features for name, m in columns if name not in fused} | {
         f"{name} width": m.in_features for name, m in rows
     }
     norms = [name for name, m in block.named_children() if "norm" in type(m).__name__.lower() or name.startswith("ln")]
     single_input = _takes_only_hidden_states(block)
-    megatron_sp = single_input and bool(norms) and all("." in n for n, _ in columns)
+    # Megatron-SP gathers the sequence on entry to each sub-layer: it must be a module the block calls.
+    called = all(type(block.get_submodule(p)).forward is not nn.Module.forward for p in column_parents)
+    megatron_sp = single_input and bool(norms) and all("." in n for n, _ in columns) and called and not whole
 
-    def styles(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-        out: dict[str, ParallelStyle] = {name: ColwiseParallel() for name, _ in columns}
-        for name, _ in rows:
-            out[name] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
-        if sequence_parallel:
-            for norm in norms:
-                out[norm] = SequenceParallel()
-            for parent in {n.rsplit(".", 1)[0] for n, _ in columns}:
-                out[parent] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        return out | extra
+    def localize(module: nn.Module, tp: int) -> None:
+        for parent, attributes in local_sizes.items():
+            local_heads(module.get_submodule(parent), tp, *attributes)
 
     inferred = f"the plan inferred for {model_class(block).__name__} from its nn.Linear layers"
     more_inputs = f"{inferred} runs it only on blocks whose forward takes nothing but the hidden states"
     why_not_megatron_sp = (
         more_inputs
         if not single_input
-        else f"{inferred} found no norm on the residual stream or a projection outside a sub-layer"
+        else f"{inferred} found no norm on the residual stream, a projection outside a sub-layer, a layer it keeps "
+        "whole or a sub-layer the block does not call"
     )
-    return BlockTensorParallelPlan(
-        styles,
-        heads | widths,
-        megatron_sp=megatron_sp,
-        ulysses=single_input,
-        why_not_megatron_sp=f"{why_not_megatron_sp} (register a plan for it)",
-        why_not_ulysses=f"{more_inputs} (register a plan for it)",
-    )
+    plans = []
+    for layout in layouts:
+
+        def styles(sequence_parallel: bool, layout: dict[str, ParallelStyle] = layout) -> dict[str, ParallelStyle]:
+            out: dict[str, ParallelStyle] = {name: ColwiseParallel() for name, _ in columns} | layout
+            for name, _ in rows:
+                out[name] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+            if sequence_parallel:
+                for norm in norms:
+                    out[norm] = SequenceParallel()
+                for parent in {_parent(n) for n, _ in columns}:
+                    out[parent] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            return out | extra
+
+        plans.append(
+            BlockTensorParallelPlan(
+                styles,
+                heads | widths,
+                megatron_sp=megatron_sp,
+                ulysses=single_input,
+                localize=localize,
+                why_not_megatron_sp=f"{why_not_megatron_sp} (register a plan for it)",
+                why_not_ulysses=f"{more_inputs} (register a plan for it)",
+            )
+        )
+    return plans
+
+
+def _fused_layouts(block: nn.Module, fused: list[str], heads: dict[str, int]) -> list[dict[str, ParallelStyle]] | str:
+    """The layouts a fused q/k/v projection may have, as styles: ``[q | k | v]`` (each rank its heads of each part)
+    or head by head (each rank a contiguous run of whole heads' q, k and v); one empty layout where none is fused."""
+    if not fused:
+        return [{}]
+    query_heads = heads["attention heads"]
+    kv_heads = heads.get("key/value heads", query_heads)
+    sections_of = {}
+    for name in fused:
+        width = block.get_submodule(name).out_features
+        if width % (query_heads + 2 * kv_heads):
+            return (
+                f"{name} has {width} output features, not {query_heads} query and 2 x {kv_heads} key/value heads of "
+                "one width (declare a plan with lightning_galvatron.register_tensor_parallel_plan)"
+            )
+        head = width // (query_heads + 2 * kv_heads)
+        sections_of[name] = (query_heads * head, kv_heads * head, kv_heads * head)
+    return [
+        {name: ColwiseFused(sections) for name, sections in sections_of.items()},
+        {name: ColwiseParallel() for name in sections_of},
+    ]
+
+
+def _local_size(module: nn.Module, attribute: str) -> bool:
+    """Whether ``self.<size>`` that ``module``'s forward reads is an int of its own that localisation can divide."""
+    name = attribute.removeprefix("self.")
+    return "." not in name and isinstance(vars(module).get(name), int)
 
 
 def _attention_heads(block: nn.Module) -> dict[str, int] | None:
@@ -298,7 +462,7 @@ def _attention_heads(block: nn.Module) -> dict[str, int] | None:
 #: Global sizes an attention may read in forward: under tensor parallelism a rank holds 1/tp of them.
 _GLOBAL_SIZES = re.compile(
     r"self\.(?:config\.)?(num_heads|num_attention_heads|n_head|n_heads|num_key_value_heads|n_kv_heads|num_kv_heads|"
-    r"hidden_size|embed_dim|all_head_size)\b"
+    r"n_local_heads|n_local_kv_heads|hidden_size|embed_dim|all_head_size|n_embd|split_size)\b"
 )
 
 
@@ -313,16 +477,24 @@ def _reads_global_sizes(module: nn.Module) -> str | None:
     return ", ".join(found) or None
 
 
-def _head_dim(module: nn.Module, heads: int, columns: list[tuple[str, nn.Linear]], parent: str) -> int | None:
-    """One head's width in an attention: its ``head_dim``, else its widest column layer over the heads; ``None`` in
-    a sub-layer without query/key/value projections (an MLP has no heads)."""
-    own = [(n.rsplit(".", 1)[-1], m) for n, m in columns if n.rsplit(".", 1)[0] == parent]
-    if not any(leaf in _ATTENTION_NAMES for leaf, _ in own):
+def _head_dim(
+    module: nn.Module, heads: dict[str, int], columns: list[tuple[str, nn.Linear]], parent: str
+) -> int | None:
+    """One head's width in an attention: its ``head_dim``, else its widest column layer over the heads (a fused q/k/v
+    projection over all of its heads); ``None`` in a sub-layer without query/key/value projections (an MLP has no
+    heads)."""
+    own = [(n.rsplit(".", 1)[-1], m) for n, m in columns if _parent(n) == parent]
+    if not any(leaf in _ATTENTION_NAMES or leaf in FUSED_NAMES for leaf, _ in own):
         return None
     if isinstance(getattr(module, "head_dim", None), int):
         return module.head_dim
+    query_heads = heads["attention heads"]
+    fused = [m.out_features for leaf, m in own if leaf in FUSED_NAMES]
+    if fused:
+        parts = query_heads + 2 * heads.get("key/value heads", query_heads)
+        return fused[0] // parts if fused[0] % parts == 0 else None
     widths = [m.out_features for _, m in own]
-    return max(widths) // heads if widths and max(widths) % heads == 0 else None
+    return max(widths) // query_heads if widths and max(widths) % query_heads == 0 else None
 
 
 def _takes_only_hidden_states(block: nn.Module) -> bool:

@@ -102,7 +102,12 @@ def measure_overheads(
                 split = 1 if style == "none" else g
                 probes.append((k, LayerStrategy(tp=g, sp=style), _time_call(profiler, block, batch, split)))
     optimizer = _optimizer_probes(world, device, dp_mesh) if optimizer_probes is None else []
-    pipelines = _pipeline_probes(profilers[0], world, device) if world > 1 else []
+    # A pipeline probe chains copies of the first block: only where a block returns hidden states of the shape it
+    # receives (Swin's stages merge patches; no pipeline is searched for such models either, see autoplan).
+    chained = _keeps_shape(profilers[0])
+    if world > 1 and not chained:
+        log.info("%s changes the shape of its hidden states: no pipeline is probed", profilers[0].name)
+    pipelines = _pipeline_probes(profilers[0], world, device) if world > 1 and chained else []
     block_bytes = sum(p.numel() * p.element_size() for p in profilers[0].block.parameters())
     copies = max(min((blocks_per_type or [1])[0], REDUCTION_BLOCKS, REDUCTION_BYTES // max(block_bytes, 1)), 1)
     reductions = [_reduction_probe(profilers[0], copies, dp_mesh.get_group(), device)] if world > 1 else []
@@ -221,23 +226,38 @@ def _optimizer_probes(world: int, device: torch.device, mesh) -> list[tuple[int,
     return out
 
 
+def _keeps_shape(profiler: _BlockProfiler) -> bool:
+    """Whether the block returns hidden states of the shape and dtype it receives (as captured)."""
+    from lightning_galvatron.profiler.model.capture import _skippable
+
+    return _skippable(profiler.call)
+
+
 class _ProbeChunk(nn.Module):
     """Copies of one block run in sequence on the hidden states a pipeline stage receives; the block's other
-    captured arguments (masks, position embeddings), resized to the micro-batch, are closed over."""
+    captured arguments (masks, position embeddings), resized to the micro-batch, are closed over. A block that
+    changes the shape of its hidden states cannot be chained: its copies then run side by side on the same hidden
+    states, and the chunk returns the sum of their outputs' means (the reduction probe needs only their backward)."""
 
     def __init__(self, profiler: _BlockProfiler, blocks: int, micro_batch: int) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(profiler.copy() for _ in range(blocks))
         self._profiler = [profiler]  # a list: not registered as a submodule
         self._args, self._kwargs = profiler.inputs(micro_batch)
+        self._chained = _keeps_shape(profiler)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         profiler = self._profiler[0]
         dtype = hidden.dtype
+        outputs = []
         for block in self.blocks:
             args, kwargs = with_hidden_states(self._args, self._kwargs, hidden)
             with profiler.prec.autocast(profiler.device):
-                hidden = block_output_hidden(block(*args, **kwargs))
+                out = block_output_hidden(block(*args, **kwargs))
+            hidden = out if self._chained else hidden
+            outputs.append(out)
+        if not self._chained:
+            return torch.stack([out.float().mean() for out in outputs]).sum()
         return hidden.to(dtype)  # what the stage declared it sends
 
 
