@@ -1,7 +1,7 @@
 """lightning_galvatron: automatic hybrid parallelism for PyTorch Lightning.
 
-``import lightning_galvatron`` makes ``Trainer(strategy="galvatron")`` available in ``lightning``
-(registered as soon as Lightning is imported, so that the offline parts -- plans, search, CLI -- never
+``import lightning_galvatron`` makes ``Trainer(strategy="galvatron")`` and ``Fabric(strategy="galvatron")`` available
+in ``lightning`` (registered as soon as Lightning is imported, so that the offline parts -- plans, search, CLI -- never
 load Lightning); in ``pytorch_lightning`` the name says to use ``lightning.pytorch`` instead.
 """
 
@@ -13,6 +13,7 @@ from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 _install()
 
 __all__ = [
+    "GalvatronFabricStrategy",
     "GalvatronStrategy",
     "LayerStrategy",
     "ParallelPlan",
@@ -29,6 +30,10 @@ def __getattr__(name: str) -> Any:
         from lightning_galvatron.strategy import GalvatronStrategy
 
         return GalvatronStrategy
+    if name == "GalvatronFabricStrategy":
+        from lightning_galvatron.fabric import GalvatronFabricStrategy
+
+        return GalvatronFabricStrategy
     if name == "dry_run":
         from lightning_galvatron.dryrun.run import dry_run
 

@@ -1,4 +1,5 @@
-"""Make ``strategy="galvatron"`` work in ``lightning``, and say why not in ``pytorch_lightning``.
+"""Make ``strategy="galvatron"`` work in ``lightning`` (the Trainer's and Fabric's), and say why not in
+``pytorch_lightning``.
 
 The two packages have separate class hierarchies and registries: a ``pytorch_lightning.Trainer``
 only accepts subclasses of ``pytorch_lightning.strategies.Strategy``, and LightningModules of
@@ -63,6 +64,7 @@ class _CallAfterImport(importlib.abc.MetaPathFinder):
 
 
 def register_lightning() -> type | None:
+    register_fabric()
     importing = sys.modules.get("lightning_galvatron.strategy")
     if importing is not None and not hasattr(importing, "GalvatronStrategy"):
         return None  # the strategy module is importing Lightning right now; it registers itself when done
@@ -72,6 +74,18 @@ def register_lightning() -> type | None:
 
     GalvatronStrategy.register_strategies(StrategyRegistry)
     return GalvatronStrategy
+
+
+def register_fabric() -> None:
+    """``Fabric(strategy="galvatron")``: Fabric has a registry of its own (``lightning.fabric.strategies``)."""
+    importing = sys.modules.get("lightning_galvatron.fabric")
+    if importing is not None and not hasattr(importing, "GalvatronFabricStrategy"):
+        return  # the Fabric strategy's module is importing Lightning right now; it registers itself when done
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    from lightning_galvatron.fabric import GalvatronFabricStrategy
+
+    GalvatronFabricStrategy.register_strategies(STRATEGY_REGISTRY)
 
 
 def register_pytorch_lightning() -> None:

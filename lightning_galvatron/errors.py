@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import TracebackType
 
 DEBUG_ENV = "LIGHTNING_GALVATRON_DEBUG"
@@ -37,6 +39,18 @@ def leave_to_reporting_rank(exception: BaseException) -> None:
             previous(kind, value, traceback)
 
     sys.excepthook = hook
+
+
+@contextmanager
+def reported_by_rank_zero(rank: int) -> Iterator[None]:
+    """Errors that every process finds alike before they can talk (its arguments, its devices): rank 0 prints them.
+    ``rank``: this process's global rank (under ``torchrun`` every process makes the strategy)."""
+    try:
+        yield
+    except Exception as error:
+        if rank != 0:
+            leave_to_reporting_rank(error)
+        raise
 
 
 def _caused_by(value: BaseException | None, exception: BaseException) -> bool:

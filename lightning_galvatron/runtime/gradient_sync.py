@@ -242,7 +242,8 @@ class GradientReducer:
             raise RuntimeError(
                 "a second backward pass before the optimizer step: the gradients of ddp layers were already summed "
                 "over their replicas and would be summed again. Sum the losses and call backward once, let Lightning "
-                "accumulate (accumulate_grad_batches), or use dp_type='zero2'/'zero3' for these layers"
+                "accumulate (accumulate_grad_batches; under Fabric, run the backward passes but the last inside "
+                "fabric.no_backward_sync(model)), or use dp_type='zero2'/'zero3' for these layers"
             )
 
     def _launch_next(self) -> None:
