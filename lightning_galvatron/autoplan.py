@@ -16,12 +16,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_galvatron.model.discovery import ModelStructure
+from lightning_galvatron.model.outside_layers import pipeline_loop_problem
 from lightning_galvatron.plan import ParallelPlan, PlanError
 from lightning_galvatron.profiles import Profile
 from lightning_galvatron.search.estimate import Estimate
+from lightning_galvatron.token_means import has_ignored_labels
 from lightning_galvatron.units import format_bytes, parse_bytes
 
 # Left free on a GPU for the CUDA context, the allocator's fragmentation and NCCL buffers.
@@ -133,6 +136,16 @@ def optimizer_kind(optimizer: torch.optim.Optimizer | None) -> str:
     return "adamw"  # unknown optimizers are planned like Adam (two states), the common worst case
 
 
+def _blocks_changing_shape(measured: Profile) -> str | None:
+    """Why pipelines are left out of the search where blocks change the shape of the hidden states (Swin's stages
+    merge patches; a stage sends one shape, and such loops carry the shape from block to block), else ``None``."""
+    shapes = {(t.seq_length, t.hidden_size): t.name for t in measured.model.layer_types}
+    if len(shapes) < 2:
+        return None
+    listed = ", ".join(f"{name} {seq} x {hidden}" for (seq, hidden), name in shapes.items())
+    return f"the blocks receive hidden states of different shapes (positions x width: {listed})"
+
+
 def plan_automatically(
     module: nn.Module,
     structure: ModelStructure,
@@ -146,6 +159,7 @@ def plan_automatically(
     settings: SearchSettings,
     optimizer: str = "adamw",
     manual_optimizers: int = 0,
+    step: Any = None,
 ) -> AutoPlan:
     """Profile (all ranks), search (rank 0), broadcast. Raises the same :class:`PlanError` on every rank.
 
@@ -155,6 +169,9 @@ def plan_automatically(
     ``manual_optimizers``: how many optimizers a module with manual optimization has (0: automatic
     optimization). Its step is profiled with stand-ins for them, and plans that run the backward pass inside the
     strategy (pipelines, micro-batches: :func:`~lightning_galvatron.rules.manual_optimization_problem`) are left out.
+
+    ``step``: how to run the module on a batch for the profiler, ``step(module, batch) -> loss`` (default: its
+    ``training_step``; a plain module under Fabric: :func:`~lightning_galvatron.profiler.model.forward_step`).
     """
     from lightning_galvatron.profiler import profile
     from lightning_galvatron.profiler.model import manual_optimization_step
@@ -174,20 +191,27 @@ def plan_automatically(
             cache=settings.profile_cache,
             device=device,
             info=cache_info,
-            step=manual_optimization_step(manual_optimizers) if manual_optimizers else None,
+            step=manual_optimization_step(manual_optimizers) if manual_optimizers else step,
         )
     profiled = time.perf_counter()
     budget = settings.memory_budget_bytes or default_memory_budget(device, devices_per_node)
     # Pipelines cannot carry an encoder's output to decoder stages (see runtime.pipeline), nor run a step that does
     # its own backward (manual optimization, as micro-batches cannot); on one device every
     # uniform plan is the same, so there are no baselines to compare with.
+    # A loss averaged over tokens (labels -100 in the batch) trains as under DDP only with one DDP rank's samples per
+    # micro-batch (rules.token_mean_problem): such plans are searched first; where none fits, all (the runtime warns).
+    learned_token_means = not settings.options.token_means and has_ignored_labels(example_batch)
+    no_pipeline = _blocks_changing_shape(measured)
+    if no_pipeline is None and world_size > 1 and settings.options.max_pp != 1 and len(structure.block_lists) == 1:
+        no_pipeline = pipeline_loop_problem(module, structure, step or "training_step", example_batch)
     options = dataclasses.replace(
         settings.options,
-        max_pp=1 if len(structure.block_lists) > 1 or manual_optimizers else settings.options.max_pp,
+        max_pp=1 if len(structure.block_lists) > 1 or manual_optimizers or no_pipeline else settings.options.max_pp,
         max_micro_batches=1 if manual_optimizers else settings.options.max_micro_batches,
         baselines=settings.options.baselines and world_size > 1,
+        token_means=settings.options.token_means or learned_token_means,
     )
-    outcome: tuple[dict | None, str, str | None] = (None, "", None)
+    outcome: tuple[dict | None, str, str | None, bool] = (None, "", None, options.token_means)
     # What the search is given, flat (its options by field): measured selection searches again with them.
     arguments: dict[str, Any] = {
         "world_size": world_size,
@@ -197,18 +221,33 @@ def plan_automatically(
         "precision": precision,
         **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)},
     }
+    if no_pipeline and settings.options.max_pp != 1 and world_size > 1:
+        rank_zero_info(f"Galvatron: no pipeline is searched: {no_pipeline}")
     result = None
     if dist.get_rank() == 0:
-        try:
-            result = search(measured, **arguments)
-            outcome = (result.plan.to_dict(), describe_alternatives(result), None)
-        except ValueError as error:  # infeasible budget, no valid plan: say it on every rank
-            outcome = (None, "", str(error))
+        for token_means in (True, False) if learned_token_means else (options.token_means,):
+            try:
+                result = search(measured, **{**arguments, "token_means": token_means})
+                outcome = (result.plan.to_dict(), describe_alternatives(result), None, token_means)
+                break
+            except ValueError as error:  # infeasible budget, no valid plan: say it on every rank
+                outcome = (None, "", str(error), token_means)
     holder = [outcome]
     dist.broadcast_object_list(holder, src=0)
-    plan_dict, report, error = holder[0]
+    plan_dict, report, error, arguments["token_means"] = holder[0]
     if error is not None:
         raise PlanError(f"automatic plan search failed: {error}")
+    if learned_token_means:
+        rank_zero_info(
+            "Galvatron: the batch has labels -100 (a loss averaged over tokens): "
+            + (
+                "searched the plans with one DDP rank's samples per micro-batch (micro-batches = pp x vocab tp), "
+                "whose losses train as DDP's"
+                if arguments["token_means"]
+                else "no plan with one DDP rank's samples per micro-batch fits, so its token means may differ from "
+                "DDP's (see the warning when training starts)"
+            )
+        )
     assert plan_dict is not None and measured is not None
     plan = ParallelPlan.from_dict(plan_dict)
     return AutoPlan(

@@ -30,6 +30,7 @@ __all__ = [
     "plan_problems",
     "schedule_problem",
     "sequence_problem",
+    "token_mean_problem",
     "vocab_problem",
 ]
 
@@ -95,6 +96,34 @@ def manual_optimization_problem(plan: ParallelPlan) -> str | None:
         f"manual optimization (automatic_optimization = False) cannot run under this plan's pp={plan.pp} and "
         f"micro_batches={plan.micro_batches}: pipelines and micro-batches run the backward pass inside the strategy; "
         'use a plan with pp=1 and micro_batches=1, or plan="auto" (it then leaves pipelines and micro-batches out)'
+    )
+
+
+def own_loop_problem(plan: ParallelPlan) -> str | None:
+    """A loop of the user's own (Lightning Fabric: ``loss = loss_fn(model(x), y); fabric.backward(loss)``) runs the
+    forward, the loss and the backward itself, once per step: a pipeline schedule or micro-batches would have to
+    split the step into per-micro-batch forward, loss and backward, which only the Trainer's strategy can."""
+    if plan.pp == 1 and plan.micro_batches == 1:
+        return None
+    return (
+        f"Fabric cannot run this plan's pp={plan.pp} and micro_batches={plan.micro_batches}: your loop calls the model "
+        "and computes the loss itself, which a pipeline schedule or micro-batches would have to split per "
+        'micro-batch; use a plan with pp=1 and micro_batches=1 (plan="auto" under Fabric searches only those), or '
+        'train a LightningModule with Trainer(strategy="galvatron"), whose strategy runs the step per micro-batch'
+    )
+
+
+def token_mean_problem(pp: int, micro_batches: int, vocab_tp: int) -> str | None:
+    """A loss averaged over tokens (labels ``-100``) trains as under DDP only where each loss holds one DDP rank's
+    samples (:mod:`lightning_galvatron.token_means`): a data shard reads the samples of ``pp x vocab tp`` DDP ranks
+    (its stages and the embedding's tensor-parallel ranks share it), so it needs that many micro-batches."""
+    ranks = pp * vocab_tp
+    if micro_batches == ranks:
+        return None
+    return (
+        f"micro_batches={micro_batches}: a loss averaged over tokens trains as under DDP only on one DDP rank's "
+        f"samples per micro-batch, and each data shard of pp={pp} x vocab tp={vocab_tp} holds the samples of {ranks} "
+        f"DDP ranks: use micro_batches={ranks}"
     )
 
 

@@ -20,9 +20,8 @@
   the last stage to all ranks and replayed (:mod:`lightning_galvatron.step_logs`).
 - ``backward``: scale the loss to the global-batch mean (gradients are summed over dp groups).
 - ``training_step`` / ``optimizer_step``: also tell the rank monitor where this rank is (an assignment).
-- ``optimizer_state`` / ``save_checkpoint`` / ``load_checkpoint``: sharded DCP checkpoints (saved by
-  ``ModelParallelStrategy``, with the plan recorded in the metadata, an optimizer that has not stepped left without
-  states; loaded by :mod:`lightning_galvatron.checkpoint` into any plan).
+- ``save_checkpoint`` / ``remove_checkpoint``: sharded DCP checkpoints, written aside and renamed into place once whole
+  (:mod:`lightning_galvatron.checkpoint_files`); loaded into any plan (:mod:`lightning_galvatron.checkpoint`).
 - ``on_exception`` / ``teardown``: one rank prints the error (or names the rank that died); stop the monitor.
 
 No parallelism maths lives here: plans in :mod:`lightning_galvatron.plan`, execution in
@@ -44,7 +43,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -61,6 +59,7 @@ from lightning_galvatron._compat import override
 from lightning_galvatron.arguments import check_strategy_arguments
 from lightning_galvatron.autoplan import SearchSettings, check_memory_budget, optimizer_kind, plan_automatically
 from lightning_galvatron.checkpoint import hf_models, load_checkpoint, whole_strided_tensors, without_created_states
+from lightning_galvatron.checkpoint_files import remove_checkpoint, save_sharded
 from lightning_galvatron.data import (
     DataShards,
     batch_index,
@@ -71,31 +70,27 @@ from lightning_galvatron.data import (
     shard_batch_step,
 )
 from lightning_galvatron.display import setup_report
-from lightning_galvatron.errors import leave_to_reporting_rank, note_cause
+from lightning_galvatron.errors import leave_to_reporting_rank, note_cause, reported_by_rank_zero
 from lightning_galvatron.metrics import metric_states_kept, sync_metrics_over_data_shards
 from lightning_galvatron.micro_batches import run_micro_batches, step_args_for_token_means
-from lightning_galvatron.model.discovery import ModelStructure, find_blocks
+from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
-from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans, tensor_parallel_plan_or_reason
+from lightning_galvatron.model_setup import block_plans, find_structure, whole_model_plan
 from lightning_galvatron.monitor import GalvatronMonitor, output_dir, save_plan_files
-from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
-from lightning_galvatron.precision import (
-    boundary_dtype,
-    check_precision_first,
-    mixed_precision_policy,
-    precision_flag,
-    precision_plugin_for,
-)
+from lightning_galvatron.plan import ParallelPlan, PlanError
+from lightning_galvatron.precision import check_precision_first, precision_flag, precision_plugin_for
 from lightning_galvatron.prediction import Prediction, plan_source_name, price_given_plan, searched_prediction
+from lightning_galvatron.preparation import count_optimizer_steps, explain_automatic_planning, load_given_plan, prepare
 from lightning_galvatron.rules import manual_optimization_problem
-from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan, check_runtime_support, input_shard
+from lightning_galvatron.runtime.apply import AppliedPlan, check_runtime_support, input_shard
 from lightning_galvatron.runtime.compile import compile_options
 from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.runtime.pipeline import PipelineRunner
-from lightning_galvatron.runtime.sync import agree_across_ranks, broadcast_module_states, destroy_process_group
+from lightning_galvatron.runtime.sync import agree_across_ranks, destroy_process_group
 from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 from lightning_galvatron.runtime.watchdog import RankMonitor, WatchdogSettings
 from lightning_galvatron.selection import TrialSettings
+from lightning_galvatron.setup_steps import configured_optimizers_in_place
 from lightning_galvatron.trials import choose_plan
 
 _DESCRIPTION = "Hybrid parallelism with a per-layer plan searched by Galvatron"
@@ -185,7 +180,7 @@ class GalvatronStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        with _reported_by_rank_zero():  # under torchrun every process makes the strategy
+        with reported_by_rank_zero(rank_zero_only.rank):  # under torchrun every process makes the strategy
             check_strategy_arguments(plan, layers, global_batch_size)
             knobs = dict(
                 max_tp=max_tp,
@@ -231,7 +226,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         """Before any worker starts: what depends on the devices (precision, the plan's world size, the budget)."""
         assert self.parallel_devices is not None
         device = self.parallel_devices[0]
-        with _reported_by_rank_zero():
+        with reported_by_rank_zero(rank_zero_only.rank):
             self.precision_plugin = precision_plugin_for(precision_flag(self.precision_plugin), device.type)
             if self._plan_source != "auto":
                 self._load_plan(self.num_nodes * len(self.parallel_devices))
@@ -256,15 +251,14 @@ class GalvatronStrategy(ModelParallelStrategy):
         if self._add_monitor and not any(isinstance(c, GalvatronMonitor) for c in trainer.callbacks):
             trainer.callbacks.insert(0, GalvatronMonitor())  # first: its step ends before other callbacks' work
         if self._parallelised is not self.model:  # validate/test after fit reuse the parallel model, on its device
-            with metric_states_kept(self.lightning_module):  # profiling and tracing run its steps
+            with metric_states_kept(self.lightning_module), configured_optimizers_in_place(self, trainer):
                 self._parallelise(trainer)  # places the model on the device too (see model_to_device)
         self.barrier()
 
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             assert self._applied is not None
-            for optimizer in self.optimizers:
-                optimizer.register_step_post_hook(lambda *_: self._applied.gradients.optimizer_stepped())
+            count_optimizer_steps(self._applied, self.optimizers)
             if self._runner is not None:  # never with manual optimization (refused in _parallelise)
                 trainer.fit_loop._skip_backward = True  # the runner does zero_grad and backward itself
         self.data_shards = DataShards(self.plan, self.global_rank, self._meshes, self.root_device)
@@ -272,22 +266,17 @@ class GalvatronStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _place(self, model: torch.nn.Module) -> None:
-        """Where the split model trains: meta weights materialised, everything moved to the device (``apply_plan``
-        calls this before it hooks the gradients: moving DTensor parameters later swaps them and drops the hooks)."""
-        _materialize_distributed_module(model, self.root_device)
-        model.to(self.root_device)
-
     @override
     def model_to_device(self) -> None:
-        """The plan's application placed the model (:meth:`_place`); moving it again would drop its gradient hooks."""
+        """The plan's application placed the model (``preparation.place_on_device``); moving it again would drop its
+        gradient hooks."""
 
     def _parallelise(self, trainer: Any) -> None:
         assert self.model is not None and self._meshes is not None
         module = self.lightning_module
         started = time.perf_counter()
-        self.structure = find_blocks(module, self._layers)
-        self._tp_plans = block_tensor_parallel_plans(self.structure)  # the model side's plans, for the runtime
+        self.structure = find_structure(module, self._layers, self._plan_source)  # auto: found or the whole
+        self._tp_plans = block_plans(self.structure, _STEP_OF[trainer.state.fn], trainer)  # guesses proven first
         self._progress("setup: resolving the plan")
         self.plan, self.prediction = self._resolve_plan(trainer, self.structure)
         manual = trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization
@@ -308,21 +297,19 @@ class GalvatronStrategy(ModelParallelStrategy):
             )
 
         self.model = self.precision_plugin.convert_module(self.model)
-        if self._broadcast_initial_weights and self.world_size > 1:
-            broadcast_module_states(self.model)
-        self._applied = apply_plan(
+        self._applied = prepare(
             self.model,
             self.structure,
             self.plan,
             self._meshes,
-            mixed_precision_policy(precision_flag(self.precision_plugin)),
+            precision_flag(self.precision_plugin),
+            self.root_device,
+            tp_plans=self._tp_plans,
+            broadcast_initial_weights=self._broadcast_initial_weights,
             entry_methods=[name for name in _STEP_METHODS if is_overridden(name, module)],
             parallel_loss=self._uses_parallel_loss,
-            boundary_dtype=boundary_dtype(precision_flag(self.precision_plugin)),
             outside_layers=outside,
-            tp_plans=self._tp_plans,
             compile_options=self._compile,
-            place=self._place,
         )
         self._parallelised = self.model
         sync_metrics_over_data_shards(module, self.plan)  # torchmetrics: one state per data shard, as under DDP
@@ -345,10 +332,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         )
 
     def _load_plan(self, world_size: int) -> ParallelPlan:
-        plan = load_plan(self._plan_source, world_size=world_size)
-        if self._global_batch_size is not None:
-            plan = plan.replace(global_batch_size=self._global_batch_size)
-        return plan
+        return load_given_plan(self._plan_source, world_size, self._global_batch_size)
 
     def _resolve_plan(self, trainer: Any, structure: ModelStructure) -> tuple[ParallelPlan, Prediction]:
         """The plan -- given, or with ``plan="auto"`` profiled on every rank and searched on rank 0, the same
@@ -356,7 +340,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         module = self.lightning_module
         loader = first_dataloader(trainer)
         per_device = loader_batch_size(loader)
-        optimizers = _configured_optimizers(module)
+        optimizers = list(self.optimizers) or _configured_optimizers(module)  # in place while fitting (setup_steps)
         context = {
             "world_size": self.world_size,
             "devices_per_node": self.num_processes,
@@ -384,15 +368,9 @@ class GalvatronStrategy(ModelParallelStrategy):
             )
         example = move_data_to_device(example_batch(loader), self.root_device)
         global_batch = self._global_batch_size or per_device * self.world_size
-        for block_type, example_block in {type(b).__name__: b for b in structure.blocks}.items():
-            reason = tensor_parallel_plan_or_reason(example_block)
-            if isinstance(reason, str):
-                rank_zero_info(f"Galvatron: {block_type} blocks are planned with tp=1: {reason}")
-        if self.world_size == 1:
-            rank_zero_info(
-                "Galvatron: one device: nothing communicates, so no hardware profile is measured; the plan chooses "
-                "recomputation and micro-batches to fit the memory budget"
-            )
+        if not structure.blocks:  # no blocks found: the whole model as one unit (the floor under plan="auto")
+            return whole_model_plan(module, structure, global_batch, **context)
+        explain_automatic_planning(structure, self.world_size)
         context["manual_optimizers"] = 0 if module.automatic_optimization else max(len(optimizers), 1)
         auto = plan_automatically(module, structure, example, global_batch_size=global_batch, **context)
         plan = choose_plan(self, trainer, auto, loader, global_batch)  # trials when fitting (measured selection)
@@ -496,9 +474,7 @@ class GalvatronStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(
-            *args, **kwargs
-        )  # runs the training step (the closure) in automatic optimization
+        output = super().optimizer_step(*args, **kwargs)  # runs the step (the closure) in automatic optimization
         if self._monitor is not None:
             self._monitor.step_finished(self.lightning_module.trainer.global_step)
         return output
@@ -509,10 +485,16 @@ class GalvatronStrategy(ModelParallelStrategy):
         if self.plan is not None:  # hf_models: what `lightning-galvatron consolidate --hf` rebuilds
             checkpoint["galvatron"] = {"plan": self.plan.to_dict(), "hf_models": hf_models(self.lightning_module)}
         self._progress(f"saving the checkpoint {filepath}")
-        if self._save_distributed_checkpoint:
-            checkpoint = whole_strided_tensors(checkpoint)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self._save_distributed_checkpoint and storage_options is None:  # staged, renamed into place when complete
+            save_sharded(whole_strided_tensors(checkpoint), self.broadcast(filepath), self.global_rank, self.barrier)
+        else:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
         self._progress(f"saved the checkpoint {filepath}")
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:  # renamed away first: a deletion killed midway leaves no half checkpoint
+            remove_checkpoint(filepath)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -572,17 +554,6 @@ class GalvatronStrategy(ModelParallelStrategy):
         if self.plan is None:
             raise RuntimeError("the Galvatron plan is resolved in setup(); it is not available yet")
         return self.plan
-
-
-@contextmanager
-def _reported_by_rank_zero() -> Generator:
-    """Errors of arguments and devices, found by every process alike before they can talk: rank 0 prints them."""
-    try:
-        yield
-    except Exception as error:
-        if rank_zero_only.rank != 0:
-            leave_to_reporting_rank(error)
-        raise
 
 
 def _configured_optimizers(module: Any) -> list[Optimizer]:

@@ -79,7 +79,7 @@ def warn_if_token_mean_differs(batch: Any, ddp_ranks: int, calls: int, applied: 
     if left <= 0:
         return
     _BATCHES_TO_CHECK[id(applied)] = (weakref.ref(applied), left - 1)
-    if not _has_ignored_labels(batch):
+    if not has_ignored_labels(batch):
         return
     _BATCHES_TO_CHECK[id(applied)] = (weakref.ref(applied), 0)
     held = (
@@ -95,7 +95,8 @@ def warn_if_token_mean_differs(batch: Any, ddp_ranks: int, calls: int, applied: 
     )
 
 
-def _has_ignored_labels(batch: Any) -> bool:
+def has_ignored_labels(batch: Any) -> bool:
+    """Whether an integer tensor of the batch holds ``-100``: labels a loss averaged over tokens ignores."""
     return any(
         not tensor.is_floating_point() and tensor.dtype != torch.bool and bool((tensor == IGNORE_INDEX).any())
         for tensor in _tensors(batch)

@@ -133,3 +133,30 @@ def test_token_mean_losses_train_as_ddp_or_warn(pools):
     assert "give the plan micro_batches=2" in results["tp2 with vocab tp2"][2][0]
     refusal = results["tp2 blocks, dynamic padding"]
     assert "batches have sequences of different lengths" in refusal and "Pad every batch to one fixed length" in refusal
+
+
+def test_the_search_for_token_means_offers_only_plans_with_one_ddp_rank_per_micro_batch():
+    """``plan="auto"`` searches with ``token_means`` when the batch has labels -100 (it chose DDP over 2 micro-batches
+    for a Llama, whose losses then differed from DDP's by 1.6e-2): the plan, the baselines and every trial candidate
+    have ``micro_batches = pp x vocab tp``; without it, some do not."""
+    from lightning_galvatron.rules import token_mean_problem
+    from lightning_galvatron.search import search
+    from lightning_galvatron.search.candidates import diverse_candidates
+    from tests.test_search_cost import tiny_profile
+
+    profile = tiny_profile().with_num_blocks(8)
+    arguments = dict(world_size=4, memory_budget_bytes="64GB", global_batch_size=16, precision="bf16-mixed")
+
+    def plans(**knobs: object) -> list[ParallelPlan]:
+        result = search(profile, **arguments, **knobs)
+        offered = [b.estimate.plan for b in result.baselines if b.estimate is not None]
+        candidates = diverse_candidates(profile, result, {**arguments, **knobs}, max_candidates=20)
+        return [result.plan, *offered, *(c.plan for c in candidates)]
+
+    def exact(plan: ParallelPlan) -> bool:
+        return token_mean_problem(plan.pp, plan.micro_batches, plan.vocab.tp) is None
+
+    restricted = plans(token_means=True)
+    assert all(exact(plan) for plan in restricted), [plan for plan in restricted if not exact(plan)]
+    assert any(plan.pp > 1 for plan in restricted) and any(plan.vocab.tp > 1 for plan in restricted)
+    assert not all(exact(plan) for plan in plans())

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from lightning_galvatron.plan import SCHEDULES, LayerStrategy, ParallelPlan, PlanError
 from lightning_galvatron.profiles import Profile
+from lightning_galvatron.rules import token_mean_problem
 from lightning_galvatron.search.engine import SearchResult, search
 from lightning_galvatron.search.estimate import Estimate, evaluate
 
@@ -127,6 +128,8 @@ def diverse_candidates(
             found.append(Candidate(f"uniform {baseline.name}", baseline.estimate.plan, baseline.estimate))
     price = _pricer(profile, arguments, budget)
     for name, plans in _other_uniform_plans(result, world_size, disable, arguments).items():
+        if arguments.get("token_means"):  # as the searches above: one DDP rank's samples per micro-batch
+            plans = [p for p in plans if token_mean_problem(p.pp, p.micro_batches, p.vocab.tp) is None]
         estimates = [e for e in map(price, plans) if e is not None and e.fits]
         if estimates:
             fastest = min(estimates, key=lambda e: e.step_time_s)

@@ -33,7 +33,7 @@ import numpy as np
 
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, divisors, even_partition
 from lightning_galvatron.profiles import Profile, load_profile
-from lightning_galvatron.rules import layer_problem, vocab_problem
+from lightning_galvatron.rules import layer_problem, token_mean_problem, vocab_problem
 from lightning_galvatron.search.cost import CostModel, Precision, StageContext
 from lightning_galvatron.search.estimate import Estimate, evaluate
 from lightning_galvatron.search.options import SearchOptions
@@ -344,6 +344,8 @@ def _baselines(
 
     def uniform(strategy: LayerStrategy, vocab: LayerStrategy, **kw) -> Iterable[ParallelPlan]:
         for m in divisors(global_batch):
+            if options.token_means and token_mean_problem(kw.get("pp", 1), m, vocab.tp) is not None:
+                continue
             try:
                 yield ParallelPlan.uniform(
                     W, L, strategy, vocab=vocab, micro_batches=m, global_batch_size=global_batch, **kw
@@ -457,5 +459,6 @@ def _no_plan_message(profile: Profile, world_size: int, batches: Sequence[int], 
         + (f", max_tp={options.max_tp}" if options.max_tp else "")
         + (f", max_pp={options.max_pp}" if options.max_pp else "")
         + (f", disabled: {', '.join(sorted(options.disable))}" if options.disable else "")
+        + (", micro-batches = pp x vocab tp (token_means)" if options.token_means else "")
         + "); try a global batch size that is a multiple of the world size"
     )

@@ -60,6 +60,9 @@ class SearchOptions:
         search_batch_size: also search the global batch size for throughput, up to ``max_global_batch_size``
             (default ``8 * world_size``); off, the global batch is the caller's.
         baselines: price the uniform baselines (pure DDP, ZeRO-3, TP, the best uniform 3D plan) too.
+        token_means: leave out plans whose losses would not each hold one DDP rank's samples
+            (:func:`~lightning_galvatron.rules.token_mean_problem`): ``plan="auto"`` sets it for batches with labels
+            ``-100``.
         calibration: price plans with the cost model calibrated from measured steps
             (:class:`~lightning_galvatron.search.coefficients.Calibration`, its dict or JSON file).
     """
@@ -91,6 +94,11 @@ class SearchOptions:
         help="largest batch tried by --search-batch-size (default: 8 x world size)", type=int
     )
     baselines: bool = _knob(True, help="price the uniform baselines (pure DDP, ZeRO-3, TP, best uniform 3D) too")
+    token_means: bool = _knob(
+        False,
+        help="only plans whose micro-batches each hold one DDP rank's samples (micro-batches = pp x vocab tp), so "
+        "that losses averaged over tokens (labels -100) train as under DDP",
+    )
     calibration: Calibration | None = _knob(
         help="calibration JSON (`lightning-galvatron calibrate`): price plans with the calibrated cost model", type=str
     )
@@ -119,7 +127,7 @@ class SearchOptions:
             raise ValueError(f"max_stage_imbalance must be >= 1, got {self.max_stage_imbalance!r}")
         if {"ddp", "zero2", "zero3"} <= self.disable:
             raise ValueError("disabling ddp, zero2 and zero3 leaves no way to hold the model states")
-        for name in ("search_batch_size", "baselines"):
+        for name in ("search_batch_size", "baselines", "token_means"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         object.__setattr__(self, "calibration", load_calibration(self.calibration))

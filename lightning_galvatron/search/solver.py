@@ -163,7 +163,7 @@ class FixedBatchSolver:
             sa = StrategyArrays.build(cands)
             strategies.append(sa)
             costs.append(block_costs(cm, lt, sa, ctx))
-        vocab = vocab_candidates(model.vocab, model.seq_length, n, per_micro, self.options)
+        vocab = vocab_candidates(model.vocab, model.seq_length, n, per_micro, self.options, pp=pp, micro_batches=m)
         if not vocab:
             return None
         layouts = sorted(

@@ -26,7 +26,13 @@ import numpy as np
 from lightning_galvatron.layout import ActivationForm, activation_form
 from lightning_galvatron.plan import DP_TYPES, LayerStrategy, divisors
 from lightning_galvatron.profiles import LayerTypeProfile, VocabProfile
-from lightning_galvatron.rules import layer_problem, pipeline_problem, schedule_problem, vocab_problem
+from lightning_galvatron.rules import (
+    layer_problem,
+    pipeline_problem,
+    schedule_problem,
+    token_mean_problem,
+    vocab_problem,
+)
 from lightning_galvatron.search.options import SearchOptions
 from lightning_galvatron.search.pipeline import step_span
 
@@ -145,9 +151,13 @@ def vocab_candidates(
     devices_per_stage: int,
     batch_per_micro_batch: int,
     options: SearchOptions,
+    pp: int = 1,
+    micro_batches: int | None = None,
 ) -> list[LayerStrategy]:
     """Strategies for the embedding and head: data parallelism, or vocabulary parallelism of any degree
-    (the runtime shards a vocabulary the degree does not divide unevenly).
+    (the runtime shards a vocabulary the degree does not divide unevenly). With ``options.token_means``, only the
+    degrees that give each of the shape's ``micro_batches`` one DDP rank's samples
+    (:func:`~lightning_galvatron.rules.token_mean_problem`).
 
     The embedding and head always run on whole sequences (``sp="none"``): the user's ``training_step``
     computes the loss from them, so the runtime cannot split their sequence. ``seq_length`` is kept for
@@ -164,6 +174,8 @@ def vocab_candidates(
         if g > 1 and {"vocab_parallel", "tensor_parallel"} & options.disable:
             continue
         if vocab_problem(LayerStrategy(tp=g), vocab.supports_tensor_parallel) is not None:
+            continue
+        if options.token_means and micro_batches is not None and token_mean_problem(pp, micro_batches, g) is not None:
             continue
         for dp_type in _dp_types(d, options):
             out.append(LayerStrategy(tp=g, sp="none", dp_type=dp_type))

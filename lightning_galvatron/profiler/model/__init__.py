@@ -50,7 +50,7 @@ storage (moved or cast for profiling) are restored afterwards.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -249,6 +249,37 @@ def manual_optimization_step(optimizers: int = 1) -> Step:
     return step
 
 
+def forward_step(loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Step:
+    """The step of a plain module that a hand-written loop (Lightning Fabric) trains: ``module(batch)`` -- or
+    ``module(*batch)`` for a tuple, ``module(**batch)`` for a dict -- then ``loss_fn(output, batch)``. Without
+    ``loss_fn``: the output's ``loss`` if it has one, else the log-sum-exp of its logits (or of the output tensor),
+    which keeps what a cross-entropy over the logits keeps for backward."""
+
+    def step(module: nn.Module, batch: Any) -> torch.Tensor:
+        if isinstance(batch, Mapping):
+            output = module(**batch)
+        elif isinstance(batch, (tuple, list)):
+            output = module(*batch)
+        else:
+            output = module(batch)
+        if loss_fn is not None:
+            return loss_fn(output, batch)
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor):
+            return loss
+        logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", output)
+        if isinstance(logits, (tuple, list)):
+            logits = logits[0]
+        if not isinstance(logits, torch.Tensor):
+            raise ValueError(
+                f"{type(module).__name__} returned {type(output).__name__}, which holds no loss or logits tensor; "
+                "pass loss_fn=lambda output, batch: <the loss> to say what the loop trains"
+            )
+        return logits.float().logsumexp(-1).mean()
+
+    return step
+
+
 @contextlib.contextmanager
 def _replaced_methods(module: nn.Module, replacements: Mapping[str, Any]) -> Iterator[None]:
     """``module``'s methods replaced on the instance while the step runs; its own attributes restored after."""
@@ -269,6 +300,7 @@ __all__ = [
     "SavedTensorCounter",
     "block_signature",
     "default_step",
+    "forward_step",
     "manual_optimization_step",
     "measure_model",
     "profile_model",
