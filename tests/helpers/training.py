@@ -9,6 +9,7 @@ reference uses that sampler with one replica).
 from __future__ import annotations
 
 import functools
+import re
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -356,6 +357,17 @@ def assert_same_evaluation(actual: RunResult, expected: RunResult, loss_tol: flo
     assert actual.predictions.keys() == expected.predictions.keys()
     for key, value in expected.predictions.items():
         torch.testing.assert_close(actual.predictions[key], value, atol=prediction_tol, rtol=0)
+
+
+def refused_as_expected(outcome: RunResult | str, refusal: str | None) -> bool:
+    """For a matrix case (what :func:`run_cases` returns for it): ``True`` if it was refused in setup with a message
+    matching ``refusal``; ``False`` if it ran (and no refusal was expected). Fails otherwise."""
+    if refusal is not None:
+        assert isinstance(outcome, str) and outcome.startswith("PlanError:"), outcome
+        assert re.search(refusal, outcome), outcome
+        return True
+    assert not isinstance(outcome, str), outcome
+    return False
 
 
 def pytest_approx(value: float | None, tol: float) -> Any:
