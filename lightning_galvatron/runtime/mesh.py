@@ -66,6 +66,12 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def values_travel(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``group``'s collectives carry values: not on the dry run's fake backend, whose ranks exchange none (a
+    check comparing values across ranks would read garbage there)."""
+    return "fake" not in str(dist.get_backend(group))
+
+
 def reduce_over_ranks(
     values: torch.Tensor | Sequence[float],
     op: dist.ReduceOp = dist.ReduceOp.SUM,

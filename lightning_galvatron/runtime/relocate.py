@@ -42,7 +42,7 @@ from torch import nn
 
 from lightning_galvatron.layout import ActivationLayout, Region
 from lightning_galvatron.plan import PlanError
-from lightning_galvatron.runtime.mesh import reduce_over_ranks
+from lightning_galvatron.runtime.mesh import reduce_over_ranks, values_travel
 from lightning_galvatron.runtime.recompute import is_recomputing
 from lightning_galvatron.runtime.structure import model_class
 
@@ -340,7 +340,7 @@ def _check_unmoved_inputs_agree(
     the stage (a causal mask, positions shared by all samples): one that differs holds something per sample in a
     shape the runtime did not recognise, and each rank would apply its own to other samples -- a silently wrong
     result. Checked once per block (a digest of each tensor's bytes, compared over the stage). Collective."""
-    if "fake" in str(dist.get_backend(group)):  # the dry run: no values travel between its ranks
+    if not values_travel(group):
         return
     digests = [tensor_digest(t) for _, t in unmoved]
     lowest = reduce_over_ranks([*digests, *(-d for d in digests)], dist.ReduceOp.MIN, group)
@@ -418,8 +418,7 @@ def _agree_on_per_sample_inputs(block: nn.Module, present: list[bool], seq: int,
     )
     n = len(present)
     shortest, longest = int(flags[2 * n]), -int(flags[2 * n + 1])
-    values_travel = "fake" not in str(dist.get_backend(group))  # the dry run's reductions carry no values
-    if values_travel and shortest != longest:
+    if values_travel(group) and shortest != longest:
         raise PlanError(
             f"{model_class(block).__name__} gathers samples from ranks whose batches have sequences of different "
             f"lengths ({shortest} to {longest} positions): each rank pads its batch to its own longest sample "

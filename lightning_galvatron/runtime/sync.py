@@ -19,7 +19,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_galvatron.plan import PlanError
-from lightning_galvatron.runtime.mesh import collective_device
+from lightning_galvatron.runtime.mesh import collective_device, values_travel
 
 _BUCKET_BYTES = 64 * 2**20
 T = TypeVar("T")
@@ -50,7 +50,7 @@ def values_differing_within_groups(group: int, value: float) -> dict[int, list[t
 
     Values travel as float64: exact for integers up to 2**53 (a 48-bit digest, a count).
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1 or "fake" in str(dist.get_backend()):
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not values_travel():
         return {}
     mine = torch.tensor([group, value], dtype=torch.float64, device=collective_device())
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
