@@ -70,6 +70,10 @@ def register_lightning() -> type | None:
         return None  # the strategy module is importing Lightning right now; it registers itself when done
     from lightning.pytorch.strategies import StrategyRegistry
 
+    if _module_still_importing():
+        if "galvatron" not in StrategyRegistry:
+            StrategyRegistry.register("galvatron", _trainer_strategy, description=_DESCRIPTION)
+        return None
     from lightning_galvatron.strategy import GalvatronStrategy
 
     GalvatronStrategy.register_strategies(StrategyRegistry)
@@ -83,9 +87,37 @@ def register_fabric() -> None:
         return  # the Fabric strategy's module is importing Lightning right now; it registers itself when done
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
+    if _module_still_importing():
+        if "galvatron" not in STRATEGY_REGISTRY:
+            STRATEGY_REGISTRY.register("galvatron", _fabric_strategy, description=_DESCRIPTION)
+        return
     from lightning_galvatron.fabric import GalvatronFabricStrategy
 
     GalvatronFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+
+
+def _module_still_importing() -> bool:
+    """Whether a module of this package imported Lightning and is still executing (``import lightning_galvatron.data``
+    as the first import): importing the strategies now would read its names before they exist. The name then gets a
+    factory that imports the strategy when a Trainer or Fabric asks for it (the strategy module registers its class
+    over it as it finishes importing)."""
+    return any(
+        getattr(getattr(module, "__spec__", None), "_initializing", False)
+        for name, module in list(sys.modules.items())
+        if name.startswith("lightning_galvatron.") and name != __name__
+    )
+
+
+def _trainer_strategy(**kwargs: Any) -> Any:
+    from lightning_galvatron.strategy import GalvatronStrategy
+
+    return GalvatronStrategy(**kwargs)
+
+
+def _fabric_strategy(**kwargs: Any) -> Any:
+    from lightning_galvatron.fabric import GalvatronFabricStrategy
+
+    return GalvatronFabricStrategy(**kwargs)
 
 
 def register_pytorch_lightning() -> None:

@@ -165,8 +165,9 @@ class GalvatronFabricStrategy(ModelParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description=_DESCRIPTION)
+        # Absent, or the factory registered while a module of this package was importing Lightning (_registry).
+        if dict.get(strategy_registry, cls.strategy_name, {}).get("strategy") is not cls:
+            strategy_registry.register(cls.strategy_name, cls, description=_DESCRIPTION, override=True)
 
     # ------------------------------------------------------------------ launch and environment
     @override

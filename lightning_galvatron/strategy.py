@@ -216,8 +216,9 @@ class GalvatronStrategy(ModelParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``strategy="galvatron"``; the Trainer then checks the precision with our message before Lightning's."""
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description=_DESCRIPTION)
+        # Absent, or the factory registered while a module of this package was importing Lightning (_registry).
+        if dict.get(strategy_registry, cls.strategy_name, {}).get("strategy") is not cls:
+            strategy_registry.register(cls.strategy_name, cls, description=_DESCRIPTION, override=True)
         check_precision_first(_AcceleratorConnector, cls)
 
     # ------------------------------------------------------------------ launch and environment

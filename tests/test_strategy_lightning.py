@@ -173,6 +173,24 @@ def test_offline_parts_do_not_load_lightning():
     assert out.stdout.split() == ["False", "False"]
 
 
+_FIRST_IMPORT = """
+import lightning_galvatron.data
+import lightning as L
+trainer = L.Trainer(strategy="galvatron", accelerator="cpu", devices=1, logger=False, precision="16-true")
+"""
+
+
+def test_a_lightning_module_of_the_package_imported_first_still_registers_the_strategies():
+    """``import lightning_galvatron.data`` alone imported Lightning, whose registration hook imported the strategies,
+    which read names of the half-imported ``data`` module (a circular ImportError). The Trainer's precision check
+    speaks our message, so the strategy's class and its connector patch are in place when the Trainer asks."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FIRST_IMPORT], capture_output=True, text=True, cwd=REPO, timeout=300, check=False
+    )
+    assert "ImportError" not in out.stderr, out.stderr[-2000:]
+    assert "GalvatronStrategy does not support precision='16-true'" in out.stderr, out.stderr[-2000:]
+
+
 def test_lightning_cli_yaml_class_path_needs_no_import(tmp_path):
     """A project that never imports lightning_galvatron selects it from YAML by class path."""
     script = tmp_path / "train.py"
