@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -347,11 +347,11 @@ class ParallelPlan:
     def from_json(cls, text: str, world_size: int | None = None) -> ParallelPlan:
         return cls.from_dict(json.loads(text), world_size=world_size)
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike[str]) -> None:
         Path(path).write_text(self.to_json() + "\n")
 
     @classmethod
-    def load(cls, path: str | os.PathLike, world_size: int | None = None) -> ParallelPlan:
+    def load(cls, path: str | os.PathLike[str], world_size: int | None = None) -> ParallelPlan:
         data = read_json_object(path, "plan file", PlanError)
         try:
             return cls.from_dict(data, world_size=world_size)
@@ -436,7 +436,7 @@ class ParallelPlan:
         if self.vocab.tp > 1 and not self.vocab.tp_consecutive:
             raise PlanError("the reference format has no strided layout for the vocabulary layers")
 
-        def join(values: Sequence[int]) -> str:
+        def join(values: Iterable[int]) -> str:
             return ",".join(str(int(v)) for v in values)
 
         out: dict[str, Any] = {
@@ -469,7 +469,7 @@ def is_galvatron_format(data: Mapping[str, Any]) -> bool:
 
 
 def load_plan(
-    source: ParallelPlan | Mapping[str, Any] | str | os.PathLike, world_size: int | None = None
+    source: ParallelPlan | Mapping[str, Any] | str | os.PathLike[str], world_size: int | None = None
 ) -> ParallelPlan:
     """Accept a plan object, a dict (ours or the reference format) or a JSON file path."""
     if isinstance(source, ParallelPlan):
@@ -493,12 +493,13 @@ def world_size_mismatch(planned: int, running: int) -> PlanError:
     )
 
 
-def check_plan_source(source: ParallelPlan | Mapping[str, Any] | str | os.PathLike) -> None:
+def check_plan_source(source: ParallelPlan | Mapping[str, Any] | str | os.PathLike[str]) -> None:
     """Check a plan before the world size is known (when a strategy is made): a file must exist and hold a JSON
     object; a plan in our format that states its world size must be valid. The rest is checked by
     :func:`load_plan` once the world size is known."""
     if isinstance(source, ParallelPlan):
         return
+    data: Mapping[str, Any]
     if isinstance(source, (str, os.PathLike)):
         data, where = read_json_object(source, "plan file", PlanError), f"plan file {str(source)!r}: "
     elif isinstance(source, Mapping):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan
 from lightning_galvatron.profiles import Profile
@@ -103,7 +104,9 @@ class Observation:
 
 
 # ---------------------------------------------------------------------------------------------- fitting
-def nonnegative_least_squares(a: np.ndarray, y: np.ndarray, max_iterations: int = 200) -> np.ndarray:
+def nonnegative_least_squares(
+    a: NDArray[np.float64], y: NDArray[np.float64], max_iterations: int = 200
+) -> NDArray[np.float64]:
     """``argmin ||a x - y||`` subject to ``x >= 0`` (Lawson and Hanson's active-set method)."""
     a = np.asarray(a, dtype=float)
     y = np.asarray(y, dtype=float)
@@ -159,7 +162,10 @@ def fit_calibration(
         raise ValueError("fit_calibration needs at least one observation")
     cm = CostModel(profile, precision, optimizer)
     model = profile.model
-    rows, calls, relocations, busy = [], [], [], []
+    rows: list[NDArray[np.float64]] = []
+    calls: list[float] = []
+    relocation_list: list[float] = []
+    busy: list[float] = []
     tensors: dict[str, list[int]] = {}
     slots = [o.compute_slots for o in observations if o.compute_slots is not None]
     shared = Calibration(compute_slots_per_node=int(statistics.median(slots)) if slots else None)
@@ -173,14 +179,14 @@ def fit_calibration(
             forward, beta, analytic, relocation, strategy = parts.blocks[timing.index]
             rows.append(block_features(np.array([forward]), beta, np.array([analytic]), _arrays([strategy]))[0])
             calls.append(timing.call_s)
-            relocations.append(relocation)
+            relocation_list.append(relocation)
             busy.append(factor)
             if timing.parameter_tensors:
                 tensors.setdefault(model.block_type(timing.index).name, []).append(timing.parameter_tensors)
-    a, measured_calls, relocations = np.array(rows), np.array(calls), np.array(relocations)
+    a, measured_calls, relocations = np.array(rows), np.array(calls), np.array(relocation_list)
     prior_block = None if prior is None else prior.coefficients
 
-    def block_fit(factors: np.ndarray) -> tuple[np.ndarray, float, float]:
+    def block_fit(factors: NDArray[np.float64]) -> tuple[NDArray[np.float64], float, float]:
         """Block terms with every rank busy (a pipeline's calls brought to that by ``factors`` first), their
         weighted residual, and their relative misfit of the calls as measured."""
         y = np.maximum(measured_calls / factors - relocations, 0.0)
@@ -284,8 +290,8 @@ def fit_calibration(
     )
 
     # The training loop around the forward, backward and optimizer step: measured directly.
-    outside = [o.step_s - o.forward_backward_s - o.optimizer_s for o in observations if o.forward_backward_s > 0]
-    step_overhead = max(statistics.median(outside), 0.0) if outside else 0.0
+    loop = [o.step_s - o.forward_backward_s - o.optimizer_s for o in observations if o.forward_backward_s > 0]
+    step_overhead = max(statistics.median(loop), 0.0) if loop else 0.0
     # A pipeline's own work: its measured forward and backward beyond the schedule's time over the stage
     # times built from the measured blocks (the embedding/head and transfers as calibrated and modelled).
     residuals = []
@@ -298,8 +304,8 @@ def fit_calibration(
         stage_times = _measured_stage_times(calibrated, plan, group)
         if stage_times is None:
             continue
-        measured = statistics.median(o.forward_backward_s for o in group)
-        residuals.append(schedule_overhead(measured, np.array(stage_times), plan.micro_batches, plan.virtual_stages))
+        measured_s = statistics.median(o.forward_backward_s for o in group)
+        residuals.append(schedule_overhead(measured_s, np.array(stage_times), plan.micro_batches, plan.virtual_stages))
     pipeline_overhead = max(statistics.median(residuals), 0.0) if residuals else 0.0
     return dataclasses.replace(calibration, step_overhead_s=step_overhead, pipeline_overhead_s=pipeline_overhead)
 
@@ -312,7 +318,9 @@ PRIOR_WEIGHT = 0.1
 VOCAB_SPREAD = 1.5
 
 
-def _with_prior(a: np.ndarray, y: np.ndarray, prior: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+def _with_prior(
+    a: NDArray[np.float64], y: NDArray[np.float64], prior: NDArray[np.float64] | None
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """The weighted system ``a x = y`` with a row per term pulling it towards ``prior``'s value.
 
     A term's row is scaled by its column's typical weighted value (the mean over the observations that use it),
@@ -341,7 +349,7 @@ def _measured_stage_times(cm: CostModel, plan: ParallelPlan, group: Sequence[Obs
         )
     if len(per_stage) != plan.pp:
         return None
-    ctx = StageContext(plan.world_size, plan.pp, plan.global_batch_size, plan.micro_batches, 1.0, plan.virtual_stages)
+    ctx = StageContext(plan.world_size, plan.pp, _global_batch(plan), plan.micro_batches, 1.0, plan.virtual_stages)
     vsa = _arrays([plan.vocab])
     model = cm.profile.model
     reduction = cm.calibration.ddp_reduction_s if cm.calibration is not None else 0.0
@@ -369,6 +377,12 @@ class _Parts:
     reduced_blocks: list[int]  # per stage: blocks whose gradients DDP sums over replicas
 
 
+def _global_batch(plan: ParallelPlan) -> int:
+    if plan.global_batch_size is None:
+        raise ValueError("an observed plan must fix its global batch size")
+    return plan.global_batch_size
+
+
 def _arrays(strategies: Sequence[LayerStrategy]) -> StrategyArrays:
     return StrategyArrays.build(strategies)
 
@@ -376,9 +390,7 @@ def _arrays(strategies: Sequence[LayerStrategy]) -> StrategyArrays:
 def _analytic_parts(cm: CostModel, plan: ParallelPlan) -> _Parts:
     """The uncalibrated model's pieces of ``plan`` that the fit compares measurements with."""
     model = cm.profile.model
-    B = plan.global_batch_size
-    if B is None:
-        raise ValueError("an observed plan must fix its global batch size")
+    B = _global_batch(plan)
     W, pp, m = plan.world_size, plan.pp, plan.micro_batches
     ctx = StageContext(W, pp, B, m, 1.0, plan.virtual_stages)
     n = plan.devices_per_stage

@@ -14,7 +14,7 @@ Torch-free, like the rest of the search.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -205,7 +205,9 @@ def trial_order(candidates: Iterable[Candidate]) -> list[Candidate]:
     return ordered
 
 
-def _pricer(profile: Profile, arguments: Mapping[str, Any], budget: Any):
+def _pricer(
+    profile: Profile, arguments: Mapping[str, Any], budget: int | str | None
+) -> Callable[[ParallelPlan], Estimate | None]:
     def price(plan: ParallelPlan) -> Estimate | None:
         try:
             return evaluate(
@@ -254,19 +256,19 @@ def _other_uniform_plans(
                     except (PlanError, ValueError):
                         continue
             out[f"uniform pp{pp}"] = plans
-    ddp = next((b for b in result.baselines if b.name == "ddp" and b.estimate is not None), None)
+    ddp = next((b.estimate for b in result.baselines if b.name == "ddp" and b.estimate is not None), None)
     if ddp is not None and world_size > 1:
         # DDP over micro-batches of another size: often a winner on its own, and it lets the calibration tell a
         # block's per-call time from its compute (trials of one micro-batch size cannot).
         plans = []
         for m in (2, 4):
             try:
-                plans.append(ddp.estimate.plan.replace(micro_batches=m))
+                plans.append(ddp.plan.replace(micro_batches=m))
             except (PlanError, ValueError):
                 continue
         out["uniform ddp, micro-batches"] = plans
     if ddp is not None and world_size > 1 and "zero2" not in disable:
-        plan = ddp.estimate.plan
+        plan = ddp.plan
         out["uniform zero2"] = [
             plan.replace(
                 layers=tuple(dataclasses.replace(s, dp_type="zero2") for s in plan.layers),

@@ -55,11 +55,15 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
+from numpy.typing import NDArray
 
 from lightning_galvatron.jsonfile import read_json_object
+
+if TYPE_CHECKING:  # space imports the options, which import this module
+    from lightning_galvatron.search.space import StrategyArrays
 
 CALIBRATION_FORMAT = "lightning_galvatron.calibration"
 CALIBRATION_VERSION = 2  # 2: ddp_reduction_s (files of version 1 load, without it)
@@ -148,7 +152,7 @@ class Calibration:
         object.__setattr__(self, "tensors_per_layer_type", dict(self.tensors_per_layer_type))
 
     @property
-    def coefficients(self) -> np.ndarray:
+    def coefficients(self) -> NDArray[np.float64]:
         """Block coefficients in the order of :data:`BLOCK_TERMS`."""
         return np.array([self.block.get(t, IDENTITY_BLOCK.get(t, 0.0)) for t in BLOCK_TERMS])
 
@@ -175,13 +179,26 @@ class Calibration:
     def optimizer_s_per_dtensor_or_tensor(self) -> float:
         return self.optimizer_s_per_tensor if self.optimizer_s_per_dtensor is None else self.optimizer_s_per_dtensor
 
-    def optimizer_time(self, tensors: Any, elements: Any, dtensors: Any = False) -> Any:
-        """The optimizer step for ``tensors`` parameter tensors of ``elements`` elements (``dtensors``: DTensors)."""
+    @overload
+    def optimizer_time(self, tensors: float, elements: float, dtensors: bool = False) -> float: ...
+
+    @overload
+    def optimizer_time(
+        self, tensors: float, elements: NDArray[np.float64], dtensors: bool | NDArray[np.bool_] = False
+    ) -> NDArray[np.float64]: ...
+
+    def optimizer_time(
+        self, tensors: float, elements: float | NDArray[np.float64], dtensors: bool | NDArray[np.bool_] = False
+    ) -> float | NDArray[np.float64]:
+        """The optimizer step for ``tensors`` parameter tensors of ``elements`` elements (``dtensors``: DTensors),
+        per candidate where ``elements`` is an array."""
         per_tensor = np.where(dtensors, self.optimizer_s_per_dtensor_or_tensor, self.optimizer_s_per_tensor)
         return per_tensor * tensors + self.optimizer_s_per_element * elements
 
     def describe(self) -> str:
-        ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
+        def ms(s: float) -> str:
+            return f"{s * 1e3:.2f} ms"
+
         b = {t: self.block.get(t, IDENTITY_BLOCK.get(t, 0.0)) for t in BLOCK_TERMS}
         return (
             f"compute x{b['compute']:.2f} (Megatron TP x{b['compute_tensor_parallel']:.2f}, "
@@ -221,11 +238,11 @@ class Calibration:
             raise ValueError(f"unknown calibration keys {sorted(unknown)}; known: {sorted(known)}")
         return cls(**kwargs)
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike[str]) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Calibration:
+    def load(cls, path: str | os.PathLike[str]) -> Calibration:
         data = read_json_object(path, "calibration file")
         try:
             return cls.from_dict(data)
@@ -233,7 +250,9 @@ class Calibration:
             raise ValueError(f"calibration file {str(path)!r}: {err}") from None
 
 
-def load_calibration(source: Calibration | Mapping[str, Any] | str | os.PathLike | None) -> Calibration | None:
+def load_calibration(
+    source: Calibration | Mapping[str, Any] | str | os.PathLike[str] | None,
+) -> Calibration | None:
     if source is None or isinstance(source, Calibration):
         return source
     if isinstance(source, Mapping):
@@ -242,7 +261,9 @@ def load_calibration(source: Calibration | Mapping[str, Any] | str | os.PathLike
 
 
 # ---------------------------------------------------------------------------------------------- features
-def block_features(forward: np.ndarray, backward_to_forward: float, analytic_time: np.ndarray, sa: Any) -> np.ndarray:
+def block_features(
+    forward: NDArray[np.float64], backward_to_forward: float, analytic_time: NDArray[np.float64], sa: StrategyArrays
+) -> NDArray[np.float64]:
     """Feature columns (:data:`BLOCK_TERMS`) of each candidate: ``(S, len(BLOCK_TERMS))``.
 
     ``forward`` is the profiled forward compute ``f(b/g)``, ``analytic_time`` the uncalibrated time per
@@ -275,12 +296,14 @@ def block_features(forward: np.ndarray, backward_to_forward: float, analytic_tim
     )
 
 
-def vocab_time(calibration: Calibration, compute: np.ndarray, analytic_time: np.ndarray, sa: Any) -> np.ndarray:
+def vocab_time(
+    calibration: Calibration, compute: NDArray[np.float64], analytic_time: NDArray[np.float64], sa: StrategyArrays
+) -> NDArray[np.float64]:
     """Calibrated time of the embedding or the head per micro-batch (half of the fixed time each)."""
     compute = np.asarray(compute, dtype=float)
     communication = np.maximum(np.asarray(analytic_time, dtype=float) - compute, 0.0)
     b = calibration.block
-    mechanisms = (
+    mechanisms: NDArray[np.float64] = (
         (sa.dp_code == 1) * b.get("zero2", 0.0)
         + (sa.dp_code == 2) * b.get("zero3", 0.0)
         + np.asarray(sa.splits_weights, dtype=float) * b.get("tensor_parallel", 0.0)

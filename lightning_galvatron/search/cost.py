@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import NDArray
 
 from lightning_galvatron.layout import p2p_ranks_per_node, ranks_per_node
 from lightning_galvatron.profiles import LayerTypeProfile, LinearFit, Profile, bus_volume
@@ -138,7 +139,7 @@ def accumulates_unsharded_gradients(pp: int, micro_batches: int) -> bool:
     return False
 
 
-def overlap_time(compute, comm, alpha: float):
+def overlap_time(compute: NDArray[np.float64], comm: NDArray[np.float64], alpha: float) -> NDArray[np.float64]:
     """Time of computation and communication overlapped: ``max + (alpha - 1) * min``."""
     return np.maximum(compute, comm) + (alpha - 1.0) * np.minimum(compute, comm)
 
@@ -161,10 +162,12 @@ class CostModel:
         self.optimizer_bytes = optimizer_state_bytes(optimizer, self.precision)
         self.alpha = profile.hardware.overlap_coefficient
         self.activation_scale = self.precision.compute_bytes / profile.model.activation_dtype_bytes
-        self._fits: dict[tuple, tuple[float, float]] = {}
+        self._fits: dict[tuple[str, int, int], tuple[float, float]] = {}
 
     # -------------------------------------------------------------------------------------- collectives
-    def collective_time(self, kind: str, nbytes, group_size: int, stride: int, world_size: int):
+    def collective_time(
+        self, kind: str, nbytes: float | NDArray[np.float64], group_size: int, stride: int, world_size: int
+    ) -> NDArray[np.float64]:
         """Seconds for ``kind`` of ``nbytes`` (the unsharded tensor) over a group; 0 for a group of one."""
         if group_size <= 1:
             return np.zeros_like(np.asarray(nbytes, dtype=float))
@@ -179,8 +182,13 @@ class CostModel:
         return latency + bus_volume(kind, group_size) * np.asarray(nbytes, dtype=float) / bandwidth
 
     def collective_times(
-        self, kind: str, nbytes, group_sizes: np.ndarray, strides: np.ndarray, world_size: int
-    ) -> np.ndarray:
+        self,
+        kind: str,
+        nbytes: float | NDArray[np.float64],
+        group_sizes: NDArray[np.int64],
+        strides: NDArray[np.int64],
+        world_size: int,
+    ) -> NDArray[np.float64]:
         """:meth:`collective_time` per candidate (arrays of group sizes, strides and bytes)."""
         group_sizes = np.asarray(group_sizes)
         nbytes = np.broadcast_to(np.asarray(nbytes, dtype=float), group_sizes.shape)
@@ -215,17 +223,22 @@ class CostModel:
 
 
 # ---------------------------------------------------------------------------------------------- terms
-def local_micro_batch(ctx: StageContext, dp: np.ndarray) -> np.ndarray:
+def local_micro_batch(ctx: StageContext, dp: NDArray[np.int64]) -> NDArray[np.float64]:
     """Samples of a micro-batch each data-parallel replica processes: ``B / (m * d)``."""
     return ctx.global_batch / (ctx.micro_batches * np.asarray(dp, dtype=float))
 
 
-def forward_compute_time(fit: LinearFit, local_batch: np.ndarray, group: np.ndarray) -> np.ndarray:
+def forward_compute_time(
+    fit: LinearFit, local_batch: NDArray[np.float64], group: NDArray[np.int64]
+) -> NDArray[np.float64]:
     """Forward time of one device: the group splits the work of ``b`` samples ``g`` ways: ``f(b/g)``."""
-    return fit(local_batch / group)
+    forward: NDArray[np.float64] = fit(local_batch / group)  # LinearFit takes scalars or arrays, untyped
+    return forward
 
 
-def backward_compute_time(forward: np.ndarray, backward_to_forward: float, recompute: np.ndarray) -> np.ndarray:
+def backward_compute_time(
+    forward: NDArray[np.float64], backward_to_forward: float, recompute: NDArray[np.bool_]
+) -> NDArray[np.float64]:
     """Backward time: ``beta * f``, plus one more forward for a recomputed block."""
     return backward_to_forward * forward + np.where(recompute, forward, 0.0)
 
@@ -234,13 +247,13 @@ def tensor_parallel_comm_time(
     cm: CostModel,
     sa: StrategyArrays,
     ctx: StageContext,
-    local_batch: np.ndarray,
+    local_batch: NDArray[np.float64],
     hidden: int,
     seq: int,
     calls_forward: float,
     calls_backward: float,
     ulysses_calls: float,
-) -> np.ndarray:
+) -> NDArray[np.float64]:
     """Per micro-batch time of the TP/SP collectives, which sit on the critical path.
 
     Megatron without SP: ``calls`` all-reduces of ``b*s*h`` per pass; with SP an all-gather and a
@@ -267,7 +280,9 @@ def tensor_parallel_comm_time(
     )
 
 
-def data_parallel_comm_times(cm: CostModel, sa: StrategyArrays, ctx: StageContext, parameters: float):
+def data_parallel_comm_times(
+    cm: CostModel, sa: StrategyArrays, ctx: StageContext, parameters: float
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
     """FSDP2/DDP communication: (forward all-gather, backward all-gather + per-micro-batch gradient
     reduction, once-per-step gradient reduction), each in seconds per occurrence.
 
@@ -299,13 +314,13 @@ def data_parallel_comm_times(cm: CostModel, sa: StrategyArrays, ctx: StageContex
     backward_gather = np.where(sa.dp_code == 2, gather, 0.0)
     # DDP layers sum their gradients once per step, after the last micro-batch (``runtime.gradient_sync``).
     if accumulates_unsharded_gradients(ctx.pp, ctx.micro_batches):
-        per_micro_batch, per_step = 0.0, np.where(zero, scatter, allreduce)
+        per_micro_batch, per_step = np.zeros_like(scatter), np.where(zero, scatter, allreduce)
     else:  # every micro-batch's backward reduce-scatters the ZeRO blocks' gradients
         per_micro_batch, per_step = np.where(zero, scatter, 0.0), np.where(zero, 0.0, allreduce)
     return forward_gather, backward_gather + per_micro_batch, per_step
 
 
-def model_state_bytes(cm: CostModel, sa: StrategyArrays, ctx: StageContext, parameters: float) -> np.ndarray:
+def model_state_bytes(cm: CostModel, sa: StrategyArrays, ctx: StageContext, parameters: float) -> NDArray[np.float64]:
     """Parameters, gradients and optimizer states one device holds for a block.
 
     With ``P`` the block's parameters on the device (``/g`` when Megatron splits the weights) and
@@ -324,7 +339,7 @@ def model_state_bytes(cm: CostModel, sa: StrategyArrays, ctx: StageContext, para
     full = weights * (pr.param_bytes + pr.grad_bytes + cm.optimizer_bytes)
     working_copy = weights * pr.compute_bytes
     ddp = full + (working_copy if pr.compute_bytes != pr.param_bytes else 0.0)
-    out = np.select([sa.dp_code == 0, sa.dp_code == 1], [ddp, full / d + working_copy], full / d)
+    out: NDArray[np.float64] = np.select([sa.dp_code == 0, sa.dp_code == 1], [ddp, full / d + working_copy], full / d)
     if accumulates_unsharded_gradients(ctx.pp, ctx.micro_batches):
         out = out + np.where(sa.dp_code > 0, weights * pr.reduce_bytes, 0.0)
     return out
@@ -333,11 +348,11 @@ def model_state_bytes(cm: CostModel, sa: StrategyArrays, ctx: StageContext, para
 def activation_bytes(
     cm: CostModel,
     sa: StrategyArrays,
-    local_batch: np.ndarray,
+    local_batch: NDArray[np.float64],
     per_degree: Callable[[int], float],
     recompute_bytes: float,
     replicated_bytes: float,
-) -> np.ndarray:
+) -> NDArray[np.float64]:
     """Bytes one device keeps for backward per micro-batch in flight.
 
     ``b * act(g)`` from the profile's per-degree table; Megatron TP without SP also keeps the
@@ -360,20 +375,20 @@ class LayerCosts:
     the latter per micro-batch in flight.
     """
 
-    time: np.ndarray
-    last_extra: np.ndarray
-    state_bytes: np.ndarray
-    activation_bytes: np.ndarray
+    time: NDArray[np.float64]
+    last_extra: NDArray[np.float64]
+    state_bytes: NDArray[np.float64]
+    activation_bytes: NDArray[np.float64]
 
-    def step_share(self, span: float) -> np.ndarray:
+    def step_share(self, span: float) -> NDArray[np.float64]:
         """Time per micro-batch carrying the step's extra, ``t + E/span``, with ``span`` the schedule's step in
         stage times (:func:`~.pipeline.step_span`; ``m`` without a pipeline): the step then counts ``E`` once."""
         return self.time + self.last_extra / span
 
-    def memory(self, in_flight: float) -> np.ndarray:
+    def memory(self, in_flight: float) -> NDArray[np.float64]:
         return self.state_bytes + in_flight * self.activation_bytes
 
-    def take(self, keep: np.ndarray) -> LayerCosts:
+    def take(self, keep: NDArray[np.bool_] | NDArray[np.intp]) -> LayerCosts:
         """The costs of the candidates ``keep`` selects (a mask or indices)."""
         return LayerCosts(self.time[keep], self.last_extra[keep], self.state_bytes[keep], self.activation_bytes[keep])
 
@@ -438,10 +453,11 @@ def _costs(
     )
 
 
-def ddp_reduced(sa: StrategyArrays, devices_per_stage: int) -> np.ndarray:
+def ddp_reduced(sa: StrategyArrays, devices_per_stage: int) -> NDArray[np.bool_]:
     """Which candidates' gradients DDP sums over replicas (``ddp`` with more than one copy of the weights)."""
     replicas = devices_per_stage // np.where(sa.splits_weights, sa.tp, 1)
-    return (sa.dp_code == 0) & (replicas > 1)
+    reduced: NDArray[np.bool_] = (sa.dp_code == 0) & (replicas > 1)
+    return reduced
 
 
 def block_costs(cm: CostModel, layer: LayerTypeProfile, sa: StrategyArrays, ctx: StageContext) -> LayerCosts:
@@ -543,7 +559,9 @@ def relocation_time(cm: CostModel, before: Layout, after: Layout, ctx: StageCont
     return total
 
 
-def relocation_matrix(cm: CostModel, layouts: Sequence[Layout], ctx: StageContext, hidden: int, seq: int) -> np.ndarray:
+def relocation_matrix(
+    cm: CostModel, layouts: Sequence[Layout], ctx: StageContext, hidden: int, seq: int
+) -> NDArray[np.float64]:
     """:func:`relocation_time` between every pair of layouts (rows: before, columns: after)."""
     k = len(layouts)
     out = np.zeros((k, k))

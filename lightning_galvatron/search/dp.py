@@ -27,8 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
+from numpy.typing import NDArray
 
 INF = np.inf
 
@@ -38,14 +40,25 @@ def cell_bytes(capacity_bytes: float, num_blocks: int, tolerance: float) -> floa
     return max(tolerance * max(capacity_bytes, 1.0) / max(num_blocks, 1), 1.0)
 
 
-def cells_for(nbytes: np.ndarray, cell: float) -> np.ndarray:
+def cells_for(nbytes: NDArray[np.float64], cell: float) -> NDArray[np.int64]:
     """Memory in whole cells, rounded up (conservative)."""
     return np.ceil(np.asarray(nbytes, dtype=float) / cell).astype(np.int64)
 
 
-def cap_cells(cap_bytes, cell: float):
+def cap_cells(cap_bytes: float | NDArray[np.float64], cell: float) -> NDArray[np.int64]:
     """How many whole cells fit a cap (-1 when even an empty stage does not fit)."""
     return np.floor(np.asarray(cap_bytes, dtype=float) / cell * (1 - 1e-12)).astype(np.int64)
+
+
+class Prepared(NamedTuple):
+    """A step's columns grouped by layout for one cell size (:meth:`Step.prepared`)."""
+
+    order: NDArray[np.intp]  # column order, grouped by layout
+    layouts: NDArray[np.int64]  # the distinct layouts, increasing
+    starts: NDArray[np.intp]  # where each layout's columns start in ``order``
+    cells: NDArray[np.int64]  # each column's memory in whole cells, in ``order``
+    pad: int  # rows of padding above the predecessor table (the most cells of a column)
+    gather: NDArray[np.int64]  # flat index into the padded predecessor table, per (cell, column)
 
 
 @dataclass(eq=False)
@@ -57,12 +70,12 @@ class Step:
     maps the columns back to the caller's strategies (e.g. after pruning).
     """
 
-    time: np.ndarray
-    memory: np.ndarray
-    layout: np.ndarray
-    relocation: np.ndarray
-    candidates: np.ndarray | None = None  # what each column stands for in the caller's list
-    _cache: dict = field(default_factory=dict, repr=False)
+    time: NDArray[np.float64]
+    memory: NDArray[np.float64]
+    layout: NDArray[np.int64]
+    relocation: NDArray[np.float64]
+    candidates: NDArray[np.intp] | None = None  # what each column stands for in the caller's list
+    _cache: dict[tuple[float, int], Prepared] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.time = np.asarray(self.time, dtype=float)
@@ -71,7 +84,11 @@ class Step:
         if not (len(self.time) == len(self.memory) == len(self.layout)) or not len(self.time):
             raise ValueError("a DP step needs the same, non-zero number of times, memories and layouts")
 
-    def prepared(self, cell: float, num_cells: int):
+    def candidate(self, column: int) -> int:
+        """The caller's index of ``column`` (itself without ``candidates``)."""
+        return column if self.candidates is None else int(self.candidates[column])
+
+    def prepared(self, cell: float, num_cells: int) -> Prepared:
         """Column order grouped by layout, and the flat gather index for the shifted predecessor table."""
         key = (cell, num_cells)
         if key not in self._cache:
@@ -82,7 +99,7 @@ class Step:
             pad = int(cells.max())
             rows = np.arange(num_cells)[:, None] - cells[None, :] + pad
             gather = rows * len(layouts) + position[None, :]
-            self._cache[key] = (order, layouts, starts, cells, pad, gather)
+            self._cache[key] = Prepared(order, layouts, starts, cells, pad, gather)
         return self._cache[key]
 
 
@@ -96,41 +113,42 @@ class LayerDP:
         self.resets = [True, *list(resets)[1:]] if resets else [True] + [False] * (len(steps) - 1)
         self.cell = float(cell)
         self.num_cells = int(num_cells)
-        self._values: list[np.ndarray] = []
+        self._values: list[NDArray[np.float64]] = []
 
-    def _entry(self, i: int, previous: np.ndarray | None, previous_step: Step | None) -> np.ndarray:
+    def _entry(self, i: int, previous: tuple[NDArray[np.float64], Step] | None) -> NDArray[np.float64]:
         """Best time per (cell, layout of step i) before adding step i, from the previous step's
-        best per (cell, layout): a min over the previous layouts of value + relocation."""
+        best per (cell, layout) (and that step): a min over the previous layouts of value + relocation."""
         step = self.steps[i]
         order, layouts, starts, cells, pad, gather = step.prepared(self.cell, self.num_cells)
         if previous is None:
-            entry = np.full((self.num_cells, len(layouts)), INF)
-            entry[0, :] = 0.0
-            return entry
+            empty = np.full((self.num_cells, len(layouts)), INF)
+            empty[0, :] = 0.0  # nothing before the first block: no memory used, no time
+            return empty
+        by_layout, previous_step = previous
         if self.resets[i]:
-            return np.repeat(previous.min(axis=1, keepdims=True), len(layouts), axis=1)
-        p_layouts = previous_step.prepared(self.cell, self.num_cells)[1]
-        relocation = step.relocation[np.ix_(p_layouts, layouts)]  # (K_prev, K)
-        entry = previous[:, :1] + relocation[0]
+            return np.repeat(by_layout.min(axis=1, keepdims=True), len(layouts), axis=1)
+        p_layouts = previous_step.prepared(self.cell, self.num_cells).layouts
+        relocation: NDArray[np.float64] = step.relocation[np.ix_(p_layouts, layouts)]  # (K_prev, K)
+        entry: NDArray[np.float64] = by_layout[:, :1] + relocation[0]
         for k in range(1, len(p_layouts)):
-            np.minimum(entry, previous[:, k : k + 1] + relocation[k], out=entry)
+            np.minimum(entry, by_layout[:, k : k + 1] + relocation[k], out=entry)
         return entry
 
-    def _advance(self, i: int, entry: np.ndarray) -> np.ndarray:
+    def _advance(self, i: int, entry: NDArray[np.float64]) -> NDArray[np.float64]:
         """Values per (cell, strategy of step i): the entry shifted down by the strategy's cells, plus its time."""
         step = self.steps[i]
         order, layouts, starts, cells, pad, gather = step.prepared(self.cell, self.num_cells)
         padded = np.concatenate([np.full((pad, entry.shape[1]), INF), entry], axis=0)
         return np.take(padded, gather) + step.time[order][None, :]
 
-    def _closing_cells(self, i: int, closing: np.ndarray | None) -> np.ndarray | None:
+    def _closing_cells(self, i: int, closing: NDArray[np.float64] | None) -> NDArray[np.int64] | None:
         """Step ``i``'s closing memory (bytes per column, in the caller's order) in whole cells, in the step's order."""
         if closing is None:
             return None
-        order = self.steps[i].prepared(self.cell, self.num_cells)[0]
+        order = self.steps[i].prepared(self.cell, self.num_cells).order
         return np.minimum(cells_for(np.asarray(closing, dtype=float)[order], self.cell), self.num_cells)
 
-    def _closed(self, values: np.ndarray, extra: np.ndarray | None) -> np.ndarray:
+    def _closed(self, values: NDArray[np.float64], extra: NDArray[np.int64] | None) -> NDArray[np.float64]:
         """``values`` of prefixes that end here, each column shifted up by its closing cells."""
         if extra is None or not extra.any():
             return values
@@ -138,24 +156,26 @@ class LayerDP:
         shifted = np.take_along_axis(values, np.maximum(rows, 0), axis=0)
         return np.where(rows >= 0, shifted, INF)
 
-    def tables(self, keep: bool = False, closing: Sequence[np.ndarray | None] | None = None) -> np.ndarray:
+    def tables(
+        self, keep: bool = False, closing: Sequence[NDArray[np.float64] | None] | None = None
+    ) -> NDArray[np.float64]:
         """``best[j, c]``: least time of the first ``j + 1`` blocks using at most ``c`` cells (inf if none fits),
         with ``closing[j]`` (bytes per column of step ``j``, or None) paid by the prefix that ends at step ``j``."""
         best = np.empty((len(self.steps), self.num_cells))
-        by_layout, previous_step = None, None
+        previous: tuple[NDArray[np.float64], Step] | None = None
         self._values = []
         for i, step in enumerate(self.steps):
-            values = self._advance(i, self._entry(i, by_layout, previous_step))
+            values = self._advance(i, self._entry(i, previous))
             if keep:
                 self._values.append(values)
-            by_layout = np.minimum.reduceat(values, step.prepared(self.cell, self.num_cells)[2], axis=1)
+            by_layout = np.minimum.reduceat(values, step.prepared(self.cell, self.num_cells).starts, axis=1)
             extra = self._closing_cells(i, closing[i] if closing is not None else None)
             ended = by_layout if extra is None else self._closed(values, extra)
             best[i] = np.minimum.accumulate(ended.min(axis=1))
-            previous_step = step
+            previous = (by_layout, step)
         return best
 
-    def solve(self, cap: int, closing: np.ndarray | None = None) -> tuple[float, list[int]]:
+    def solve(self, cap: int, closing: NDArray[np.float64] | None = None) -> tuple[float, list[int]]:
         """Least time of all blocks within ``cap`` cells, the last block's ``closing`` memory included, and the chosen
         strategy index per block."""
         self.tables(keep=True)
@@ -166,7 +186,7 @@ class LayerDP:
         last = self._closed(self._values[-1], extra)[: cap + 1]
         if not np.isfinite(last).any():
             return INF, []
-        m, col = np.unravel_index(int(np.argmin(last)), last.shape)
+        m, col = (int(x) for x in np.unravel_index(int(np.argmin(last)), last.shape))
         time = float(last[m, col])
         if extra is not None:
             m = int(m - extra[col])  # the row of the blocks' own memory
@@ -189,12 +209,12 @@ class LayerDP:
 
 
 def undominated(
-    time: np.ndarray,
-    memory: np.ndarray,
-    layout: np.ndarray,
-    relocation: Sequence[np.ndarray] = (),
-    also: np.ndarray | None = None,
-) -> np.ndarray:
+    time: NDArray[np.float64],
+    memory: NDArray[np.float64],
+    layout: NDArray[np.int64],
+    relocation: Sequence[NDArray[np.float64]] = (),
+    also: NDArray[np.float64] | None = None,
+) -> NDArray[np.bool_]:
     """Candidates that no other candidate beats in both time and memory (and in ``also``, a second memory that must
     be no worse either), relocations included.
 
@@ -222,5 +242,5 @@ def undominated(
         better |= also[:, None] < also[None, :]
     earlier = np.arange(S)[:, None] < np.arange(S)[None, :]
     np.fill_diagonal(no_worse, False)
-    dominated = (no_worse & (better | earlier)).any(axis=0)
+    dominated: NDArray[np.bool_] = (no_worse & (better | earlier)).any(axis=0)
     return ~dominated

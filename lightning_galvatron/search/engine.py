@@ -204,7 +204,7 @@ def search(
         if choice is not None and (best is None or choice.throughput > best.throughput):
             best = choice
     if best is None:
-        if not executable:
+        if not executable or smallest is None:  # only executable shapes have a smallest budget
             raise NoValidPlanError(_no_plan_message(profile, world_size, batches, options))
         need, B = smallest
         message = (
@@ -263,7 +263,8 @@ def solve_configuration(
     of :func:`search`, exposed for tests and what-ifs."""
     profile = load_profile(profile)
     budget = parse_bytes(memory_budget_bytes)
-    cm = CostModel(profile, precision, optimizer, applicable_calibration(profile, options and options.calibration))
+    calibration = options.calibration if options is not None else None
+    cm = CostModel(profile, precision, optimizer, applicable_calibration(profile, calibration))
     solver = FixedBatchSolver(cm, world_size, budget, global_batch_size, options or SearchOptions())
     pp, v = config.pp, config.virtual_stages
     full = solver.shape(config, max_blocks=max(len(rank_blocks(partition, pp, r)[0]) for r in range(pp)))
@@ -342,7 +343,7 @@ def _baselines(
                 rest = e
         return fitting or rest
 
-    def uniform(strategy: LayerStrategy, vocab: LayerStrategy, **kw) -> Iterable[ParallelPlan]:
+    def uniform(strategy: LayerStrategy, vocab: LayerStrategy, **kw: Any) -> Iterable[ParallelPlan]:
         for m in divisors(global_batch):
             if options.token_means and token_mean_problem(kw.get("pp", 1), m, vocab.tp) is not None:
                 continue
@@ -371,10 +372,9 @@ def _baselines(
         if all(layer_problem(LayerStrategy(tp=g), lt) is None for lt in model.layer_types):
             vg = g if vocab_problem(LayerStrategy(tp=g), model.vocab.supports_tensor_parallel) is None else 1
             # Megatron-SP only where every block type runs it.
-            kinds = ("megatron", "none") if g > 1 else ("none",)
             kinds = [
                 sp
-                for sp in kinds
+                for sp in (("megatron", "none") if g > 1 else ("none",))
                 if all(layer_problem(LayerStrategy(tp=g, sp=sp), t) is None for t in model.layer_types)
             ]
             for sp in kinds:

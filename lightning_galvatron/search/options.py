@@ -34,7 +34,7 @@ DISABLE_CHOICES = {
 }
 
 
-def _knob(default: Any = None, *, help: str, factory: Any = None, **kinds: Any) -> Any:  # noqa: A002
+def _knob(default: Any = None, *, help: str, factory: Any = None, **kinds: Any) -> Any:
     """A field with its help text; ``kinds``: ``type`` of a value, ``many`` (a list), ``choices``."""
     metadata = {"help": help, **kinds}
     if factory is not None:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from lightning_galvatron.plan import LayerStrategy
-from lightning_galvatron.profiles import Profile
+from lightning_galvatron.profiles import Overheads, Profile
 from lightning_galvatron.search.calibration import nonnegative_least_squares
 from lightning_galvatron.search.coefficients import (
     BLOCK_TERMS,
@@ -44,7 +44,7 @@ CALL_TERMS = ("call", "zero2", "zero3", "tensor_parallel", "megatron_sp", "ulyss
 
 
 def applicable_calibration(
-    profile: Profile, calibration: Calibration | Mapping[str, Any] | str | os.PathLike | None
+    profile: Profile, calibration: Calibration | Mapping[str, Any] | str | os.PathLike[str] | None
 ) -> Calibration | None:
     """``calibration`` if given, else the profile's own (:func:`profile_calibration`), else ``None``."""
     explicit = load_calibration(calibration)
@@ -53,7 +53,7 @@ def applicable_calibration(
 
 #: Profiles are immutable: each one's calibration is fitted once (``evaluate`` prices many plans with it, and the
 #: fit costs about as much as pricing a plan). Keyed by identity; an entry goes when its profile does.
-_FITTED: dict[int, tuple[weakref.ref, Calibration | None]] = {}
+_FITTED: dict[int, tuple[weakref.ref[Profile], Calibration | None]] = {}
 
 
 def profile_calibration(profile: Profile) -> Calibration | None:
@@ -63,7 +63,11 @@ def profile_calibration(profile: Profile) -> Calibration | None:
     if hit is not None and hit[0]() is profile:
         return hit[1]
     calibration = _fit(profile)
-    _FITTED[key] = (weakref.ref(profile, lambda _, key=key: _FITTED.pop(key, None)), calibration)
+
+    def forget(_: weakref.ref[Profile]) -> None:
+        _FITTED.pop(key, None)
+
+    _FITTED[key] = (weakref.ref(profile, forget), calibration)
     return calibration
 
 
@@ -130,7 +134,7 @@ def _fit(profile: Profile) -> Calibration | None:
         optimizer_s_per_dtensor=per_dtensor,
         tensors_per_layer_type=dict(zip(names, overheads.block_tensors)),
         vocab_tensors=overheads.vocab_tensors,
-        ddp_reduction_s=_ddp_reduction(profile),
+        ddp_reduction_s=_ddp_reduction(overheads),
         # The cores a pipeline's waiting stages leave to the busy ones (Calibration.sharing_factor) come with the
         # schedule's own work, which only a pipeline measures: both or neither. Alone, the sharing made pipelines
         # look twice as fast as they ran (4 processes on 2 cores).
@@ -141,7 +145,7 @@ def _fit(profile: Profile) -> Calibration | None:
     )
     if not overheads.pipelines:
         return calibration
-    return dataclasses.replace(calibration, pipeline_overhead_s=_schedule_overhead(profile, calibration))
+    return dataclasses.replace(calibration, pipeline_overhead_s=_schedule_overhead(profile, overheads, calibration))
 
 
 #: The block terms that scale the profiled compute.
@@ -160,7 +164,7 @@ def busy_compute_scale(profile: Profile) -> float:
     return max(ranks / slots, 1.0) if slots else 1.0
 
 
-def _ddp_reduction(profile: Profile) -> float:
+def _ddp_reduction(overheads: Overheads) -> float:
     """Per block and step, what the reduction probes' backward with DDP's gradient reduction took beyond the same
     without it: the median over the probes, >= 0; 0 without probes.
 
@@ -169,15 +173,15 @@ def _ddp_reduction(profile: Profile) -> float:
     uniform DDP 17% fast, and the sum priced it within 4% (``benchmarks/cost_model_accuracy.py``). The all-reduce
     that runs beside backward also takes the cores backward computes on, which the probe's difference does not
     show and the overlap's price does."""
-    values = [(r.reduced_seconds - r.plain_seconds) / r.blocks for r in profile.overheads.reductions]
+    values = [(r.reduced_seconds - r.plain_seconds) / r.blocks for r in overheads.reductions]
     return max(float(np.median(values)), 0.0) if values else 0.0
 
 
-def _schedule_overhead(profile: Profile, calibration: Calibration) -> float:
-    """What the pipeline probes took beyond the stage times ``calibration`` prices for them (their blocks, with
-    the sharing of cores, and transfers), per micro-batch and model chunk: the median over the probes, >= 0."""
+def _schedule_overhead(profile: Profile, overheads: Overheads, calibration: Calibration) -> float:
+    """What the pipeline probes (``overheads``, the profile's) took beyond the stage times ``calibration`` prices for
+    them (their blocks, with the sharing of cores, and transfers), per micro-batch and model chunk: the median over
+    the probes, >= 0."""
     cm = CostModel(profile, profile.measured_precision or "32-true", calibration=calibration)
-    overheads = profile.overheads
     plain, residuals = StrategyArrays.build([LayerStrategy()]), []
     for probe in overheads.pipelines:
         layer = profile.model.layer_types[probe.layer_type]

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from numpy.typing import NDArray
 
 from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import even_partition
@@ -58,7 +59,9 @@ def p2p_transfers(pp: int, stage: int, virtual_stages: int = 1) -> int:
     return sum((c > 0) + (c < chunks - 1) for c in rank_chunks(stage, pp, virtual_stages))
 
 
-def pipeline_step_time(stage_times: np.ndarray, micro_batches: int, virtual_stages: int = 1) -> np.ndarray:
+def pipeline_step_time(
+    stage_times: NDArray[np.float64], micro_batches: int, virtual_stages: int = 1
+) -> NDArray[np.float64]:
     """Step time from per-stage times per micro-batch (last axis = stages); see the module docstring."""
     t = np.asarray(stage_times, dtype=float)
     v, m = virtual_stages, micro_batches
@@ -79,7 +82,9 @@ def step_span(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
     return float(pipeline_step_time(np.ones(pp), micro_batches, virtual_stages))
 
 
-def schedule_overhead(measured_s: float, stage_times: np.ndarray, micro_batches: int, virtual_stages: int = 1) -> float:
+def schedule_overhead(
+    measured_s: float, stage_times: NDArray[np.float64], micro_batches: int, virtual_stages: int = 1
+) -> float:
     """The schedule's own time per micro-batch and model chunk (besides blocks and transfers) that turns stage
     times per micro-batch without it into the ``measured_s`` a pipeline took: the step's excess over
     :func:`pipeline_step_time`, over how many such times the schedule runs one after another (every stage adds it
@@ -91,8 +96,8 @@ def schedule_overhead(measured_s: float, stage_times: np.ndarray, micro_batches:
 # ---------------------------------------------------------------------------------------------- partitions
 def balanced_partition(
     pp: int,
-    weights: np.ndarray,
-    constants: Sequence[float] = (),
+    weights: NDArray[np.float64],
+    constants: Sequence[float] | NDArray[np.float64] = (),
     max_blocks: int | None = None,
 ) -> tuple[int, ...] | None:
     """Contiguous partition of the blocks into ``pp`` stages minimising the largest stage cost.
@@ -146,7 +151,7 @@ def interpolate_partitions(a: Sequence[int], b: Sequence[int], steps: int = 4) -
     return out
 
 
-def partition_neighbours(partition: Sequence[int], max_blocks: int) -> np.ndarray:
+def partition_neighbours(partition: Sequence[int] | NDArray[np.int64], max_blocks: int) -> NDArray[np.int64]:
     """All partitions one block away: a boundary moved by one (rows of an ``(N, pp)`` array)."""
     p = np.asarray(partition)
     rows = []
@@ -162,7 +167,7 @@ def partition_neighbours(partition: Sequence[int], max_blocks: int) -> np.ndarra
 
 def refine_partition(
     start: Sequence[int],
-    objective: Callable[[np.ndarray], np.ndarray],
+    objective: Callable[[NDArray[np.int64]], NDArray[np.float64]],
     max_blocks: int,
     max_rounds: int = 256,
 ) -> tuple[tuple[int, ...], float]:

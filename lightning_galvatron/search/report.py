@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lightning_galvatron.units import format_bytes
 
+if TYPE_CHECKING:  # only annotations: the reports need no more of the search at import
+    from lightning_galvatron.plan import ParallelPlan
+    from lightning_galvatron.search.engine import SearchResult
+    from lightning_galvatron.search.estimate import Estimate
 
-def describe_search(result: Any, title: str) -> str:
+
+def describe_search(result: SearchResult, title: str) -> str:
     """The best plan's per-block table and stage breakdown, the uniform baselines and the search's cost."""
     return "\n".join([title, describe_estimate(result.estimate), describe_alternatives(result)])
 
 
-def describe_alternatives(result: Any) -> str:
+def describe_alternatives(result: SearchResult) -> str:
     """What the search compared its plan with (the uniform baselines), its notes and its cost."""
     lines = []
     if result.baselines:
         lines.append("\nUniform baselines (same cost model):")
-        rows = [("baseline", "samples/s", "step", "peak memory", "plan")]
+        rows: list[tuple[str, ...]] = [("baseline", "samples/s", "step", "peak memory", "plan")]
         for b in result.baselines:
             e = b.estimate
             if e is None:
@@ -38,7 +43,7 @@ def describe_alternatives(result: Any) -> str:
     return "\n".join(lines)
 
 
-def plan_summary(plan: Any) -> str:
+def plan_summary(plan: ParallelPlan) -> str:
     kinds = sorted({s.short() for s in plan.layers})
     head = f"pp{plan.pp}"
     if plan.pp > 1:
@@ -64,7 +69,7 @@ def legend(labels: Iterable[str]) -> str:
     return "Labels: " + "; ".join(f"{part} = {meaning}" for part, meaning in LABEL_PARTS.items() if part in present)
 
 
-def describe_estimate(estimate: Any) -> str:
+def describe_estimate(estimate: Estimate) -> str:
     plan = estimate.plan
     lines = [
         f"pp={plan.pp}  schedule={plan.schedule}  micro-batches={plan.micro_batches}"
@@ -73,7 +78,7 @@ def describe_estimate(estimate: Any) -> str:
         + f"  embedding/head: {plan.vocab.short()}",
         "",
     ]
-    rows = [("blocks", "stage", "strategy", "memory/device", "time/micro-batch")]
+    rows: list[tuple[str, ...]] = [("blocks", "stage", "strategy", "memory/device", "time/micro-batch")]
     blocks = list(estimate.blocks)
     i = 0
     while i < len(blocks):
@@ -126,13 +131,11 @@ def describe_estimate(estimate: Any) -> str:
             )
         )
     lines.append(text_table(rows))
-    fits = (
-        ""
-        if estimate.fits is None
-        else (
-            "  (fits the budget)" if estimate.fits else f"  (DOES NOT FIT {format_bytes(estimate.memory_budget_bytes)})"
-        )
-    )
+    budget = estimate.memory_budget_bytes  # estimate.fits is None exactly without one
+    if budget is None:
+        fits = ""
+    else:
+        fits = "  (fits the budget)" if estimate.fits else f"  (DOES NOT FIT {format_bytes(budget)})"
     lines.append("")
     lines.append(
         f"Predicted: step {estimate.step_time_s:.3f} s, {estimate.throughput_samples_per_s:.2f} samples/s, "

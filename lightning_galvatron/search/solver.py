@@ -32,8 +32,10 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, even_partition
@@ -46,6 +48,7 @@ from lightning_galvatron.search.cost import (
     vocab_costs,
 )
 from lightning_galvatron.search.dp import LayerDP, Step, cap_cells, cell_bytes, undominated
+from lightning_galvatron.search.options import SearchOptions
 from lightning_galvatron.search.pipeline import (
     balanced_partition,
     in_flight_micro_batches,
@@ -56,8 +59,8 @@ from lightning_galvatron.search.pipeline import (
     refine_partition,
 )
 from lightning_galvatron.search.space import (
+    Layout,
     PipelineConfig,
-    SearchOptions,
     StrategyArrays,
     canonical_order,
     layer_candidates,
@@ -95,21 +98,21 @@ class Shape:
     in_flight: list[float]
     strategies: list[StrategyArrays]  # per layer type
     costs: list[LayerCosts]
-    layouts: list  # union of layouts
-    layout_index: list[np.ndarray]  # per layer type, per candidate
-    relocation: list[np.ndarray]  # per layer type (into that type)
+    layouts: list[Layout]  # union of layouts
+    layout_index: list[NDArray[np.int64]]  # per layer type, per candidate
+    relocation: list[NDArray[np.float64]]  # per layer type (into that type)
     vocab: StrategyArrays
-    vocab_time: np.ndarray  # (pp, V): embedding/head time share per stage
-    vocab_memory: np.ndarray  # (pp, V)
-    p2p: np.ndarray  # (pp,)
-    replay: np.ndarray  # (L+1, J+1) the level's replay bound of a stage starting at a with j blocks
-    gathered: np.ndarray  # (L+1, J+1) the level's gather bound, likewise
+    vocab_time: NDArray[np.float64]  # (pp, V): embedding/head time share per stage
+    vocab_memory: NDArray[np.float64]  # (pp, V)
+    p2p: NDArray[np.float64]  # (pp,)
+    replay: NDArray[np.float64]  # (L+1, J+1) the level's replay bound of a stage starting at a with j blocks
+    gathered: NDArray[np.float64]  # (L+1, J+1) the level's gather bound, likewise
     lower_bound: float
     max_blocks: int
     level: str = "all"  # the reserve level (:data:`~.working.RESERVE_LEVELS`) whose candidates and reserve these are
 
     @property
-    def working(self) -> np.ndarray:
+    def working(self) -> NDArray[np.float64]:
         """(L+1, J+1) the reserve of a stage whatever its last block: what interleaved ranks hold back."""
         return self.replay + self.gathered
 
@@ -140,7 +143,7 @@ class FixedBatchSolver:
         self.options = options
         self.overhead = cm.profile.hardware.memory_overhead_bytes
         self.capacity = budget - self.overhead
-        self.types = np.asarray(self.model.blocks)
+        self.types: NDArray[np.int64] = np.asarray(self.model.blocks)
         self.L = len(self.types)
         self.single_type = len(set(self.model.blocks)) == 1
         self.considered = self.solved = 0
@@ -183,10 +186,8 @@ class FixedBatchSolver:
         vocab_memory[0] += emb.memory(in_flight[0])
         vocab_time[-1] += head.step_share(config.span)
         vocab_memory[-1] += head.memory(in_flight[-1])
-        p2p = np.array([p2p_transfers(pp, r, v) for r in range(pp)]) * cm.p2p_time(
-            ctx, model.hidden_size, model.seq_length
-        )
-        p2p = p2p + cm.pipeline_overhead(pp, v)
+        transfer = cm.p2p_time(ctx, model.hidden_size, model.seq_length)
+        p2p = np.array([p2p_transfers(pp, r, v) for r in range(pp)]) * transfer + cm.pipeline_overhead(pp, v)
         max_blocks_override = max_blocks
         if v == 1:
             max_blocks = (
@@ -216,7 +217,11 @@ class FixedBatchSolver:
         )
 
     def lower_bound(
-        self, config: PipelineConfig, costs: Sequence[LayerCosts], vocab_time: np.ndarray, p2p: np.ndarray
+        self,
+        config: PipelineConfig,
+        costs: Sequence[LayerCosts],
+        vocab_time: NDArray[np.float64],
+        p2p: NDArray[np.float64],
     ) -> float:
         """Lower bound on the step: every block at its fastest, perfectly balanced stages (max >= mean)."""
         m = config.micro_batches
@@ -275,19 +280,17 @@ class FixedBatchSolver:
             if shape.closes_stages and RESERVE_LEVELS[shape.level][0]:
                 # memory + closing_reserve = memory + gathered + replay - min(replay, freed), for any replay >= 0
                 closing = memory - np.where(shape.strategies[t].recompute, 0.0, c.activation_bytes)
-            keep = undominated(
-                time, memory, shape.layout_index[t], [shape.relocation[t], *shape.relocation], also=closing
-            )
-            out.append(
-                Step(time[keep], memory[keep], shape.layout_index[t][keep], shape.relocation[t], np.nonzero(keep)[0])
-            )
+            layout, relocation = shape.layout_index[t], shape.relocation[t]
+            keep = undominated(time, memory, layout, [relocation, *shape.relocation], also=closing)
+            out.append(Step(time[keep], memory[keep], layout[keep], relocation, np.nonzero(keep)[0]))
         return out
 
-    def closing(self, shape: Shape, layer_type: int, start: int, blocks: int, candidates=None) -> np.ndarray | None:
-        """The reserve of a stage ``[start, start+blocks)`` per ``candidates`` of its last block (indices into
-        ``layer_type``'s strategies; all when None); None if it does not depend on it (:attr:`Shape.closes_stages`)."""
-        if not shape.closes_stages:
-            return None
+    def closing(
+        self, shape: Shape, layer_type: int, start: int, blocks: int, candidates: ArrayLike | None = None
+    ) -> NDArray[np.float64]:
+        """The reserve of a stage ``[start, start+blocks)`` of a shape whose stages close with their last block's
+        (:attr:`Shape.closes_stages`: one chunk per rank), per ``candidates`` of that block (indices into
+        ``layer_type``'s strategies; all when None)."""
         sa, costs = shape.strategies[layer_type], shape.costs[layer_type]
         chosen = slice(None) if candidates is None else np.asarray(candidates)
         return closing_reserve(
@@ -398,9 +401,9 @@ class FixedBatchSolver:
         J = shape.max_blocks
         k_values = sorted(set(shape.in_flight))
         k_of_stage = np.array([k_values.index(k) for k in shape.in_flight])
-        tables: dict[tuple[int, int], np.ndarray] = {}
+        tables: dict[tuple[int, int], NDArray[np.float64]] = {}
 
-        def table(k_idx: int, start: int) -> np.ndarray:
+        def table(k_idx: int, start: int) -> NDArray[np.float64]:
             key = (k_idx, 0 if self.single_type else start)
             if key not in tables:
                 steps_by_type = self.steps(shape, k_values[k_idx])
@@ -413,8 +416,9 @@ class FixedBatchSolver:
                 tables[key] = LayerDP(steps, [], cell, M).tables(closing=closing)
             return tables[key]
 
-        def objective(parts: np.ndarray, vocab_index: int | None = None) -> np.ndarray:
-            """Step time of each partition (rows) for each embedding/head strategy (columns), or one."""
+        def objective(parts: NDArray[np.int64], vocab_index: int | None = None) -> NDArray[np.float64]:
+            """Step time of each partition (rows) for each embedding/head strategy (columns), or for one (a value per
+            row)."""
             parts = np.atleast_2d(parts)
             N = parts.shape[0]
             vt = shape.vocab_time if vocab_index is None else shape.vocab_time[:, [vocab_index]]
@@ -437,18 +441,16 @@ class FixedBatchSolver:
                     got[ok] = tab[jj[ok], c[ok]]
                     value[rows] = got
                 stage_time[:, :, s] = value + vt[s][None, :] + shape.p2p[s]
-            return pipeline_step_time(stage_time, m)
+            step = pipeline_step_time(stage_time, m)
+            return step if vocab_index is None else step[:, 0]
 
-        if pp == 1:
-            candidates = [(self.L,)]
-        else:
-            candidates = self.partition_candidates(shape, k_values)
+        candidates: list[tuple[int, ...]] = [(self.L,)] if pp == 1 else self.partition_candidates(shape, k_values)
         if not candidates:
             return None
         values = objective(np.array(candidates))  # (P, V)
         if not np.isfinite(values).any():
             return None
-        best = (math.inf, None, None)
+        best: tuple[float, tuple[int, ...], int] | None = None
         # Refine the best few (partition, embedding/head strategy) pairs block by block.
         flat = np.argsort(values, axis=None)[: 3 if pp > 1 else 1]
         for f in flat:
@@ -456,15 +458,15 @@ class FixedBatchSolver:
             if not np.isfinite(values[p_idx, v_idx]):
                 continue
             if pp > 1:
-                part, _ = refine_partition(candidates[p_idx], lambda P, v=int(v_idx): objective(P, v)[:, 0], J)
+                part, _ = refine_partition(candidates[p_idx], partial(objective, vocab_index=int(v_idx)), J)
             else:
                 part = candidates[p_idx]
             # The refined partition may prefer another embedding/head strategy.
             row = objective(np.array([part]))[0]
             v_best = int(np.argmin(row))
-            if row[v_best] < best[0]:
+            if row[v_best] < (math.inf if best is None else best[0]):
                 best = (float(row[v_best]), tuple(part), v_best)
-        return None if best[1] is None else best
+        return best
 
     def partition_candidates(self, shape: Shape, k_values: list[float]) -> list[tuple[int, ...]]:
         pp = shape.config.pp
@@ -527,31 +529,31 @@ class FixedBatchSolver:
         blocks fit no assignment."""
         pp = shape.config.pp
         cell, M = self.cell(shape)
-        layers: list[LayerStrategy | None] = [None] * self.L
+        assigned: dict[int, LayerStrategy] = {}
         for r in range(pp):
             blocks, resets = rank_blocks(partition, pp, r)
             steps = self.steps(shape, shape.in_flight[r])
             seq = [steps[self.types[i]] for i in blocks]
             closing, working = self.stage_reserve(shape, blocks, seq[-1].candidates)
-            cap = int(min(cap_cells(self.capacity - working - shape.vocab_memory[r, vocab_index], cell), M - 1))
+            cap = min(int(cap_cells(self.capacity - working - shape.vocab_memory[r, vocab_index], cell)), M - 1)
             _, choices = LayerDP(seq, resets, cell, M).solve(cap, closing)
             if not choices:
                 raise NoAssignment(f"stage {r}")
             types = [self.types[i] for i in blocks]
-            chosen = [
-                shape.strategies[t].strategies[int(step.candidates[c])] for t, step, c in zip(types, seq, choices)
-            ]
+            chosen = [shape.strategies[t].strategies[step.candidate(c)] for t, step, c in zip(types, seq, choices)]
             ordered = canonical_order(chosen, types, resets, self.W // pp, keep_last=closing is not None)
-            for i, strategy in zip(blocks, ordered):
-                layers[i] = strategy
-        return layers  # type: ignore[return-value]
+            assigned.update(zip(blocks, ordered))
+        return [assigned[i] for i in range(self.L)]  # the ranks' chunks hold every block once
 
-    def stage_reserve(self, shape: Shape, blocks: Sequence[int], candidates=None) -> tuple[np.ndarray | None, float]:
+    def stage_reserve(
+        self, shape: Shape, blocks: Sequence[int], candidates: ArrayLike | None = None
+    ) -> tuple[NDArray[np.float64] | None, float]:
         """The working-memory reserve the search holds back on a rank with these blocks at the shape's level:
         ``(per candidate of the last block, 0.0)`` with one chunk per rank (:meth:`closing`), else
         ``(None, one figure for every choice)`` (:meth:`Shape.chunks_reserve`)."""
-        closing = self.closing(shape, int(self.types[blocks[-1]]), blocks[0], len(blocks), candidates)
-        return (closing, 0.0) if closing is not None else (None, shape.chunks_reserve(blocks))
+        if not shape.closes_stages:
+            return None, shape.chunks_reserve(blocks)
+        return self.closing(shape, int(self.types[blocks[-1]]), blocks[0], len(blocks), candidates), 0.0
 
     def stage_memory(self, plan: ParallelPlan) -> list[float]:
         """Peak bytes per pipeline stage of ``plan`` as the search prices it while searching: the overhead, the

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import NDArray
 
 from lightning_galvatron.layout import ActivationForm, activation_form
 from lightning_galvatron.plan import DP_TYPES, LayerStrategy, divisors
@@ -200,34 +201,37 @@ class StrategyArrays:
     """Candidate strategies as parallel numpy arrays, so cost terms are computed for all at once."""
 
     strategies: tuple[LayerStrategy, ...]
-    tp: np.ndarray
-    splits_weights: np.ndarray
-    sequence_split: np.ndarray
-    megatron_sp: np.ndarray
-    ulysses: np.ndarray
-    replicated_tp: np.ndarray
-    dp_code: np.ndarray
-    recompute: np.ndarray
-    consecutive: np.ndarray
+    tp: NDArray[np.int64]
+    splits_weights: NDArray[np.bool_]
+    sequence_split: NDArray[np.bool_]
+    megatron_sp: NDArray[np.bool_]
+    ulysses: NDArray[np.bool_]
+    replicated_tp: NDArray[np.bool_]
+    dp_code: NDArray[np.int64]
+    recompute: NDArray[np.bool_]
+    consecutive: NDArray[np.bool_]
 
     @classmethod
     def build(cls, strategies: Iterable[LayerStrategy]) -> StrategyArrays:
         s = tuple(strategies)
 
-        def arr(values: Sequence, dtype) -> np.ndarray:
-            return np.asarray(values, dtype=dtype).reshape(len(s))
+        def ints(values: Sequence[int]) -> NDArray[np.int64]:
+            return np.asarray(values, dtype=np.int64).reshape(len(s))
+
+        def flags(values: Sequence[bool]) -> NDArray[np.bool_]:
+            return np.asarray(values, dtype=bool).reshape(len(s))
 
         return cls(
             strategies=s,
-            tp=arr([x.tp for x in s], np.int64),
-            splits_weights=arr([x.splits_weights for x in s], bool),
-            sequence_split=arr([x.tp > 1 and x.sp != "none" for x in s], bool),
-            megatron_sp=arr([x.tp > 1 and x.sp == "megatron" for x in s], bool),
-            ulysses=arr([x.tp > 1 and x.sp == "ulysses" for x in s], bool),
-            replicated_tp=arr([x.tp > 1 and x.sp == "none" for x in s], bool),
-            dp_code=arr([DP_CODE[x.dp_type] for x in s], np.int64),
-            recompute=arr([x.recompute for x in s], bool),
-            consecutive=arr([x.tp_consecutive for x in s], bool),
+            tp=ints([x.tp for x in s]),
+            splits_weights=flags([x.splits_weights for x in s]),
+            sequence_split=flags([x.tp > 1 and x.sp != "none" for x in s]),
+            megatron_sp=flags([x.tp > 1 and x.sp == "megatron" for x in s]),
+            ulysses=flags([x.tp > 1 and x.sp == "ulysses" for x in s]),
+            replicated_tp=flags([x.tp > 1 and x.sp == "none" for x in s]),
+            dp_code=ints([DP_CODE[x.dp_type] for x in s]),
+            recompute=flags([x.recompute for x in s]),
+            consecutive=flags([x.tp_consecutive for x in s]),
         )
 
     def __len__(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from numpy.typing import NDArray
 
 from lightning_galvatron.plan import LayerStrategy
 from lightning_galvatron.profiles import LayerTypeProfile
@@ -54,10 +55,11 @@ def reserve_level(strategies: Sequence[LayerStrategy]) -> str:
     return next(name for name, (r, g) in RESERVE_LEVELS.items() if r >= recompute and g >= gather)
 
 
-def admitted_by_level(sa: StrategyArrays, level: str) -> np.ndarray:
+def admitted_by_level(sa: StrategyArrays, level: str) -> NDArray[np.bool_]:
     """Which candidates of ``sa`` the reserve ``level`` admits."""
     recompute, gather = RESERVE_LEVELS[level]
-    return (recompute | ~sa.recompute) & (gather | (sa.dp_code != DP_CODE["zero3"]))
+    admitted: NDArray[np.bool_] = (recompute | ~sa.recompute) & (gather | (sa.dp_code != DP_CODE["zero3"]))
+    return admitted
 
 
 def _replay_bytes(cm: CostModel, layer: LayerTypeProfile, ctx: StageContext) -> float:
@@ -94,7 +96,9 @@ def working_memory_bytes(
     return replay + gathered
 
 
-def closing_reserve(replay: float, gathered: float, recompute: np.ndarray, stored: np.ndarray) -> np.ndarray:
+def closing_reserve(
+    replay: float, gathered: float, recompute: NDArray[np.bool_], stored: NDArray[np.float64]
+) -> NDArray[np.float64]:
     """The reserve of a stage at a level with bounds ``(replay, gathered)`` (:func:`level_bounds`), for each candidate
     of its last block: recomputed (``recompute``) or storing ``stored`` bytes of one micro-batch's activations.
 
@@ -130,8 +134,8 @@ def plan_working_memory_bytes(
 
 
 def reserve_tables(
-    cm: CostModel, types: np.ndarray, ctx: StageContext, level: str, max_blocks: int
-) -> tuple[np.ndarray, np.ndarray]:
+    cm: CostModel, types: NDArray[np.int64], ctx: StageContext, level: str, max_blocks: int
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """:func:`level_bounds` of every stage ``[a, a+j)`` of the blocks of layer types ``types``: two
     ``(L+1, max_blocks+1)`` tables, the largest replay and the largest gather over the block types the stage holds."""
     L = len(types)
