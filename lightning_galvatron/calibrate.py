@@ -24,6 +24,7 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch.distributed as dist
+from typing_extensions import override
 
 from lightning_galvatron.autoplan import optimizer_kind
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError, divisors
@@ -109,6 +110,7 @@ class CalibrationProbe(L.Callback):
         """Steps a run needs: the last recorded step ends when the next one starts."""
         return self.warmup + self.timed + 1
 
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
         applied = getattr(strategy, "_applied", None)
@@ -120,6 +122,7 @@ class CalibrationProbe(L.Callback):
         blocks = dict(zip(local, strategy.structure.blocks))
         self.runtime = RuntimeProfiler(strategy.plan, blocks, trainer.optimizers, pl_module.device)
 
+    @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, index: int) -> None:
         if self.runtime is None:
             return
@@ -130,10 +133,12 @@ class CalibrationProbe(L.Callback):
         self.runtime.step_started()
         self.steps += 1
 
+    @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self.runtime is not None:
             self.runtime.optimizer_started()
 
+    @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.runtime is None:
             return

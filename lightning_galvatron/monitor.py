@@ -27,9 +27,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
 from lightning_galvatron.prediction import Prediction
 from lightning_galvatron.search.report import plan_summary
@@ -42,7 +44,9 @@ class GalvatronMonitor(Callback):
         self._started: float | None = None
         self._step_at_start = 0
 
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:  # before Lightning logs and saves hyperparameters
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Before Lightning logs and saves hyperparameters.
         self._started = None
         prediction: Prediction | None = getattr(trainer.strategy, "prediction", None)
         if prediction is None or not trainer.loggers:
@@ -52,12 +56,18 @@ class GalvatronMonitor(Callback):
         if trainer.is_global_zero:
             log_files(trainer.loggers, getattr(trainer.strategy, "plan_files", ()))
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._started is None:  # the first batch of an optimizer step (of an accumulation window)
             self._started = time.perf_counter()
             self._step_at_start = trainer.global_step
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._started is None or trainer.global_step == self._step_at_start:
             return  # still accumulating gradients
         seconds, self._started = time.perf_counter() - self._started, None
