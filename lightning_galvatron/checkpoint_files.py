@@ -16,6 +16,9 @@ half-written shards: neither the old state nor the new one, and the old one is g
 :func:`remove_checkpoint` (``save_top_k`` rotation) renames a checkpoint to a hidden name before deleting it, so a
 deletion killed midway never leaves a half checkpoint under a checkpoint's name. Hidden names match neither
 ``ModelCheckpoint``'s ``*.ckpt`` nor ``ckpt_path="last"``'s ``last*.ckpt``: what those find is always complete.
+
+A full checkpoint file (``save_distributed_checkpoint=False`` under Fabric, :func:`save_file`) is staged and
+committed the same way: written whole and flushed under the hidden name, then renamed into place.
 """
 
 from __future__ import annotations
@@ -76,18 +79,32 @@ def refuse_to_replace_other_directories(path: Path) -> None:
         )
 
 
-def begin_save(path: Path) -> Path:
+def save_file(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
+    """Rank 0: ``checkpoint`` as one ``torch.save`` file at ``path``, whole or absent whenever the job is killed:
+    written under the staging name, flushed to the disk, then committed as a sharded save is (:func:`commit`)."""
+    path = Path(path)
+    refuse_to_replace_other_directories(path)
+    staging = begin_save(path, directory=False)
+    with open(staging, "wb") as file:
+        torch.save(checkpoint, file)
+        file.flush()
+        os.fsync(file.fileno())
+    commit(staging, path)
+
+
+def begin_save(path: Path, directory: bool = True) -> Path:
     """Rank 0, before any rank writes: put back a checkpoint an interrupted replace left aside, clear what killed
-    saves and deletions left, and make the empty staging directory."""
+    saves and deletions left, and make the empty staging directory (a file's staging name is only cleared)."""
     aside = hidden_sibling(path, REPLACED_SUFFIX)
-    if aside.is_dir() and not os.path.lexists(path):
+    if os.path.lexists(aside) and not os.path.lexists(path):
         os.rename(aside, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for leftover in path.parent.glob(f".*{REMOVING_SUFFIX}"):
         remove_path(leftover)
     staging = hidden_sibling(path, STAGING_SUFFIX)
     remove_path(staging)
-    staging.mkdir()
+    if directory:
+        staging.mkdir()
     return staging
 
 
@@ -105,8 +122,10 @@ def write_loop_state(checkpoint: dict[str, Any], directory: Path) -> None:
 
 
 def commit(staging: Path, path: Path) -> None:
-    """Rank 0: the complete ``staging`` directory becomes ``path``; the checkpoint there before is deleted after."""
-    fsync_directory(staging)
+    """Rank 0: the complete ``staging`` directory (or flushed file) becomes ``path``; the checkpoint there before is
+    deleted after."""
+    if staging.is_dir():
+        fsync_directory(staging)
     if not os.path.lexists(path):
         os.rename(staging, path)
     elif exchange(staging, path):
@@ -141,7 +160,7 @@ def committed_path(path: Path) -> Path:
     """``path``, or the previous checkpoint a replace killed between its two renames left aside (file systems
     without an atomic exchange): what was last complete under that name."""
     aside = hidden_sibling(path, REPLACED_SUFFIX)
-    return aside if not os.path.lexists(path) and aside.is_dir() else path
+    return aside if not os.path.lexists(path) and os.path.lexists(aside) else path
 
 
 def remove_path(path: Path) -> None:

@@ -166,9 +166,12 @@ class DataShards:
                 )
         return rebatch(dataloader, shard_batch_size(global_batch, self.num_shards))
 
-    def check_first_batch(self, batch: Any, stage: RunningStage | None, dataloader_idx: int) -> None:
+    def check_first_batch(
+        self, batch: Any, stage: RunningStage | str | None, dataloader_idx: int, front: str = "trainer"
+    ) -> None:
         """The ranks of each shard got the same first batch of this loader (training, validation), else the same
-        refusal on every rank, before any step runs on it. One all-gather of a digest per loader and run."""
+        refusal on every rank, before any step runs on it. One all-gather of a digest per loader and run.
+        ``front``: what the user's code calls the strategy through (``trainer``, ``fabric``)."""
         if not self.shared or stage in DDP_LAYOUT_STAGES or (stage, dataloader_idx) in self._checked:
             return
         self._checked.add((stage, dataloader_idx))
@@ -183,9 +186,9 @@ class DataShards:
             f"ranks and pipeline stages share their input) but were given different {what} batches, so each would "
             "train on another rank's samples. An IterableDataset that shards itself by torch.distributed.get_rank() "
             "and get_world_size() does this; shard it by the plan's data shards instead: "
-            "trainer.strategy.distributed_sampler_kwargs gives num_replicas (the number of data shards) and rank (this "
-            "rank's shard), e.g. range(rank, len(data), num_replicas). A sampler or random augmentation seeded per "
-            "rank does the same"
+            f"{front}.strategy.distributed_sampler_kwargs gives num_replicas (the number of data shards) and rank "
+            "(this rank's shard), e.g. range(rank, len(data), num_replicas). A sampler or random augmentation seeded "
+            "per rank does the same"
         )
 
     def _check_equal_batch_counts(self, dataloader: object, stage: RunningStage) -> None:

@@ -4,13 +4,14 @@ Read it as "what happens at which Fabric call"; the work is the library's, share
 - ``__init__``: check every argument, before anything is launched.
 - ``_configure_launcher`` (main process, before any worker starts): the precision, a given plan's world size and
   whether Fabric can run it (no pipeline, no micro-batches), the memory budget.
-- ``setup_environment`` (``fabric.launch()``): the process group; a given plan is loaded, so that data loaders set
-  up before the model already read its data shards. Meshes are made lazily.
+- ``setup_environment`` (``fabric.launch()``): the process group; the watchdog (below); a given plan is loaded, so
+  that data loaders set up before the model already read its data shards. Meshes are made lazily.
 - ``setup_module`` (``fabric.setup(model)``): a model built on the meta device (``fabric.init_module(empty_init=True)``)
   is materialised whole first, so that it starts from the weights DDP would give it; its blocks are found, the plan
   is resolved -- given, or with ``plan="auto"`` profiled on ``example_input`` and searched without pipelines or
   micro-batches (:func:`~lightning_galvatron.rules.own_loop_problem`) -- reported, and applied by
-  :func:`~lightning_galvatron.preparation.prepare`, as under the Trainer.
+  :func:`~lightning_galvatron.preparation.prepare`, as under the Trainer. The model's first forward compares its
+  input over the ranks of each data shard (:meth:`~lightning_galvatron.data.DataShards.check_first_batch`).
 - ``setup_optimizer`` / ``setup_module_and_optimizers``: optimizers made after ``fabric.setup(model)`` hold the split
   parameters; ones given with the model are pointed at them by name. Each step tells the gradient reducer.
 - ``distributed_sampler_kwargs`` / ``process_dataloader`` (``fabric.setup_dataloaders``): the plan's data shards,
@@ -19,7 +20,14 @@ Read it as "what happens at which Fabric call"; the work is the library's, share
 - ``no_backward_sync``: ddp layers sum their gradients once, at the accumulation window's last backward.
 - ``clip_gradients_norm`` / ``clip_gradients_value``: the global norm over every mesh; by value on local shards.
 - ``save_checkpoint`` / ``load_checkpoint`` (``fabric.save`` / ``fabric.load`` / ``fabric.load_raw``): sharded DCP
-  checkpoints laid out as the Trainer's (:mod:`lightning_galvatron.checkpoint`), loaded into any plan.
+  checkpoints laid out as the Trainer's (:mod:`lightning_galvatron.checkpoint`), loaded into any plan; a full file
+  (``save_distributed_checkpoint=False``) staged and renamed into place as they are (``checkpoint_files``).
+
+The watchdog (:class:`~lightning_galvatron.runtime.watchdog.RankMonitor`) ends the job, naming the rank, when a rank's
+heartbeat stops (a stopped or dead process) or it stays behind the others for ``setup_timeout_s``. It knows less than
+under the Trainer: Fabric tells a strategy neither where a step begins (data loading and evaluation are the loop's,
+so no limit is derived from step times) nor when the loop has ended or failed (it never calls ``teardown``), so a
+run's watchdog watches until the next Fabric run of the process starts its own, or the process exits.
 
 Pipelines (``pp > 1``) and micro-batches are refused: the loop calls the model and computes the loss itself, which a
 schedule would have to split per micro-batch; ``Trainer(strategy="galvatron")`` runs them.
@@ -61,7 +69,7 @@ from lightning_galvatron.checkpoint import (
     whole_strided_tensors,
     without_created_states,
 )
-from lightning_galvatron.checkpoint_files import save_sharded
+from lightning_galvatron.checkpoint_files import save_file, save_sharded
 from lightning_galvatron.data import DataShards, sampler_kwargs
 from lightning_galvatron.display import setup_report
 from lightning_galvatron.errors import reported_by_rank_zero
@@ -82,6 +90,7 @@ from lightning_galvatron.runtime.apply import AppliedPlan, check_runtime_support
 from lightning_galvatron.runtime.clipping import clip_grad_norm_, clip_grad_value_
 from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.runtime.sync import destroy_process_group
+from lightning_galvatron.runtime.watchdog import RankMonitor, WatchdogSettings
 
 _DESCRIPTION = "Hybrid parallelism with a per-layer plan searched by Galvatron (Fabric)"
 #: Keys of the checkpoint layout (the Trainer's) that a Fabric state cannot use for its own entries.
@@ -105,6 +114,9 @@ class GalvatronFabricStrategy(ModelParallelStrategy):
             broadcast_initial_weights: as for :class:`~lightning_galvatron.strategy.GalvatronStrategy`. The search
             never offers pipelines or micro-batches here, nor changes the batch (the loop fixes it).
         save_distributed_checkpoint, process_group_backend, timeout: as for Fabric's ``ModelParallelStrategy``.
+        watchdog: end the job, naming the ranks at fault, when a rank's process stops or dies, or it stays behind
+            the others (module docstring): ``True`` (default: after 5 minutes), ``False``, or
+            ``{"setup_timeout_s": seconds}``.
 
     No measured selection (trials): it trains copies of the model with their optimizers, which Fabric creates after
     ``fabric.setup(model)``; the search's plan is trained.
@@ -128,6 +140,7 @@ class GalvatronFabricStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        watchdog: bool | Mapping[str, float] = True,
     ) -> None:
         super().__init__(
             parallelize_fn=_applied_in_setup_module,
@@ -147,6 +160,12 @@ class GalvatronFabricStrategy(ModelParallelStrategy):
                 )
             if loss_fn is not None and not callable(loss_fn):
                 raise ValueError(f"loss_fn must be a function (output, example_input) -> loss, got {loss_fn!r}")
+            if isinstance(watchdog, Mapping) and set(watchdog) - {"setup_timeout_s"}:
+                raise ValueError(
+                    f"watchdog {sorted(set(watchdog) - {'setup_timeout_s'})}: under Fabric the watchdog has one "
+                    "timeout, setup_timeout_s (the strategy does not see where your loop's steps begin)"
+                )
+            self._watchdog = WatchdogSettings.of(watchdog)
         options = dataclasses.replace(settings.options, max_pp=1, max_micro_batches=1)  # see rules.own_loop_problem
         self._search = dataclasses.replace(settings, options=options)
         self._plan_source = plan
@@ -161,6 +180,8 @@ class GalvatronFabricStrategy(ModelParallelStrategy):
         self.prediction: Prediction | None = None
         self.structure: ModelStructure | None = None
         self._backward_sync_control = _DeferredGradientSums(self)
+        self._monitor: RankMonitor | None = None
+        self._optimizer_steps = 0
 
     @classmethod
     @override
@@ -192,6 +213,7 @@ class GalvatronFabricStrategy(ModelParallelStrategy):
         if initialised_here:
             atexit.register(destroy_process_group)
         self._meshes = MeshCache.shared(self.root_device.type)
+        self._monitor = _watch(self.global_rank, self.world_size, self._watchdog)
         if self._plan_source != "auto":
             self.plan = load_given_plan(self._plan_source, self.world_size, None)
 
@@ -203,6 +225,7 @@ class GalvatronFabricStrategy(ModelParallelStrategy):
                 "GalvatronFabricStrategy parallelises one model per Fabric; set up other models with another Fabric"
             )
         assert self._meshes is not None, "fabric.launch() first"
+        self._progress("fabric.setup(model)")
         _materialize_distributed_module(module, self.root_device)  # meta weights made whole (DDP's), then split
         structure = find_blocks(module, self._layers)
         tp_plans = block_tensor_parallel_plans(structure)
@@ -219,7 +242,25 @@ class GalvatronFabricStrategy(ModelParallelStrategy):
             broadcast_initial_weights=self._broadcast_initial_weights,
         )
         self.plan, self.prediction, self.structure, self._module = plan, prediction, structure, module
+        self._check_first_input(module)
+        self._progress("the loop, after fabric.setup(model)")
         return module
+
+    def _check_first_input(self, module: nn.Module) -> None:
+        """The ranks of a data shard compute on one input: the model's first forward compares a digest of its input
+        over each shard and refuses a difference on every rank (an ``IterableDataset`` that shards itself by
+        ``torch.distributed.get_rank()`` gives each rank its own samples; ``setup_dataloaders`` shards by the plan)."""
+        assert self._meshes is not None
+        shards = DataShards(self._require_plan(), self.global_rank, self._meshes, self.root_device)
+        if not shards.shared:
+            return
+
+        @torch.compiler.disable  # eager also in a compiled model (fabric.setup re-applies the loop's torch.compile)
+        def first_forward(_: nn.Module, args: tuple, kwargs: dict) -> None:
+            handle.remove()
+            shards.check_first_batch((args, kwargs), "input", 0, front="fabric")
+
+        handle = module.register_forward_pre_hook(first_forward, with_kwargs=True)
 
     def _resolve_plan(
         self, module: nn.Module, structure: ModelStructure, tp_plans: Sequence[Any]
@@ -310,7 +351,14 @@ class GalvatronFabricStrategy(ModelParallelStrategy):
             dataloader, None
         )
 
-    # ------------------------------------------------------------------ backward and clipping
+    # ------------------------------------------------------------------ backward, optimizer steps and clipping
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        self._optimizer_steps += 1
+        self._progress(f"the loop, after optimizer step {self._optimizer_steps}")
+        return output
+
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         # Each data shard's loss is the mean over its own samples; gradients are summed over dp groups.
@@ -376,11 +424,12 @@ class GalvatronFabricStrategy(ModelParallelStrategy):
             if key != module_key and not isinstance(obj, Optimizer):
                 checkpoint[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
         path = Path(self.broadcast(path))
+        self._progress(f"saving the checkpoint {path}")
         if self._save_distributed_checkpoint:  # staged, renamed into place when complete (checkpoint_files)
             save_sharded(whole_strided_tensors(checkpoint), path, self.global_rank, self.barrier)
-        elif self.global_rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(checkpoint, path)
+        elif self.global_rank == 0:  # the same for the one file
+            save_file(checkpoint, path)
+        self._progress(f"the loop, after saving {path}")
 
     def _optimizer_state(self, module: nn.Module, optimizer: Optimizer, options: Any) -> dict[str, Any]:
         """Saved before the first step, an optimizer stays without states (see ``without_created_states``)."""
@@ -401,6 +450,7 @@ class GalvatronFabricStrategy(ModelParallelStrategy):
         """A checkpoint of this strategy (or the Trainer's) saved under any plan and device count, into this plan;
         ``fabric.load_raw`` of a full state dict file (``torch.save(model.state_dict())``), by name."""
         path = Path(self.broadcast(path))  # every rank loads what rank 0 was given
+        self._progress(f"fabric.load of {path}, or the loop after it")
         if isinstance(state, nn.Module):
             _load_raw(path, state, strict=strict, weights_only=weights_only)
             return {}
@@ -440,6 +490,10 @@ class GalvatronFabricStrategy(ModelParallelStrategy):
         return modules[0], state[modules[0]], optimizers
 
     # ------------------------------------------------------------------ helpers
+    def _progress(self, where: str) -> None:
+        if self._monitor is not None:
+            self._monitor.mark(where)
+
     def _require_plan(self) -> ParallelPlan:
         if self.plan is None:
             raise RuntimeError(
@@ -461,6 +515,26 @@ class _DeferredGradientSums(_BackwardSyncControl):
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         applied = self._strategy._applied
         return applied.gradients.deferred() if enabled and applied is not None else nullcontext()
+
+
+#: This process's Fabric watchdog: one at a time (Fabric never says when a run has ended).
+_WATCHING: list[RankMonitor] = []
+
+
+def _watch(rank: int, world_size: int, settings: WatchdogSettings | None) -> RankMonitor | None:
+    """A started watchdog for this run, in place of the previous run's; stopped at exit (the others see this rank
+    finished, not missing)."""
+    _stop_watching()
+    monitor = RankMonitor.connect(rank, world_size, settings)
+    if monitor is not None:
+        _WATCHING.append(monitor)
+    return monitor
+
+
+@atexit.register
+def _stop_watching() -> None:
+    while _WATCHING:
+        _WATCHING.pop().stop()
 
 
 def _applied_in_setup_module(module: nn.Module, _: Any) -> nn.Module:

@@ -11,10 +11,12 @@
 #
 # LitGPT is added to test.lock without its dependencies: litgpt 0.5.13 pins huggingface-hub<1.4 and
 # jsonargparse<=4.41, which the newest transformers and jsonargparse contradict, and the tests use only its model
-# code (checked by the suite's LitGPT cases). Its other runtime imports (psutil) are locked with it.
+# code and `litgpt.pretrain.main` (checked by the suite's LitGPT cases). Its other runtime imports are locked with
+# it: psutil, and requests with its dependencies (jsonargparse imports it when LitGPT's loop saves its
+# hyper-parameters). Whatever these add to the test environment is appended to test.lock.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LITGPT="litgpt==0.5.13 psutil"
+LITGPT="litgpt==0.5.13 psutil requests charset-normalizer idna urllib3 certifi"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -34,10 +36,10 @@ lock() {  # lock NAME PIP-ARGS...: resolve in a fresh venv, write requirements/N
 }
 
 lock test -e ".[test]"
+"$work/test/bin/python" -m pip freeze --exclude-editable --all >"$work/before-litgpt"
 # shellcheck disable=SC2086
 "$work/test/bin/python" -m pip install --quiet --no-deps $LITGPT
-lock_litgpt=$("$work/test/bin/python" -m pip freeze | grep -iE '^(litgpt|psutil)==')
-echo "$lock_litgpt" >>requirements/test.lock
+"$work/test/bin/python" -m pip freeze --exclude-editable --all | grep -vxFf "$work/before-litgpt" >>requirements/test.lock
 
 lower() {  # the lower bound pyproject.toml gives a package: "transformers>=4.45" -> 4.45
     grep -oE "\"$1>=[0-9][0-9.]*" pyproject.toml | head -1 | sed -E 's/.*>=//'

@@ -10,12 +10,14 @@ pipeline plan. The kill points are drawn from ``GALVATRON_KILL_SEED`` (random wh
 failure message).
 
 The kills are injected in the pool's workers: the rank at the chosen point SIGKILLs every rank of the job
-(itself last). What a kill leaves on disk is what the code had written when it stopped, whatever it was.
+(itself last). What a kill leaves on disk is what the code had written when it stopped, whatever it was. Also: one
+rank killed while the others live on (and fail), and Fabric's one-file checkpoint killed while it is written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import random
 import signal
@@ -73,9 +75,9 @@ def _kill_job(pids: list[int]) -> None:
 
 
 @contextlib.contextmanager
-def _kill_at(phase: str, call: int, killer: int, pids: list[int]):
-    """Kill the job at ``phase`` of the ``call``-th save, replace or deletion (see :data:`PHASES`) on rank ``killer``;
-    the patches are undone after (when the point was never reached)."""
+def _kill_at(phase: str, call: int, killer: int, pids: list[int], alone: bool = False):
+    """Kill the job (or, ``alone``, rank ``killer`` only) at ``phase`` of the ``call``-th save, replace or deletion
+    (see :data:`PHASES`) on rank ``killer``; the patches are undone after (when the point was never reached)."""
     from torch.distributed.checkpoint import filesystem
 
     calls = [0]
@@ -86,7 +88,7 @@ def _kill_at(phase: str, call: int, killer: int, pids: list[int]):
         if calls[0] == call and dist.get_rank() == killer:
             if partial is not None:
                 partial(*args)
-            _kill_job(pids)
+            _kill_job([os.getpid()] if alone else pids)
 
     def before(real: Any, partial: Any = None) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -201,6 +203,16 @@ def _fit(plan: ParallelPlan, directory: str | None, ckpt_path: str | None = None
     return dict(losses=(losses / world).tolist(), start=start, state=gather_full_state(trainer.lightning_module))
 
 
+def _fit_noting_errors(notes: str, *args: Any, **kwargs: Any) -> dict:
+    """:func:`_fit`, leaving the Python error a rank ends with in ``notes/rank<N>.txt`` (the pool reports only the
+    rank that died)."""
+    try:
+        return _fit(*args, **kwargs)
+    except BaseException as error:
+        Path(notes, f"rank{dist.get_rank()}.txt").write_text(repr(error))
+        raise
+
+
 def _newest_last(phase: str, call: int) -> int:
     """The step of the newest complete ``last.ckpt`` after a kill at ``phase`` of the ``call``-th save, replace or
     deletion (:data:`PHASES`)."""
@@ -233,22 +245,122 @@ def test_a_save_killed_at_any_point_resumes_the_newest_complete_checkpoint(pools
         directory = tmp_path / f"case{number}"
         with pytest.raises(WorkerDied):
             pools.live(2).run(_fit, PLANS[name], str(directory), kill=(phase, call, killer))
-        for checkpoint in directory.glob("*.ckpt"):  # whatever has a checkpoint's name is whole
-            try:
-                check_sharded_checkpoint(checkpoint)
-            except CheckpointError as error:
-                raise AssertionError(f"{where}: {error}") from None
-            assert (checkpoint / files.METADATA_FILE).is_file(), where
-        expected = _newest_last(phase, call)
         ckpt_path = "last"
         if phase == WITHOUT_EXCHANGE:  # "last" lists last*.ckpt only; the name finds the checkpoint left aside
             ckpt_path = str(directory / "last.ckpt")
-        resumed = pools(2).run(_fit, PLANS[name], str(directory), ckpt_path=ckpt_path)[0]
-        assert resumed["start"] == expected, where
-        reference = uninterrupted[name]
-        assert resumed["losses"] == reference["losses"][expected:], where
-        for key, value in reference["state"].items():
-            assert torch.equal(resumed["state"][key], value), f"{where}: {key}"
+        expected = _newest_last(phase, call)
+        _resumes_the_newest_complete_checkpoint(pools, directory, name, expected, uninterrupted[name], where, ckpt_path)
+
+
+def _resumes_the_newest_complete_checkpoint(
+    pools, directory: Path, name: str, expected: int, reference: dict, where: str, ckpt_path: str = "last"
+) -> None:
+    """Whatever has a checkpoint's name in ``directory`` is whole, and ``fit(ckpt_path=...)`` continues the
+    uninterrupted run ``reference`` from step ``expected``, bit for bit."""
+    for checkpoint in directory.glob("*.ckpt"):
+        try:
+            check_sharded_checkpoint(checkpoint)
+        except CheckpointError as error:
+            raise AssertionError(f"{where}: {error}") from None
+        assert (checkpoint / files.METADATA_FILE).is_file(), where
+    resumed = pools(2).run(_fit, PLANS[name], str(directory), ckpt_path=ckpt_path)[0]
+    assert resumed["start"] == expected, where
+    assert resumed["losses"] == reference["losses"][expected:], where
+    for key, value in reference["state"].items():
+        assert torch.equal(resumed["state"][key], value), f"{where}: {key}"
+
+
+def test_a_save_whose_one_rank_is_killed_leaves_the_previous_checkpoint(pools, tmp_path):
+    """Rank 1 alone is killed -- before a save or while it writes its shards -- and rank 0 lives on: it fails in
+    the save's next collective (gloo sees the peer gone), and nothing it does on the way out (Lightning's and this
+    strategy's exception handling) commits the half-written save or removes the previous one."""
+    rng = random.Random(SEED + 1)
+    name = rng.choice(sorted(PLANS))
+    uninterrupted = pools(2).run(_fit, PLANS[name], None)[0]
+    for number, phase in enumerate(("before the save", "while the shards are written")):
+        call = rng.randint(3, 2 * STEPS)  # a save after step 1's last.ckpt: there is a previous one to keep
+        where = f"{name} plan, rank 1 alone killed {phase} (call {call}; GALVATRON_KILL_SEED={SEED})"
+        directory, notes = tmp_path / f"alone{number}", tmp_path / f"alone{number}-errors"
+        notes.mkdir()
+        kill = (phase, call, 1, True)
+        with pytest.raises(WorkerDied):
+            pools.live(2).run(_fit_noting_errors, str(notes), PLANS[name], str(directory), kill=kill, timeout=60)
+        assert "peer" in (notes / "rank0.txt").read_text(), where  # rank 0 lived on, and failed on rank 1's death
+        _resumes_the_newest_complete_checkpoint(pools, directory, name, _newest_last(phase, call), uninterrupted, where)
+
+
+def _fabric_full_saves(path: str, steps: int, kill_at: int | None = None) -> None:
+    """``fabric.save`` of one full file (``save_distributed_checkpoint=False``) after each of ``steps`` steps of a
+    ZeRO-3 plan; rank 0, which writes it, is killed halfway through writing save ``kill_at``."""
+    from lightning.fabric import Fabric
+
+    from examples.fabric_gpt import train
+    from lightning_galvatron import GalvatronFabricStrategy
+
+    strategy = GalvatronFabricStrategy(plan=PLANS["zero3"], save_distributed_checkpoint=False)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup(tiny_gpt().model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    loader = fabric.setup_dataloaders(DataLoader(dataset(4 * steps), batch_size=2))
+    real_save, saves = torch.save, [0]
+
+    def half_then_killed(obj: Any, file: Any, *args: Any, **kwargs: Any) -> None:
+        """Write the first half of what ``torch.save`` writes (to the file object or path it is given), then die."""
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        data = buffer.getvalue()[: len(buffer.getvalue()) // 2]
+        if hasattr(file, "write"):
+            file.write(data)
+            file.flush()
+        else:
+            Path(file).write_bytes(data)
+        _kill_job([os.getpid()])
+
+    def counted(obj: Any, file: Any, *args: Any, **kwargs: Any) -> None:
+        saves[0] += 1
+        (half_then_killed if saves[0] == kill_at else real_save)(obj, file, *args, **kwargs)
+
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    with mock.patch.object(torch, "save", counted):
+        for step in range(1, steps + 1):
+            train(fabric, model, optimizer, loader, steps=step, accumulate=1, state=state)
+            fabric.save(path, state)
+
+
+def test_a_full_checkpoint_file_killed_mid_write_keeps_the_previous_one(pools, tmp_path):
+    """Fabric's one-file checkpoint is written under a hidden name and renamed into place when whole, as the
+    sharded saves are: rank 0 killed halfway through writing the second save leaves the first, loadable; the next
+    save clears what the killed one left."""
+    path = tmp_path / "full.ckpt"
+    with pytest.raises(WorkerDied):
+        pools.live(2).run(_fabric_full_saves, str(path), steps=2, kill_at=2, timeout=120)
+    assert torch.load(path, weights_only=False)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [".full.ckpt.partial"]
+    pools(2).run(_fabric_full_saves, str(path), steps=2)
+    assert torch.load(path, weights_only=False)["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.ckpt"]
+
+
+def test_a_full_checkpoint_file_replaced_without_an_atomic_exchange(tmp_path, monkeypatch):
+    """Where two names cannot be exchanged, the previous file is renamed aside first: a save stopped between the two
+    renames leaves it there, where a load finds it (``committed_path``) and the next save puts it back first."""
+    path = tmp_path / "full.ckpt"
+    files.save_file({"step": 1}, path)
+    real_rename = os.rename
+
+    def rename(source: Any, destination: Any) -> None:
+        real_rename(source, destination)
+        if str(destination).endswith(files.REPLACED_SUFFIX):
+            raise KeyboardInterrupt  # the job ends here
+
+    monkeypatch.setattr(files, "exchange", lambda first, second: False)
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(files.os, "rename", rename)
+        files.save_file({"step": 2}, path)
+    assert not path.exists() and torch.load(files.committed_path(path))["step"] == 1
+    files.save_file({"step": 3}, path)
+    assert torch.load(path)["step"] == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["full.ckpt"]
 
 
 def test_a_directory_of_two_saves_is_refused_by_name(tmp_path):

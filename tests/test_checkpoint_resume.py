@@ -61,6 +61,7 @@ def _fit(
     save_path: str | None = None,
     checkpoint_every: int | None = None,
     checkpoint_dir: str | None = None,
+    trials: Any = QUICK_TRIALS,
 ) -> dict[str, Any]:
     """The README example on this pool's ranks (DataLoader batch = global batch / devices, as DDP would)."""
     world = dist.get_world_size()
@@ -68,7 +69,7 @@ def _fit(
     module = GPTModule(**EXAMPLE_MODEL)
     loader = DataLoader(ArithmeticText(train_samples, 32, seed=0), batch_size=GLOBAL_BATCH // world, shuffle=True)
     strategy = GalvatronStrategy(
-        plan=plan, memory_budget=EXAMPLE_BUDGET, profile_cache=cache, save_plan=False, trials=QUICK_TRIALS
+        plan=plan, memory_budget=EXAMPLE_BUDGET, profile_cache=cache, save_plan=False, trials=trials
     )
     recorder = _LossRecorder()
     callbacks: list[Any] = [recorder]
@@ -230,21 +231,37 @@ def test_fused_projections_under_tensor_parallelism_save_and_resume(pools, tmp_p
     )
 
 
-#: What ``plan="auto"`` chose for the README example resumed into 3 CPU processes (issue 44): three GPipe stages.
-AUTO_AT_3 = ParallelPlan.uniform(3, 4, S(), pp=3, partition=(1, 2, 1), schedule="gpipe")
-
-
-def test_a_four_device_checkpoint_resumed_into_three_devices_trains_as_ddp_resumed_the_same_way(pools, profile_cache):
-    """Issue 44: the README example saved mid-epoch at step 3 on 4 devices (a global batch of 16) and resumed into 3
-    (a DataLoader batch of 5 per device, so 15: DDP's policy) logged 2.96, 2.87, 2.79, then a jump at step 6. The
-    same resume under plain DDP gives the same losses, step by step, and the same parameters: the resume is right.
-    The jump is the training's, not the resume's: the 4-device run that never stopped jumps at step 6 as well."""
-    cache, checkpoint = str(profile_cache), str(Path(profile_cache) / "four.ckpt")
-    common = dict(train_samples=512)
+@pytest.fixture(scope="module")
+def four_device_checkpoint(pools, tmp_path_factory, linked_profile_cache) -> dict[str, Any]:
+    """The README example saved mid-epoch at step 3 on 4 devices (a global batch of 16); the same run never stopped,
+    and resumed on the same 4 devices under the same plan (the reference a resume into another count must match
+    when the global batch is the same). The profile cache is shared by the resumes, one profile per world size."""
+    cache = str(linked_profile_cache(tmp_path_factory.mktemp("resume") / "cache"))
+    checkpoint, common = str(Path(cache) / "four.ckpt"), dict(train_samples=512)
     pools(4).run(_fit, DDP_PIPELINE, cache, max_steps=3, save_path=checkpoint, **common)
     never_stopped = pools(4).run(_fit, DDP_PIPELINE, cache, max_steps=8, **common)[0]
-    resumed = pools(3).run(_fit, AUTO_AT_3, cache, max_steps=8, ckpt_path=checkpoint, **common)[0]
-    ddp = pools(3).run(_fit, ParallelPlan.uniform(3, 4, S()), cache, max_steps=8, ckpt_path=checkpoint, **common)[0]
+    same_count = pools(4).run(_fit, DDP_PIPELINE, cache, max_steps=8, ckpt_path=checkpoint, **common)[0]
+    return dict(cache=cache, checkpoint=checkpoint, never_stopped=never_stopped, same_count=same_count)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_a_four_device_checkpoint_resumed_into_another_count_trains_as_ddp_resumed_the_same_way(
+    pools, four_device_checkpoint, world
+):
+    """Issue 44: ``plan="auto"`` resuming the 4-device checkpoint into 2, 3 or 8 devices (a DataLoader batch of
+    16 // devices each, so 16, 15 and 16: DDP's policy) logs, step by step, what plain DDP resumed the same way
+    logs, and moves the parameters alike. With a global batch of 16 the step's samples are the 4-device run's, so
+    the resume also continues as the 4-device resume does: the device count changes nothing.
+
+    The issue's report (resumed into 3 devices: 2.96, 2.87, 2.79, then a jump at step 6) is the training's, not the
+    resume's: DDP resumed into 3 devices jumps at step 6 as well, and so does the 4-device run that never stopped.
+    (Lightning restarts a mid-epoch resume's plain DataLoader at the epoch's first batch, with a warning, so a resume
+    does not continue the never-stopped run's losses under any plan.)"""
+    case, common = four_device_checkpoint, dict(train_samples=512, max_steps=8)
+    resume = dict(ckpt_path=case["checkpoint"], **common)
+    resumed = pools(world).run(_fit, "auto", case["cache"], trials=False, **resume)[0]
+    ddp = pools(world).run(_fit, ParallelPlan.uniform(world, 4, S()), case["cache"], **resume)[0]
+    assert resumed["plan"].world_size == world and len(resumed["losses"]) == len(ddp["losses"]) == 5  # steps 3..7
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(ddp["losses"]), atol=1e-5, rtol=0)
     assert_parameters_moved_alike(
         resumed["state"],
@@ -254,5 +271,8 @@ def test_a_four_device_checkpoint_resumed_into_three_devices_trains_as_ddp_resum
         FP32_TOL["param_mean_rtol"],
         skip=rounding_noise_gradients(ddp["grads"]),  # Adam turns their rounding noise into steps
     )
-    for losses in (ddp["losses"], never_stopped["losses"][3:]):  # steps 3..7
+    if GLOBAL_BATCH % world == 0:
+        same = case["same_count"]["losses"]
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(same), atol=1e-5, rtol=0)
+    for losses in (ddp["losses"], case["never_stopped"]["losses"][3:]):  # steps 3..7
         assert losses[3] > losses[2] + 0.5 and losses[3] == max(losses), losses  # step 6 jumps, with or without resume

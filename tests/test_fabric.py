@@ -11,21 +11,31 @@ On 4 ranks of the pool, all cases of one model in one pool call:
   gradient scale errors; the norm before clipping does not) and final parameters are compared.
 - LitGPT's own ``litgpt.pretrain.main`` under a tensor-parallel plan and ``plan="auto"``, and resumed (``resume=``)
   from the tensor-parallel run's checkpoint into a ZeRO-3 plan, against the same under ``DDPStrategy``: per-step losses
-  (the mean over ranks of what it logs) and the parameters of its final checkpoints. Its loop is not changed; three
-  things around it are: ``torch.compile`` is disabled (inductor would compile for minutes on 2 cores; the loop still
-  calls it), ``litgpt.pretrain.save_hyperparameters`` is a no-op (it re-parses the ``litgpt pretrain`` command line
-  with jsonargparse, which needs ``requests``, not installed), and ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` (its state
-  holds the DataLoader object, which torch >= 2.6 refuses to unpickle by default: resuming fails under
-  ``DDPStrategy`` too).
-- what ``fabric.setup`` refuses (before training, saying what to change), a full checkpoint file resumed under
-  another plan, ``fabric.load_raw`` of a plain state dict; and what is refused before any process is launched.
+  (the mean over ranks of what it logs) and the parameters of its final checkpoints. Its loop and every function it
+  calls run unchanged; around it, ``sys.argv`` is the ``litgpt pretrain`` command line of the run (each save, rank 0
+  re-parses it with jsonargparse into ``hyperparameters.yaml``; pytest's own would not parse), and two settings
+  differ from LitGPT's defaults: ``torch.compile`` is disabled (the loop still calls it; Inductor's C++ code
+  generation takes about a minute per graph and rank on 2 cores, five runs of four ranks; the strategy's compiled
+  blocks are tested in ``tests/test_compile.py``), and ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` (LitGPT puts the
+  DataLoader object itself in the state it saves and calls ``fabric.load`` without ``weights_only``, which
+  torch >= 2.6 refuses to unpickle: resuming fails the same way under ``DDPStrategy``).
+- what ``fabric.setup`` refuses (before training, saying what to change), an input that differs between the ranks of
+  a data shard (at the first forward), a full checkpoint file resumed under another plan, ``fabric.load_raw`` of a
+  plain state dict; and what is refused before any process is launched.
+- a launched job (``tests/helpers/fabric_job.py``) whose rank is stopped is ended by the watchdog, naming it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import re
+import signal
 import statistics
+import subprocess
+import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -36,7 +46,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.loggers import Logger
 from lightning.fabric.strategies import DDPStrategy
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from examples.fabric_gpt import train
 from lightning_galvatron import GalvatronFabricStrategy
@@ -232,6 +242,9 @@ def _pretrain(case: str, out_dir: Path, resume: Path | bool, cache_dir: str) -> 
     log = _LossLog()
     fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=_strategy(case, cache_dir), loggers=[log])
     fabric.launch()
+    sys.argv = ["litgpt", "pretrain", "tiny-llama", f"--devices={WORLD}", "--seed=42", f"--out_dir={out_dir}"]
+    if resume:
+        sys.argv.append(f"--resume={resume}")
     litgpt.pretrain.main(
         fabric,
         devices=WORLD,
@@ -259,8 +272,6 @@ def _pretrain(case: str, out_dir: Path, resume: Path | bool, cache_dir: str) -> 
 
 
 def _pretrain_cases(root: str, cache_dir: str) -> dict[str, Any]:
-    import litgpt.pretrain
-
     checkpoint = f"step-{SAVE_AT:08d}/lit_model.pth"
     cases = {
         "ddp": ("ddp", False),
@@ -269,11 +280,9 @@ def _pretrain_cases(root: str, cache_dir: str) -> dict[str, Any]:
         "ddp_resumed": ("ddp", Path(root, "ddp", checkpoint)),
         "zero3_resumed_from_tp": ("zero3", Path(root, "tp", checkpoint)),
     }
-    environment, compile_disabled = dict(os.environ), torch._dynamo.config.disable
-    save_hyperparameters = litgpt.pretrain.save_hyperparameters
+    environment, compile_disabled, command_line = dict(os.environ), torch._dynamo.config.disable, list(sys.argv)
     torch._dynamo.config.disable = True
     os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
-    litgpt.pretrain.save_hyperparameters = lambda *args, **kwargs: None
     out: dict[str, Any] = {}
     try:
         for name, (strategy, resume) in cases.items():
@@ -287,7 +296,7 @@ def _pretrain_cases(root: str, cache_dir: str) -> dict[str, Any]:
         torch._dynamo.config.disable = compile_disabled
         os.environ.clear()
         os.environ.update(environment)
-        litgpt.pretrain.save_hyperparameters = save_hyperparameters
+        sys.argv = command_line
     return out
 
 
@@ -315,6 +324,8 @@ def test_litgpt_pretrain_main_matches_ddp(pools, tmp_path_factory, linked_profil
     initial = _final_model(root / "ddp" / f"step-{SAVE_AT:08d}" / "lit_model.pth")  # the movement since step 2
     actual, ddp = (_final_model(root / name / "final" / "lit_model.pth") for name in (case, reference))
     assert_parameters_moved_alike(actual, ddp, initial, FP32_TOL["param_rtol"], FP32_TOL["param_mean_rtol"])
+    hyperparameters = (root / case / "final" / "hyperparameters.yaml").read_text()  # rank 0's files beside the save
+    assert "model_name: tiny-llama" in hyperparameters and (root / case / "final" / "model_config.yaml").is_file()
 
 
 @functools.cache
@@ -352,6 +363,13 @@ def _setup_checks(directory: str) -> dict[str, Any]:
         model = fabric.setup(hf_gpt2())
         return fabric, model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
 
+    fabric, model, _ = trained("tp")
+    loader = fabric.setup_dataloaders(DataLoader(_ShardedByRank(), batch_size=PER_DEVICE))
+    try:
+        model(next(iter(loader))[0])
+    except PlanError as error:
+        out["rank-sharded input"] = str(error)
+
     fabric, model, optimizer = trained("zero", save_distributed_checkpoint=False)
     loader = fabric.setup_dataloaders(DataLoader(dataset(PER_DEVICE * WORLD), batch_size=PER_DEVICE))
     train(fabric, model, optimizer, loader, steps=1, accumulate=1)
@@ -370,12 +388,23 @@ def _setup_checks(directory: str) -> dict[str, Any]:
     return out
 
 
+class _ShardedByRank(IterableDataset):
+    """Samples sharded by ``torch.distributed.get_rank()``: each rank its own, also the ranks of one data shard."""
+
+    def __iter__(self) -> Any:
+        data = dataset(4 * WORLD)
+        return (data[i] for i in range(dist.get_rank(), len(data), dist.get_world_size()))
+
+
 def test_fabric_setup_refusals_full_checkpoints_and_raw_weights(pools, tmp_path_factory):
     directory = tmp_path_factory.mktemp("fabric_files")
     out = pools(WORLD).run(_setup_checks, str(directory))[0]
     assert "could not find the Transformer blocks of Linear" in out["no blocks"], out
     assert "GalvatronFabricStrategy(example_input=...)" in out["auto without example"], out
     assert "create it after fabric.setup(model)" in out["optimizer made before"], out
+    refused = out.get("rank-sharded input", "not refused")
+    assert re.search(r"ranks \d, \d read one data shard of this plan .* different input batches", refused), refused
+    assert "fabric.strategy.distributed_sampler_kwargs gives num_replicas" in refused
     assert (directory / "full.ckpt").is_file()
     assert out["resumed steps"] == (1, [1.0])  # the loop's state and every Adam state, under another plan
     for name in ("resumed", "raw"):
@@ -397,3 +426,47 @@ def test_registered_in_fabric_and_checked_before_launch():
         L.Fabric(accelerator="cpu", devices=2, strategy=GalvatronFabricStrategy(plan=PLANS["tp"]))
     with pytest.raises(ValueError, match="search_batch_size: under Fabric your loop fixes the batch"):
         GalvatronFabricStrategy(search_options={"search_batch_size": True})
+    with pytest.raises(ValueError, match=r"watchdog \['step_timeout_s'\]: under Fabric the watchdog has one timeout"):
+        GalvatronFabricStrategy(watchdog={"step_timeout_s": 5})
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_rank_ends_the_fabric_job_with_its_name(tmp_path):
+    """A launched Fabric job (Fabric's launcher starts rank 1) whose rank 1 is stopped after two optimizer steps:
+    the watchdog ends it with its exit code, naming the rank and where it was last seen."""
+    from lightning_galvatron.runtime.watchdog import EXIT_CODE
+    from tests.test_failures import REPO, _finish, _user_lines, _wait_for_pids
+
+    timeout_s = 8
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "tests/helpers/fabric_job.py",
+            str(tmp_path),
+            "--watchdog",
+            f'{{"setup_timeout_s": {timeout_s}}}',
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    pids: dict[int, int] = {}
+    try:
+        pids = _wait_for_pids(job, tmp_path, 2)
+        time.sleep(2 * timeout_s / 5)  # two heartbeats: rank 1's record says it is in the loop
+        os.kill(pids[1], signal.SIGSTOP)
+    except BaseException:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            _finish(job, pids, timeout_s=0.1)  # ends the job (and the ranks it knows of) before the test fails
+        raise
+    code, output, took, running = _finish(job, pids, timeout_s=60)
+    text = _user_lines(output)
+    assert code == EXIT_CODE and running == [], text[-3000:]
+    assert took < timeout_s + 15, took
+    assert f"Galvatron watchdog: no progress for {timeout_s} s (watchdog setup_timeout_s)." in text, text[-3000:]
+    assert (
+        "rank 1: missing -- no heartbeat (stopped, or hung without releasing Python); last seen in the loop, " in text
+    )
+    assert text.count("Galvatron watchdog:") == 1 and "Traceback" not in text, text[-3000:]
