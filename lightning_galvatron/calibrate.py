@@ -24,8 +24,8 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch.distributed as dist
-from typing_extensions import override
 
+from lightning_galvatron._compat import override
 from lightning_galvatron.autoplan import optimizer_kind
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError, divisors
 from lightning_galvatron.profiler.runtime import RuntimeProfiler

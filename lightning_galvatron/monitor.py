@@ -31,8 +31,8 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from typing_extensions import override
 
+from lightning_galvatron._compat import override
 from lightning_galvatron.prediction import Prediction
 from lightning_galvatron.search.report import plan_summary
 
