@@ -80,6 +80,25 @@ class SearchSettings:
         return None if self.memory_budget is None else parse_bytes(self.memory_budget)
 
 
+class AutomaticPlanFailed(PlanError):
+    """Profiling or searching the model failed (on the rank the message names) for another reason than no plan
+    fitting: ``plan="auto"`` then trains it under the floor (:func:`~lightning_galvatron.model_setup.whole_model_plan`)
+    and says why. Raised on every rank alike."""
+
+
+def _agree_on_failure(failure: str | None, what: str) -> None:
+    """Raise :class:`AutomaticPlanFailed` on every rank if ``what`` failed on any, with the first failing rank's
+    error (every rank reaches this point: a failure the model's code raises alike on every rank, or after the
+    collectives of ``what``)."""
+    failures: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    failed = [(rank, error) for rank, error in enumerate(failures) if error is not None]
+    if failed:
+        rank, error = failed[0]
+        where = f"rank {rank}: {error}" if len(failed) == 1 else f"{len(failed)} ranks (rank {rank}: {error})"
+        raise AutomaticPlanFailed(f"{what} failed on {where}")
+
+
 @dataclass
 class AutoPlan:
     plan: ParallelPlan
@@ -180,19 +199,29 @@ def plan_automatically(
 
     started = time.perf_counter()
     cache_info: dict[str, Any] = {}
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training must not see its draws
-        measured = profile(
-            module,
-            structure,
-            example_batch,
-            world_size=world_size,
-            devices_per_node=devices_per_node,
-            precision=precision,
-            cache=settings.profile_cache,
-            device=device,
-            info=cache_info,
-            step=manual_optimization_step(manual_optimizers) if manual_optimizers else step,
-        )
+    # Pipeline probes only where a pipeline can be chosen (one block list, max_pp, automatic optimization).
+    pipelines = world_size > 1 and settings.options.max_pp != 1 and len(structure.block_lists) == 1
+    pipelines = pipelines and not manual_optimizers
+    failure = None
+    try:
+        # Training must not see the profiler's random draws.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            measured = profile(
+                module,
+                structure,
+                example_batch,
+                world_size=world_size,
+                devices_per_node=devices_per_node,
+                precision=precision,
+                cache=settings.profile_cache,
+                device=device,
+                info=cache_info,
+                step=manual_optimization_step(manual_optimizers) if manual_optimizers else step,
+                pipelines=pipelines,
+            )
+    except Exception as error:  # noqa: BLE001 - the model's code, run by the profiler: the floor trains it
+        failure = f"{type(error).__name__}: {error}"
+    _agree_on_failure(failure, "profiling the model")
     profiled = time.perf_counter()
     budget = settings.memory_budget_bytes or default_memory_budget(device, devices_per_node)
     # Pipelines cannot carry an encoder's output to decoder stages (see runtime.pipeline), nor run a step that does
@@ -212,6 +241,7 @@ def plan_automatically(
         token_means=settings.options.token_means or learned_token_means,
     )
     outcome: tuple[dict | None, str, str | None, bool] = (None, "", None, options.token_means)
+    crashed: str | None = None  # the search failing otherwise than finding no plan that fits
     # What the search is given, flat (its options by field): measured selection searches again with them.
     arguments: dict[str, Any] = {
         "world_size": world_size,
@@ -232,9 +262,14 @@ def plan_automatically(
                 break
             except ValueError as error:  # infeasible budget, no valid plan: say it on every rank
                 outcome = (None, "", str(error), token_means)
-    holder = [outcome]
+            except Exception as error:  # noqa: BLE001 - every rank waits for the broadcast below
+                crashed = f"{type(error).__name__}: {error}"
+                break
+    holder = [(outcome, crashed)]
     dist.broadcast_object_list(holder, src=0)
-    plan_dict, report, error, arguments["token_means"] = holder[0]
+    (plan_dict, report, error, arguments["token_means"]), crashed = holder[0]
+    if crashed is not None:
+        raise AutomaticPlanFailed(f"the search failed on rank 0: {crashed}")
     if error is not None:
         raise PlanError(f"automatic plan search failed: {error}")
     if learned_token_means:

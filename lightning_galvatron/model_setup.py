@@ -6,7 +6,10 @@ The floor: where no block list can be found (no ``nn.ModuleList``/``nn.Sequentia
 calls), ``plan="auto"`` does not refuse the model DDP would train. It trains the whole model as one unit -- the
 plan's ``vocab`` strategy over all of it, no blocks -- under the fastest of DDP, ZeRO-2 and ZeRO-3 whose model
 states (weights, gradients, optimizer states; ZeRO-3 also holding the whole model gathered while it runs) fit the
-memory budget, and the setup report says why it could not do more. A given plan, or ``layers=``, keeps the refusal.
+memory budget, and the setup report says why it could not do more. Where the blocks were found but profiling or
+searching the model failed (:class:`~lightning_galvatron.autoplan.AutomaticPlanFailed`: the model's code fails when
+the profiler runs a block alone), the same choice is made for every block and the rest alike: a uniform plan of data
+parallelism, nothing split, recomputed or pipelined. A given plan, or ``layers=``, keeps the refusal.
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_galvatron.autoplan import SearchSettings, default_memory_budget
+from lightning_galvatron.autoplan import (
+    AutomaticPlanFailed,
+    AutoPlan,
+    SearchSettings,
+    default_memory_budget,
+    plan_automatically,
+)
 from lightning_galvatron.data import example_batch, first_dataloader
 from lightning_galvatron.model.discovery import BlockDiscoveryError, ModelStructure, find_blocks
 from lightning_galvatron.model.tensor_parallel_plans import (
@@ -30,7 +39,14 @@ from lightning_galvatron.prediction import Prediction
 from lightning_galvatron.search.cost import optimizer_state_bytes, resolve_precision
 from lightning_galvatron.units import format_bytes
 
-__all__ = ["WholeModel", "block_plans", "find_structure", "tensor_parallel_plan_or_reason", "whole_model_plan"]
+__all__ = [
+    "WholeModel",
+    "automatic_plan",
+    "block_plans",
+    "find_structure",
+    "tensor_parallel_plan_or_reason",
+    "whole_model_plan",
+]
 
 #: Tried in this order, fastest first: the first whose model states fit is the plan.
 _FLOOR = ("ddp", "zero2", "zero3")
@@ -61,6 +77,17 @@ def block_plans(structure: ModelStructure, step: str, trainer: Any) -> list[Bloc
     return block_tensor_parallel_plans(structure, step, lambda: example_batch(first_dataloader(trainer)))
 
 
+def automatic_plan(
+    module: nn.Module, structure: ModelStructure, example: Any, global_batch_size: int, **context: Any
+) -> AutoPlan | tuple[ParallelPlan, Prediction]:
+    """:func:`~lightning_galvatron.autoplan.plan_automatically`'s profile and search, or where they failed for another
+    reason than no plan fitting, the floor's plan and prediction (:func:`whole_model_plan`, saying what failed)."""
+    try:
+        return plan_automatically(module, structure, example, global_batch_size=global_batch_size, **context)
+    except AutomaticPlanFailed as failed:
+        return whole_model_plan(module, structure, global_batch_size, why=str(failed), **context)
+
+
 def whole_model_plan(
     module: nn.Module,
     structure: ModelStructure,
@@ -72,9 +99,11 @@ def whole_model_plan(
     precision: str,
     settings: SearchSettings,
     optimizer: str,
+    why: str | None = None,
     **_: Any,
 ) -> tuple[ParallelPlan, Prediction]:
-    """The floor's plan for a model without blocks, and what the setup report says of it."""
+    """The floor's plan, and what the setup report says of it: for a model without blocks, or (``why``: what failed)
+    one whose blocks were found but could not be planned."""
     budget = settings.memory_budget_bytes or default_memory_budget(device, devices_per_node)
     kind = resolve_precision(precision)
     states = optimizer_state_bytes(optimizer, kind)
@@ -86,23 +115,20 @@ def whole_model_plan(
     }
     needed = {name: parameters * per_parameter[name] for name in _FLOOR}
     fits = [name for name in _FLOOR if needed[name] <= budget] if world_size > 1 else ["ddp"]
-    why = structure.why if isinstance(structure, WholeModel) else "the model has no blocks"
+    why = why or (structure.why if isinstance(structure, WholeModel) else "the model has no blocks")
     if not fits:
         raise PlanError(
-            f"{why}; as one unit its "
-            f"model states need {format_bytes(needed['zero3'])} per device even under ZeRO-3, more than the memory "
-            f"budget of {format_bytes(budget)}"
+            f"{why}; under data parallelism alone its model states need {format_bytes(needed['zero3'])} per device "
+            f"even under ZeRO-3, more than the memory budget of {format_bytes(budget)}"
         )
     choice = fits[0]
-    plan = ParallelPlan(
-        world_size=world_size, layers=(), vocab=LayerStrategy(dp_type=choice), global_batch_size=global_batch_size
-    )
+    everywhere = LayerStrategy(dp_type=choice)
+    plan = ParallelPlan.uniform(world_size, len(structure.blocks), everywhere, global_batch_size=global_batch_size)
     states_needed = format_bytes(needed[choice])
+    unit = "the whole model as one unit" if not structure.blocks else "every block and the rest of the model"
     note = (
-        f"plan='auto' trains the whole model as one unit under {choice} ({states_needed} of model states per device; "
+        f"plan='auto' trains {unit} under {choice} ({states_needed} of model states per device; "
         f"activations not measured), since it could not do more: {why}"
     )
-    prediction = Prediction(
-        plan, "searched over DDP, ZeRO-2 and ZeRO-3 for the whole model as one unit", budget, missing=note
-    )
+    prediction = Prediction(plan, f"searched over DDP, ZeRO-2 and ZeRO-3 for {unit}", budget, missing=note)
     return plan, prediction

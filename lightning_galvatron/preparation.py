@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +60,19 @@ def place_on_device(model: nn.Module, device: torch.device) -> None:
     model.to(device)
 
 
+def place_restored(model: nn.Module, device: torch.device) -> None:
+    """Where a model whose weights are loaded right after trains (a plan switched while training): its meta tensors
+    allocated on the device, uninitialised (``reset_parameters`` would draw random numbers and ``to_empty`` would
+    drop the values of the other tensors), the others moved. Parameters are swapped in place: the runtime already
+    holds them (a new ``Parameter`` in place of a meta one would leave a ddp layer's gradients unsummed)."""
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+
+
 def prepare(
     model: nn.Module,
     structure: ModelStructure,
@@ -74,12 +87,13 @@ def prepare(
     parallel_loss: bool = False,
     outside_layers: OutsideLayers | None = None,
     compile_options: Mapping[str, Any] | None = None,
+    place: Callable[[nn.Module, torch.device], None] = place_on_device,
 ) -> AppliedPlan:
     """Apply ``plan`` to ``model`` (already converted to ``precision`` by Lightning's plugin) in place, on every rank.
 
     Rank 0's weights first (as DDP starts, so that ranks need no common seed), then the runtime's
     :func:`~lightning_galvatron.runtime.apply.apply_plan` with the precision's FSDP policy and pipeline dtype; the
-    split model is placed on ``device`` before the gradient hooks are installed.
+    split model is placed on ``device`` (by ``place``) before the gradient hooks are installed.
     """
     if broadcast_initial_weights and dist.get_world_size() > 1:
         broadcast_module_states(model)
@@ -95,12 +109,13 @@ def prepare(
         outside_layers=outside_layers,
         tp_plans=tp_plans,
         compile_options=compile_options,
-        place=functools.partial(place_on_device, device=device),
+        place=functools.partial(place, device=device),
     )
 
 
-def count_optimizer_steps(applied: AppliedPlan, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+def count_optimizer_steps(applied: AppliedPlan, optimizers: Iterable[torch.optim.Optimizer]) -> list[Any]:
     """Tell the gradient reducer after each step of these optimizers that the summed gradients were consumed (a
-    second backward pass before a step would sum them twice: refused until then)."""
-    for optimizer in optimizers:
-        optimizer.register_step_post_hook(lambda *_: applied.gradients.optimizer_stepped())
+    second backward pass before a step would sum them twice: refused until then). Returns the hooks' handles."""
+    return [
+        optimizer.register_step_post_hook(lambda *_: applied.gradients.optimizer_stepped()) for optimizer in optimizers
+    ]

@@ -57,7 +57,7 @@ from torch.optim import Optimizer
 
 from lightning_galvatron._compat import override
 from lightning_galvatron.arguments import check_strategy_arguments
-from lightning_galvatron.autoplan import SearchSettings, check_memory_budget, optimizer_kind, plan_automatically
+from lightning_galvatron.autoplan import SearchSettings, check_memory_budget, optimizer_kind
 from lightning_galvatron.checkpoint import hf_models, load_checkpoint, whole_strided_tensors, without_created_states
 from lightning_galvatron.checkpoint_files import remove_checkpoint, save_sharded
 from lightning_galvatron.data import (
@@ -75,12 +75,13 @@ from lightning_galvatron.metrics import metric_states_kept, sync_metrics_over_da
 from lightning_galvatron.micro_batches import run_micro_batches, step_args_for_token_means
 from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
-from lightning_galvatron.model_setup import block_plans, find_structure, whole_model_plan
+from lightning_galvatron.model_setup import automatic_plan, block_plans, find_structure, whole_model_plan
 from lightning_galvatron.monitor import GalvatronMonitor, output_dir, save_plan_files
 from lightning_galvatron.plan import ParallelPlan, PlanError
 from lightning_galvatron.precision import check_precision_first, precision_flag, precision_plugin_for
 from lightning_galvatron.prediction import Prediction, plan_source_name, price_given_plan, searched_prediction
 from lightning_galvatron.preparation import count_optimizer_steps, explain_automatic_planning, load_given_plan, prepare
+from lightning_galvatron.replan import Replanning, check_replan
 from lightning_galvatron.rules import manual_optimization_problem
 from lightning_galvatron.runtime.apply import AppliedPlan, check_runtime_support, input_shard
 from lightning_galvatron.runtime.compile import compile_options
@@ -143,6 +144,9 @@ class GalvatronStrategy(ModelParallelStrategy):
             :mod:`lightning_galvatron.runtime.compile`). Pass the model itself uncompiled.
         monitor: log the plan and its predicted time and memory as hyperparameters, and measured step time,
             samples/s and peak memory as metrics (:class:`~lightning_galvatron.monitor.GalvatronMonitor`).
+        replan: with ``plan="auto"``, move training in memory to the selection's runner-up when the plan trains
+            measurably slower than the runner-up measured, and keep it if it trains faster
+            (:mod:`lightning_galvatron.replan`).
 
     Every argument is checked here, before any process is launched; errors name the argument.
     """
@@ -174,6 +178,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         compile: bool | Mapping[str, Any] = False,
         monitor: bool = True,
         search_options: Mapping[str, Any] | None = None,
+        replan: bool = True,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -195,6 +200,7 @@ class GalvatronStrategy(ModelParallelStrategy):
             self._watchdog = WatchdogSettings.of(watchdog)
             self._compile = compile_options(compile)
             self._trials, self.selection = TrialSettings.of(trials), None  # selection: what the trials decided
+            self._replan, self.replanning = check_replan(replan), None  # replanning: what it did, while fitting
         self._monitor: RankMonitor | None = None
         self._add_monitor = monitor
         self._plan_source = plan
@@ -210,6 +216,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         self._meshes: MeshCache | None = None
         self._parallelised: torch.nn.Module | None = None  # the model the plan was applied to
         self._applied: AppliedPlan | None = None
+        self._step_hooks: list[Any] = []  # count_optimizer_steps' (re-planning moves them to the new plan)
         self.data_shards: DataShards = None  # type: ignore[assignment]  # what loaders read: made with the plan in setup
 
     @classmethod
@@ -259,7 +266,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             assert self._applied is not None
-            count_optimizer_steps(self._applied, self.optimizers)
+            self._step_hooks = count_optimizer_steps(self._applied, self.optimizers)
             if self._runner is not None:  # never with manual optimization (refused in _parallelise)
                 trainer.fit_loop._skip_backward = True  # the runner does zero_grad and backward itself
         self.data_shards = DataShards(self.plan, self.global_rank, self._meshes, self.root_device)
@@ -298,27 +305,36 @@ class GalvatronStrategy(ModelParallelStrategy):
             )
 
         self.model = self.precision_plugin.convert_module(self.model)
-        self._applied = prepare(
-            self.model,
-            self.structure,
-            self.plan,
-            self._meshes,
-            precision_flag(self.precision_plugin),
-            self.root_device,
-            tp_plans=self._tp_plans,
-            broadcast_initial_weights=self._broadcast_initial_weights,
-            entry_methods=[name for name in _STEP_METHODS if is_overridden(name, module)],
-            parallel_loss=self._uses_parallel_loss,
-            outside_layers=outside,
-            compile_options=self._compile,
-        )
+        self.replanning = Replanning.start(self, trainer, outside) if self._replan else None  # before any plan
+        self._applied = self._apply_plan(outside, broadcast_initial_weights=self._broadcast_initial_weights)
         self._parallelised = self.model
         sync_metrics_over_data_shards(module, self.plan)  # torchmetrics: one state per data shard, as under DDP
         rank_zero_info(f"Galvatron: setup took {time.perf_counter() - started:.2f} s")
+        self._use_applied()
+
+    def _apply_plan(self, outside: OutsideLayers | None, **options: Any) -> AppliedPlan:
+        """The runtime applies ``self.plan`` to the model (in setup; again where re-planning moves training)."""
+        with self.replanning.blueprint.tracking(self.model) if self.replanning is not None else nullcontext():
+            return prepare(
+                self.model,
+                self.structure,
+                self.plan,
+                self._meshes,
+                precision_flag(self.precision_plugin),
+                self.root_device,
+                tp_plans=self._tp_plans,
+                entry_methods=[name for name in _STEP_METHODS if is_overridden(name, self.lightning_module)],
+                parallel_loss=self._uses_parallel_loss,
+                outside_layers=outside,
+                compile_options=self._compile,
+                **options,
+            )
+
+    def _use_applied(self) -> None:
         partition = self._applied.partition
         self.precision_plugin.pipeline_group = self._applied.pipeline_group
-        if partition is not None and partition.is_last and not partition.is_first:
-            self.precision_plugin.norm_excluded = {id(p) for p in partition.tied}  # counted on the first stage
+        tied = partition is not None and partition.is_last and not partition.is_first
+        self.precision_plugin.norm_excluded = {id(p) for p in partition.tied} if tied else frozenset()  # first stage's
 
     def _trace_outside_layers(self, trainer: Any) -> OutsideLayers:
         """Pipelines: which layers outside the blocks the step runs before them and which after, observed once on
@@ -373,7 +389,9 @@ class GalvatronStrategy(ModelParallelStrategy):
             return whole_model_plan(module, structure, global_batch, **context)
         explain_automatic_planning(structure, self.world_size)
         context["manual_optimizers"] = 0 if module.automatic_optimization else max(len(optimizers), 1)
-        auto = plan_automatically(module, structure, example, global_batch_size=global_batch, **context)
+        auto = automatic_plan(module, structure, example, global_batch, **context)
+        if isinstance(auto, tuple):  # the floor (model_setup): profiling or searching failed
+            return auto
         plan = choose_plan(self, trainer, auto, loader, global_batch)  # trials when fitting (measured selection)
         check_runtime_support(plan, structure, self._tp_plans)  # before the plan is printed or applied
         if plan.global_batch_size != global_batch:
@@ -399,6 +417,8 @@ class GalvatronStrategy(ModelParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if self.replanning is not None:  # loaders made for an earlier plan: the samples regrouped
+            batch = self.replanning.regroup(batch, self.lightning_module.trainer.state.stage)
         self.data_shards.check_first_batch(batch, self.lightning_module.trainer.state.stage, dataloader_idx)
         return super().batch_to_device(batch, device, dataloader_idx)
 

@@ -1,10 +1,11 @@
 """Models nobody here wrote (issue 43): tensor parallelism guessed for the blocks users write themselves and proven
-before use; shared, nested and reshaping blocks; a model without blocks under ``plan="auto"``; a loop a pipeline
-cannot restart.
+before use (plain and Megatron-SP); shared, nested and reshaping blocks; a model without blocks, or one the profiler
+cannot run, under ``plan="auto"`` (the floor); a loop a pipeline cannot restart.
 
-The matrix: nanoGPT-, minGPT- and Llama-style models written from scratch, ALBERT (one layer applied four times)
-and a model whose blocks widen, each x {auto, heterogeneous TP, 1F1B pipeline, ZeRO-3 + recomputation} (nanoGPT also
-Megatron-SP) against one process: per model one reference and one pool call running every case on 4 processes
+The matrix: nanoGPT-, minGPT- and Llama-style models written from scratch (nanoGPT's and minGPT's attention code
+verbatim), ALBERT (one layer applied four times) and a model whose blocks widen, each x {auto, heterogeneous TP, 1F1B
+pipeline, ZeRO-3 + recomputation} (nanoGPT and the Llama also Megatron-SP) against one process: per model one
+reference and one pool call running every case on 4 processes
 (``run_cases``); what the runtime cannot run exactly is refused before training, and the matrix checks the message
 (:data:`REFUSED`). The models are in :mod:`tests.helpers.user_models`.
 """
@@ -13,20 +14,26 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from lightning_galvatron.autoplan import AutomaticPlanFailed, SearchSettings, _agree_on_failure
 from lightning_galvatron.model.discovery import BlockDiscoveryError, find_blocks
+from lightning_galvatron.model.families._common import NarrowedInput
 from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans, tensor_parallel_plan_or_reason
+from lightning_galvatron.model_setup import whole_model_plan
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
+from lightning_galvatron.profiler.model import profile_model
 from lightning_galvatron.runtime.tensor_parallel import ColwiseFused
 from tests.helpers.training import RunResult, assert_close_runs, dataset, refused_as_expected, run_cases, run_single
 from tests.helpers.user_models import (
+    NanoBlock,
     albert,
     carried_depth,
     carried_gate,
+    conditioned,
     funnel,
-    gpt_neo,
     hidden_heads,
     llama_scratch,
     min_gpt,
@@ -46,52 +53,94 @@ def _plan(model) -> object:  # noqa: ANN001
 
 
 # ---------------------------------------------------------------------------------------------- the inference
+class _WidthFromAttributes(nn.Module):
+    """nanoGPT's attention as some copies write it: every size from its own attributes, none from the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj, self.n_head, self.n_embd = nn.Linear(32, 96), nn.Linear(32, 32), 4, 32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.size()  # noqa: N806
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, self.n_embd // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, self.n_embd))
+
+
+class _InputValuesToo(_WidthFromAttributes):
+    """Reads its width from its input, as nanoGPT does, and also adds the input's mean to its output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # noqa: N806
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)) + x.mean(-1, keepdim=True)
+
+
+def _with_attention(attention: nn.Module) -> nn.Module:
+    block = nano_gpt().transformer.h[0]
+    block.attn = attention
+    return block
+
+
 def test_plans_are_inferred_and_proven_for_blocks_written_from_scratch():
-    """nanoGPT's and minGPT's fused ``c_attn`` is split as ``[q | k | v]`` (each rank its heads of each part) and
-    their ``n_head``/``n_embd`` divided by the degree; Llama's ``wq``/``wk``/``wv``/``wo`` and ``w1``/``w2``/``w3``
-    with its grouped key/value heads -- proven on a real call, since its blocks also take the rotary table."""
+    """nanoGPT's and minGPT's fused ``c_attn`` is split as ``[q | k | v]`` (each rank its heads of each part), their
+    ``n_head``/``n_embd`` divided by the degree, and their attention, which reads its width ``C`` from its input,
+    receives this rank's part of it (``NarrowedInput``); an attention taking every size from its attributes needs
+    no narrowing. Llama's ``wq``/``wk``/``wv``/``wo`` and ``w1``/``w2``/``w3`` with its grouped key/value heads --
+    proven on a real call, since its blocks also take the rotary table."""
     # Without a call to take its rotary table from, Llama's guess cannot be proven (yet): tp=1, with why.
     unproven = tensor_parallel_plan_or_reason(find_blocks(llama_scratch()).blocks[0])
     assert "cannot be proven on it: its forward takes more than its hidden states" in unproven
     for factory in (nano_gpt, min_gpt):
         plan = _plan(factory())
         assert not isinstance(plan, str), plan
-        fused = plan.styles(False)["attn.c_attn"]
-        assert isinstance(fused, ColwiseFused) and fused.sections == (32, 32, 32), factory
+        styles = plan.styles(False)
+        assert isinstance(styles["attn.c_attn"], ColwiseFused) and styles["attn.c_attn"].sections == (32, 32, 32)
+        assert isinstance(styles["attn"], NarrowedInput) and styles["attn"].columns == ("c_attn",), factory
         assert plan.divisible["attention heads"] == 4
+        assert plan.megatron_sp == (factory is nano_gpt)  # minGPT's MLP is a ModuleDict it never calls
+    attributes = tensor_parallel_plan_or_reason(_with_attention(_WidthFromAttributes()))
+    assert not isinstance(attributes, str) and "attn" not in attributes.styles(False)
     llama = _plan(llama_scratch())
     assert not isinstance(llama, str), llama
     assert llama.divisible["key/value heads"] == 2 and llama.unsupported(4, "none") is not None
-    # GPT-Neo's attention reshapes with self.num_heads: divided by the degree, proven on a real call.
-    neo = _plan(gpt_neo())
-    assert not isinstance(neo, str), neo
     # Proven once, the verdict holds for every block of that kind.
     assert not isinstance(tensor_parallel_plan_or_reason(find_blocks(llama_scratch()).blocks[1]), str)
 
 
 def test_a_wrong_guess_is_caught_by_the_proof():
     """A head count hidden in an attribute no rule knows (``self.groups``) would split into heads of half the width and
-    train without an error; nanoGPT's own attention takes its width from the input's shape, which no attribute holds.
-    Both are planned with tp=1 and say why."""
+    train without an error; an attention that reads its width from its input but also uses the input's values would
+    add a part of them only. Both are planned with tp=1 and say why."""
     hidden = _plan(hidden_heads())
     assert isinstance(hidden, str) and "is wrong for it: split 2 ways, it computes another function" in hidden
+    values = tensor_parallel_plan_or_reason(_with_attention(_InputValuesToo()))
+    assert isinstance(values, str) and "split 2 ways, it computes another function" in values
+    assert "uses its input's values besides its projections" in values
 
-    class VerbatimAttention(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.c_attn, self.c_proj, self.n_head, self.n_embd = nn.Linear(32, 96), nn.Linear(32, 32), 4, 32
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            B, T, C = x.size()  # noqa: N806 - nanoGPT's code, verbatim
-            q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-            q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+class _MixesPositions(NanoBlock):
+    """Adds the mean over the sequence to its output: outside its sub-layers, so Megatron-SP would average each rank's
+    part of the sequence alone."""
 
-    block = nano_gpt().transformer.h[0]
-    block.attn = VerbatimAttention()
-    verbatim = tensor_parallel_plan_or_reason(block)
-    assert isinstance(verbatim, str) and "split 2 ways, its forward raises RuntimeError: shape" in verbatim
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        return x + x.mean(1, keepdim=True)
+
+
+def test_the_megatron_sp_variant_of_a_guess_is_proven_too():
+    """nanoGPT's guessed Megatron-SP variant (norms on sequence shards, the sub-layers gathering the sequence, the
+    output projections reduce-scattering it) computes what the block computes; a block that mixes positions outside
+    its sub-layers keeps plain tensor parallelism and is refused Megatron-SP, with why."""
+    assert tensor_parallel_plan_or_reason(nano_gpt().transformer.h[0]).megatron_sp
+    plan = tensor_parallel_plan_or_reason(_MixesPositions())
+    assert not isinstance(plan, str) and plan.unsupported(2, "none") is None
+    why = plan.unsupported(2, "megatron")
+    assert "the Megatron-SP variant of the plan inferred for _MixesPositions is wrong for it" in why
+    assert "with Megatron-SP, it computes another function than the whole block" in why
 
 
 def test_layers_of_the_block_itself_and_fused_head_by_head_layouts():
@@ -137,6 +186,8 @@ MODELS = {
     "albert": (albert, 8),  # one layer group applied 4 times: one block
     "widening": (widening, 8),  # blocks of widths 32, 32 -> 48, 48, 48
 }
+#: Models also run under Megatron-SP on their guessed plan.
+_SEQUENCE = ("nano_gpt", "llama_scratch")
 _HETEROGENEOUS = (
     S(tp=2, dp_type="zero3"),
     S(tp=4, recompute=True),
@@ -172,7 +223,7 @@ def cases(name: str) -> dict[str, dict]:
             plan=ParallelPlan.uniform(4, blocks, S(dp_type="zero3", recompute=True), vocab=S(dp_type="zero3"))
         ),
     }
-    if name == "nano_gpt":  # Megatron-SP on the guessed plan: the fused projection gathers the sequence first
+    if name in _SEQUENCE:  # Megatron-SP on the guessed plan, proven (Llama's on a real call: it takes its rotary table)
         sequence = tuple(S(tp=s.tp, sp="megatron" if s.tp > 1 else "none", dp_type=s.dp_type) for s in layers)
         out["sequence"] = dict(plan=ParallelPlan(world_size=4, layers=sequence))
     return out
@@ -209,7 +260,7 @@ def user_profiles(tmp_path_factory, linked_profile_cache) -> str:
 
 @pytest.mark.parametrize(
     "name, case",
-    [pytest.param(n, c, id=f"{n}-{c}") for n in MODELS for c in (*CASES, "sequence") if c in CASES or n == "nano_gpt"],
+    [pytest.param(n, c, id=f"{n}-{c}") for n in MODELS for c in (*CASES, "sequence") if c in CASES or n in _SEQUENCE],
 )
 def test_user_model_matches_one_process(pools, user_profiles, name, case):
     expected, results = _matrix(pools, user_profiles, name)
@@ -280,3 +331,72 @@ def test_a_model_without_blocks_trains_whole_under_auto(pools, profile_cache):
         assert outcome.plan.layers == () and outcome.plan.vocab.dp_type == dp_type
         assert_close_runs(outcome, expected, **FP32_TOL)
     assert "could not find the Transformer blocks of UnlistedBlocksLM" in results["given"]
+
+
+def test_a_model_the_profiler_cannot_run_trains_under_the_floor(pools, profile_cache):
+    """Its blocks read per-sample state their model sets on them, so the profiler, which runs a block alone at other
+    batch sizes than the step's, fails: ``plan="auto"`` trains it under DDP over every block and the rest (the floor)
+    as one process does, instead of ending the user's setup."""
+    model = conditioned()
+    samples = dataset(2)
+    batch = (samples.inputs, samples.targets)  # what one rank's step sees
+    with pytest.raises(RuntimeError, match=r"shape '\[1, 1, 1\]' is invalid for input of size 4"):
+        profile_model(model, find_blocks(model), batch)  # what plan="auto" meets on every rank
+    outcome = pools(4).run(run_cases, {"auto": _auto(str(profile_cache))}, conditioned, 8, str(profile_cache))[0]
+    outcome = outcome["auto"]
+    assert not isinstance(outcome, str), outcome
+    assert outcome.plan == ParallelPlan.uniform(4, 4, S(), global_batch_size=8)
+    assert_close_runs(outcome, run_single(model=conditioned, global_batch=8), **FP32_TOL)
+
+
+def _fails_on_rank(rank: int) -> str:
+    try:
+        failure = "RuntimeError: rank-only trouble" if dist.get_rank() == rank else None
+        _agree_on_failure(failure, "profiling the model")
+    except AutomaticPlanFailed as failed:
+        return str(failed)
+    return "no failure"
+
+
+def test_a_failure_on_one_rank_is_reported_on_every_rank_and_the_floor_says_why(pools):
+    """Profiling that fails on one rank stops every rank alike with that rank's error (rank 0's report names it), and
+    the floor's plan says it in the setup report: data parallelism over every block, the reason given."""
+    why = "profiling the model failed on rank 2: RuntimeError: rank-only trouble"
+    assert pools(4).run(_fails_on_rank, 2) == [why] * 4
+    model = conditioned()
+    context = dict(devices_per_node=4, device=torch.device("cpu"), precision="32-true", optimizer="adamw")
+    plan, prediction = whole_model_plan(
+        model, find_blocks(model), 8, world_size=4, settings=SearchSettings(memory_budget="1GB"), why=why, **context
+    )
+    assert plan == ParallelPlan.uniform(4, 4, S(), global_batch_size=8)
+    assert "trains every block and the rest of the model under ddp" in prediction.missing
+    assert prediction.missing.endswith(f"since it could not do more: {why}")
+    tight = SearchSettings(memory_budget=sum(p.numel() for p in model.parameters()) * 8)  # DDP needs 16 B each
+    plan, _ = whole_model_plan(model, find_blocks(model), 8, world_size=4, settings=tight, why=why, **context)
+    assert plan == ParallelPlan.uniform(4, 4, S(dp_type="zero2"), global_batch_size=8)
+
+
+def _automatic_plan_without_pipelines(cache: str) -> tuple:
+    from lightning_galvatron.autoplan import plan_automatically
+    from tests.helpers.training import tiny_gpt
+
+    model, samples = tiny_gpt(), dataset(4)
+    settings = SearchSettings.of(None, cache, max_pp=1)
+    auto = plan_automatically(
+        model,
+        find_blocks(model),
+        (samples.inputs[:2], samples.targets[:2]),
+        world_size=2,
+        devices_per_node=2,
+        precision="32-true",
+        global_batch_size=4,
+        device=torch.device("cpu"),
+        settings=settings,
+    )
+    return auto.plan.pp, auto.profile.overheads.pipelines
+
+
+def test_no_pipeline_is_probed_where_none_can_be_chosen(pools, profile_cache):
+    """With ``max_pp=1`` the profiler runs no pipeline schedule (Swin's crashed there before; it costs time anyway)."""
+    for pp, pipelines in pools(2).run(_automatic_plan_without_pipelines, str(profile_cache)):
+        assert pp == 1 and pipelines == ()

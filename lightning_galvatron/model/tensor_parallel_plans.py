@@ -12,7 +12,8 @@ Plans come from, in order:
 1. plans registered with :func:`register_tensor_parallel_plan`: the user's, and the built-in plans of
    known families (:mod:`lightning_galvatron.model.families`: Hugging Face GPT-2, GPT-NeoX, Llama, Qwen2,
    Qwen3, Mistral, Gemma, Gemma-3, Granite, Helium, SmolLM3, Cohere, Phi, Phi-3, OPT, Falcon, BLOOM, GPT-J,
-   GPTBigCode, MPT, CodeGen, BART, T5, LitGPT, ``nn.Transformer*``),
+   GPTBigCode, MPT, CodeGen, BART, Whisper, T5, GPT-Neo, LitGPT, ``nn.Transformer*``; the attention of Mixtral,
+   Qwen2-MoE and OLMoE with their experts whole),
    registered through the same function by qualified class name (nothing is imported for them); a
    registration for a class wins over one for its base classes, a user's over a built-in one;
 2. BERT-style encoder layers found by their structure (BERT, RoBERTa and others with
@@ -22,28 +23,30 @@ Plans come from, in order:
    ``w1``/``w2``/``w3``, ``c_fc``/``c_proj``, ``fc1``/``fc2`` also on the block itself, ...): the example GPT,
    nanoGPT- and minGPT-style blocks, a Llama written from scratch, Hugging Face layers without a plan of their
    own. Head counts and widths an attention's forward reads from its own attributes (``self.n_head``,
-   ``self.n_embd``, ``self.num_heads``, ...) are divided by the degree; what a sub-layer holds between its split
-   projections must apply to each head alike (a norm one head wide). The guess is then proven on the block
-   (:mod:`~lightning_galvatron.model.tensor_parallel_proof`: every rank's split forward simulated in one process
-   against the whole block, trying a fused q/k/v laid out ``[q | k | v]`` and head by head); a guess that is wrong
-   or cannot be proven is refused with why.
+   ``self.n_embd``, ``self.num_heads``, ...) are divided by the degree; an attention that reads its width from its
+   input (nanoGPT's ``B, T, C = x.size()``) receives this rank's part of it (``NarrowedInput``); what a sub-layer
+   holds between its split projections must apply to each head alike (a norm one head wide). The guess is then
+   proven on the block (:mod:`~lightning_galvatron.model.tensor_parallel_proof`: every rank's split forward
+   simulated in one process against the whole block, trying a fused q/k/v laid out ``[q | k | v]`` and head by
+   head, without and then with the narrowed input), and so is its Megatron-SP variant; a guess that is wrong or
+   cannot be proven is refused with why (a wrong Megatron-SP variant alone: that variant).
 
 A block with no plan is offered ``tp = 1`` only, and the strategy says why once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -53,7 +56,13 @@ from lightning_galvatron.model.plan_registry import PlanFactory, add_plan, find_
 
 # The runtime defines the plan type it executes; families fill it in (model/ -> runtime/).
 from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
-from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, ColwiseFused, StylesFn
+from lightning_galvatron.runtime.tensor_parallel import (
+    BlockTensorParallelPlan,
+    ColwiseFused,
+    GatherSequence,
+    PerHeadWeights,
+    StylesFn,
+)
 
 __all__ = [
     "HF_POSITION_INPUTS",
@@ -154,33 +163,35 @@ def tensor_parallel_plan_or_reason(block: nn.Module) -> BlockTensorParallelPlan 
     return _proven(block, plans)
 
 
-#: What the proof found per kind of block (see :func:`_signature`): the index of the plan proven, or why none was.
-_PROOFS: dict[tuple, int | str] = {}
+#: What the proof found per kind of block (see :func:`_signature`): the index of the plan proven and why its Megatron-SP
+#: variant is not (``None``: it is, or there is none), or why no plan was.
+_PROOFS: dict[tuple, tuple[int, str | None] | str] = {}
 #: While :func:`block_tensor_parallel_plans` runs with an example step: how to get the inputs of real block calls.
 _EXAMPLES: list[Callable[[], dict[type, tuple[tuple, dict]]]] = []
 
 
 def _proven(block: nn.Module, plans: list[BlockTensorParallelPlan]) -> BlockTensorParallelPlan | str:
-    """The first of ``plans`` that splits ``block`` exactly, or why none is used; proven once per kind of block."""
-    from lightning_galvatron.model.tensor_parallel_proof import Unprovable, proof_degrees, prove_split
+    """The first of ``plans`` that splits ``block`` exactly, or why none is used; proven once per kind of block. Its
+    Megatron-SP variant is proven too, and left out with why where it is wrong."""
+    from lightning_galvatron.model.tensor_parallel_proof import ANOTHER_FUNCTION, Unprovable, proof_degrees, prove_split
 
     key = _signature(block)
+    name = model_class(block).__name__
     if key not in _PROOFS:
-        name = model_class(block).__name__
         try:
             call = None if _takes_only_hidden_states(block) else _example_call(block)
             problems = []
             for plan in plans:
                 problem = prove_split(block, plan, proof_degrees(plan), call)
                 if problem is None:
-                    _PROOFS[key] = len(problems)
+                    _PROOFS[key] = (len(problems), _sequence_parallel_problem(block, plan, call))
                     break
                 problems.append(problem)
             else:
+                closest = next((p for p in problems if ANOTHER_FUNCTION in p), problems[0])  # one that ran
                 _PROOFS[key] = (
                     f"the tensor-parallel plan inferred for {name} from its nn.Linear layers is wrong for it: "
-                    f"{problems[0]} (declare a plan with "
-                    "lightning_galvatron.register_tensor_parallel_plan)"
+                    f"{closest} (declare a plan with lightning_galvatron.register_tensor_parallel_plan)"
                 )
         except Unprovable as why:  # not remembered: real inputs may come later
             return (
@@ -188,7 +199,31 @@ def _proven(block: nn.Module, plans: list[BlockTensorParallelPlan]) -> BlockTens
                 f"{why} (declare a plan with lightning_galvatron.register_tensor_parallel_plan)"
             )
     found = _PROOFS[key]
-    return found if isinstance(found, str) else plans[found]
+    if isinstance(found, str):
+        return found
+    index, sequence_parallel_problem = found
+    if sequence_parallel_problem is None:
+        return plans[index]
+    return dataclasses.replace(
+        plans[index],
+        megatron_sp=False,
+        why_not_megatron_sp=f"the Megatron-SP variant of the plan inferred for {name} is wrong for it: "
+        f"{sequence_parallel_problem} (register a plan for it)",
+    )
+
+
+def _sequence_parallel_problem(
+    block: nn.Module, plan: BlockTensorParallelPlan, call: tuple[tuple, dict] | None
+) -> str | None:
+    """Why ``plan``'s Megatron-SP variant does not compute what ``block`` computes, or ``None`` (also without one)."""
+    from lightning_galvatron.model.tensor_parallel_proof import Unprovable, proof_degrees, prove_split
+
+    if not plan.megatron_sp:
+        return None
+    try:
+        return prove_split(block, plan, proof_degrees(plan), call, sequence_parallel=True)
+    except Unprovable as why:
+        return f"it cannot be proven ({why})"
 
 
 def _signature(block: nn.Module) -> tuple:
@@ -320,7 +355,7 @@ def _linear_plan(block: nn.Module) -> list[BlockTensorParallelPlan] | str | None
     projection may be laid out ``[q | k | v]`` or head by head), each still to be proven
     (:mod:`~lightning_galvatron.model.tensor_parallel_proof`); ``None`` where the names do not say, or why the
     layers' roles are clear but the block still cannot be split."""
-    from lightning_galvatron.model.families._common import local_heads, per_head_styles
+    from lightning_galvatron.model.families._common import Compose, NarrowedInput, local_heads, per_head_styles
 
     columns, rows, fused, whole = [], [], [], []
     for name, module in block.named_modules():
@@ -348,6 +383,7 @@ def _linear_plan(block: nn.Module) -> list[BlockTensorParallelPlan] | str | None
     column_parents = {_parent(n) for n, _ in columns if "." in n}
     extra: dict[str, ParallelStyle] = {}
     local_sizes: dict[str, list[str]] = {}
+    attentions: dict[str, list[str]] = {}  # attention sub-layer -> its column layers (names in it)
     for parent in sorted(column_parents):
         module = block.get_submodule(parent)
         read = _reads_global_sizes(module)
@@ -358,6 +394,8 @@ def _linear_plan(block: nn.Module) -> list[BlockTensorParallelPlan] | str | None
             a.removeprefix("self.") for a in (read.split(", ") if read else []) if _local_size(module, a)
         ]
         head_dim = _head_dim(module, heads, columns, parent)
+        if head_dim is not None and type(module).forward is not nn.Module.forward:
+            attentions[parent] = [n[len(parent) + 1 :] for n, _ in columns if _parent(n) == parent]
         per_head = per_head_styles(
             module, parent, head_dim, {name for name, _ in columns + rows}, heads["attention heads"]
         )
@@ -372,9 +410,20 @@ def _linear_plan(block: nn.Module) -> list[BlockTensorParallelPlan] | str | None
     }
     norms = [name for name, m in block.named_children() if "norm" in type(m).__name__.lower() or name.startswith("ln")]
     single_input = _takes_only_hidden_states(block)
-    # Megatron-SP gathers the sequence on entry to each sub-layer: it must be a module the block calls.
+    # Megatron-SP gathers the sequence on entry to each sub-layer: it must be a module the block calls. The variant is
+    # proven as the plain one is (on a real call's inputs where the block takes more than its hidden states).
     called = all(type(block.get_submodule(p)).forward is not nn.Module.forward for p in column_parents)
-    megatron_sp = single_input and bool(norms) and all("." in n for n, _ in columns) and called and not whole
+    megatron_sp = bool(norms) and all("." in n for n, _ in columns) and called and not whole
+    # Under Megatron-SP, weights outside the split sub-layers and the norms (a mixture of experts kept whole) run on
+    # each rank's positions: whole on every rank, their gradient summed over the group (PerHeadWeights' convention).
+    on_positions = {
+        name: PerHeadWeights()
+        for name, module in block.named_modules()
+        if name
+        and any(True for _ in module.parameters(recurse=False))
+        and not any(name == p or name.startswith(f"{p}.") for p in (*column_parents, *norms))
+        and name not in {n for n, _ in columns + rows}
+    }
 
     def localize(module: nn.Module, tp: int) -> None:
         for parent, attributes in local_sizes.items():
@@ -383,24 +432,33 @@ def _linear_plan(block: nn.Module) -> list[BlockTensorParallelPlan] | str | None
     inferred = f"the plan inferred for {model_class(block).__name__} from its nn.Linear layers"
     more_inputs = f"{inferred} runs it only on blocks whose forward takes nothing but the hidden states"
     why_not_megatron_sp = (
-        more_inputs
-        if not single_input
-        else f"{inferred} found no norm on the residual stream, a projection outside a sub-layer, a layer it keeps "
-        "whole or a sub-layer the block does not call"
+        f"{inferred} found no norm on the residual stream, a projection outside a sub-layer, a layer it keeps whole or "
+        "a sub-layer the block does not call"
     )
     plans = []
-    for layout in layouts:
+    # An attention that reads its width from its input gets this rank's part of it (NarrowedInput): tried after the
+    # plain plans, since the proof shows which one computes what the block computes.
+    variants = [(layout, False) for layout in layouts] + [(layout, True) for layout in layouts if attentions]
+    for layout, narrowed in variants:
 
-        def styles(sequence_parallel: bool, layout: dict[str, ParallelStyle] = layout) -> dict[str, ParallelStyle]:
+        def styles(
+            sequence_parallel: bool, layout: dict[str, ParallelStyle] = layout, narrowed: bool = narrowed
+        ) -> dict[str, ParallelStyle]:
             out: dict[str, ParallelStyle] = {name: ColwiseParallel() for name, _ in columns} | layout
             for name, _ in rows:
                 out[name] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
             if sequence_parallel:
+                out |= on_positions
                 for norm in norms:
-                    out[norm] = SequenceParallel()
+                    out[norm] = SequenceParallel(use_local_output=True)  # plain tensors between the sub-layers
                 for parent in {_parent(n) for n, _ in columns}:
-                    out[parent] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            return out | extra
+                    out[parent] = GatherSequence()  # its hidden states: the first tensor or hidden_states=
+            if narrowed:
+                for parent, names in attentions.items():
+                    out[parent] = NarrowedInput(names, sequence_parallel)
+            for name, style in extra.items():
+                out[name] = Compose(out[name], style) if name in out else style
+            return out
 
         plans.append(
             BlockTensorParallelPlan(

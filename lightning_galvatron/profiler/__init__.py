@@ -59,6 +59,7 @@ def profile(
     hardware_budget_s: float = 3.0,
     info: dict[str, Any] | None = None,
     measure: bool = True,
+    pipelines: bool = True,
 ) -> Profile | None:
     """Profile ``module`` on the live process group; call on every rank, get the same profile on each.
 
@@ -74,6 +75,8 @@ def profile(
         hardware_budget_s: time bound of the collective measurements (:func:`profile_hardware`).
         info: filled with ``cached`` (whether the profile came from the cache) and ``cache_file``.
         measure: ``False`` only looks the profile up in the cache: ``None`` (on every rank) when it is not there.
+        pipelines: probe pipeline schedules (:mod:`~lightning_galvatron.profiler.model.overheads`); ``False`` where
+            no pipeline can be chosen (such a profile is cached apart: it has no pipeline probes).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -106,6 +109,7 @@ def profile(
                 "batch_sizes": sorted(batch_sizes),
                 "degrees": sorted(degrees) if degrees else None,
                 "overheads": OVERHEADS_VERSION,
+                **({} if pipelines else {"pipelines": False}),
             },
         )
         signature = model_signature(module, structure)
@@ -155,6 +159,7 @@ def profile(
         device=device,
         overheads=True,
         optimizer_probes=optimizer,
+        pipelines=pipelines,
     )
     result = Profile(
         model,

@@ -270,6 +270,8 @@ class FamilyLM(_Trainable):
         if self.kind == "masked":
             return self.model(input_ids=inputs, attention_mask=padding_mask(inputs)).logits
         shifted = torch.cat([torch.zeros_like(targets[:, :1]), targets[:, :-1]], dim=1)
+        if self.kind == "audio":
+            return self.model(input_features=frames(inputs, self.model.config), decoder_input_ids=shifted).logits
         return self.model(input_ids=inputs, decoder_input_ids=shifted).logits
 
     def loss(self, batch):  # noqa: ANN001, ANN201
@@ -290,6 +292,13 @@ def pixels(inputs: torch.Tensor, config) -> torch.Tensor:  # noqa: ANN001
     tokens = inputs.repeat(1, -(-rows * columns // inputs.shape[1]))[:, : rows * columns]
     grid = table.to(inputs.device)[tokens].view(inputs.shape[0], rows, columns, channels, patch, patch)
     return grid.permute(0, 3, 1, 4, 2, 5).reshape(inputs.shape[0], channels, height, width)
+
+
+def frames(inputs: torch.Tensor, config) -> torch.Tensor:  # noqa: ANN001
+    """Audio features for a speech model (Whisper) from token batches: each token two frames of fixed random
+    features, ``[batch, mel bins, frames]``."""
+    table = torch.randn(VOCAB, config.num_mel_bins, generator=torch.Generator().manual_seed(0))
+    return table.to(inputs.device)[inputs].repeat_interleave(2, dim=1).transpose(1, 2)
 
 
 def _hf(kind: str, architecture: str, config: str, **settings):  # noqa: ANN003, ANN202
@@ -512,6 +521,56 @@ FAMILY_MODELS = {
         num_key_value_heads=2,
         moe_intermediate_size=FFN,
         shared_expert_intermediate_size=FFN,
+    ),
+    # OLMoE: experts, and a norm over all heads' queries and keys at once
+    "olmoe": _hf(
+        "causal",
+        "OlmoeForCausalLM",
+        "OlmoeConfig",
+        **_ROTARY,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        pad_token_id=0,
+        eos_token_id=1,
+    ),
+    # Whisper: audio frames through two convolutions (pre-norm encoder-decoder), 16 frames -> 8 positions
+    "whisper": _hf(
+        "audio",
+        "WhisperForConditionalGeneration",
+        "WhisperConfig",
+        d_model=HIDDEN,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS,
+        encoder_ffn_dim=FFN,
+        decoder_ffn_dim=FFN,
+        num_mel_bins=4,
+        max_source_positions=8,
+        max_target_positions=8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    ),
+    # GPT-Neo: global and local (sliding-window) attention layers reading self.num_heads
+    "gpt_neo": _hf(
+        "causal",
+        "GPTNeoForCausalLM",
+        "GPTNeoConfig",
+        hidden_size=HIDDEN,
+        num_layers=4,
+        num_heads=HEADS,
+        attention_types=[[["global", "local"], 2]],
+        max_position_embeddings=8,
+        intermediate_size=FFN,
+        window_size=4,
+        embed_dropout=0.0,
+        attention_dropout=0.0,
+        resid_dropout=0.0,
+        bos_token_id=1,
+        eos_token_id=1,
     ),
     # RoBERTa's positions start after padding_idx (1): 8 tokens need 10 position embeddings
     "roberta": _hf(

@@ -5,7 +5,8 @@ the block (:mod:`lightning_galvatron.model.tensor_parallel_proof`).
 
 - :func:`nano_gpt`: nanoGPT's layout -- a ``transformer`` ``ModuleDict`` of ``wte``, ``wpe``, ``h``, ``ln_f``, the
   head tied to ``wte`` -- with its attention's fused ``c_attn`` ``[q | k | v]`` ``nn.Linear``, ``c_proj``, an MLP of
-  ``c_fc``/``c_proj``, and the forward reading ``self.n_head`` and ``self.n_embd`` (divided by the degree).
+  ``c_fc``/``c_proj``, and nanoGPT's attention code verbatim: ``self.n_head`` and ``self.n_embd`` (divided by the
+  degree) and the width ``C`` read from the input (which receives this rank's part of its width).
 - :func:`min_gpt`: minGPT's -- eager attention under a causal mask buffer, an MLP that is a ``ModuleDict`` (never
   called: its layers are, by the block), a GELU module.
 - :func:`llama_scratch`: Meta's Llama written again -- RMSNorm, grouped-query attention ``wq``/``wk``/``wv``/``wo``
@@ -13,11 +14,12 @@ the block (:mod:`lightning_galvatron.model.tensor_parallel_proof`).
   ``w1``/``w2``/``w3``. Its blocks take more than their hidden states, so the proof runs on a real call's inputs.
 - :func:`hidden_heads`: a block whose attention reshapes with a head count kept in an attribute no rule knows
   (``self.groups``): split, it would run without error and compute heads of half the width; the proof catches it.
-- :func:`albert`, :func:`funnel`, :func:`swin`, :func:`gpt_neo`: Hugging Face models of structures the family matrix
-  lacks (a layer shared by every position of the stack, a list of lists with the sequence pooled between them, stages
-  that merge patches, an attention reading ``self.num_heads``).
+- :func:`albert`, :func:`funnel`, :func:`swin`: Hugging Face models of structures the family matrix lacks (a layer
+  shared by every position of the stack, a list of lists with the sequence pooled between them, stages that merge
+  patches).
 - :func:`widening` (blocks that widen the residual stream), :func:`carried_gate` and :func:`carried_depth` (loops
-  carrying a tensor, or a count, from block to block), :func:`unlisted_blocks` (blocks in no list).
+  carrying a tensor, or a count, from block to block), :func:`unlisted_blocks` (blocks in no list),
+  :func:`conditioned` (blocks reading per-sample state their model sets on them: the profiler cannot run them alone).
 
 Factories are module-level (the worker pool pickles them) and seed the initialisation; dropout is 0.
 """
@@ -44,11 +46,14 @@ class NanoAttention(nn.Module):
         self.n_head, self.n_embd = HEADS, HIDDEN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.size()  # noqa: N806 - nanoGPT's names
+        B, T, C = x.size()  # noqa: N806 - nanoGPT's code, verbatim (but dropout, which is 0 here)
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, self.n_embd // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, self.n_embd))
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
 
 
 class NanoMLP(nn.Module):
@@ -115,12 +120,16 @@ class MinAttention(nn.Module):
         self.n_head, self.n_embd = HEADS, HIDDEN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.size()  # noqa: N806
+        B, T, C = x.size()  # noqa: N806 - minGPT's code, verbatim (but dropout, which is 0 here)
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = F.softmax(att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf")), dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(B, T, self.n_embd)
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 
 
@@ -478,21 +487,34 @@ def unlisted_blocks() -> UnlistedBlocksLM:
     return UnlistedBlocksLM()
 
 
-def gpt_neo() -> _Structured:
-    """GPT-Neo: its attention reshapes with ``self.num_heads`` (divided by the degree once the split is proven)."""
+class ConditionedBlock(NanoBlock):
+    """Scales its input by a per-sample factor its model hands it through an attribute before the loop (``scale``,
+    one per sample), as conditioned models hand on a per-sample embedding."""
+
+    scale: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * self.scale.view(x.shape[0], 1, 1))
+
+
+class ConditionedLM(NanoGPT):
+    """Its blocks read per-sample state from an attribute the model sets on them: the profiler, which runs a block
+    alone on other batch sizes than the step's, fails where DDP trains it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer.h = nn.ModuleList(ConditionedBlock() for _ in range(4))
+
+    def logits(self, batch):  # noqa: ANN001, ANN201
+        inputs, _ = batch
+        scale = 1 + (inputs[:, 0] % 3).float() / 10
+        x = self.transformer.wte(inputs) + self.transformer.wpe(torch.arange(inputs.shape[1], device=inputs.device))
+        for block in self.transformer.h:
+            block.scale = scale
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def conditioned() -> ConditionedLM:
     torch.manual_seed(1234)
-    return _Structured(
-        "causal",
-        "GPTNeoForCausalLM",
-        "GPTNeoConfig",
-        hidden_size=HIDDEN,
-        num_layers=2,
-        num_heads=HEADS,
-        attention_types=[[["global", "local"], 1]],
-        max_position_embeddings=SEQ,
-        intermediate_size=2 * HIDDEN,
-        window_size=4,
-        embed_dropout=0.0,
-        attention_dropout=0.0,
-        resid_dropout=0.0,
-    )
+    return ConditionedLM()

@@ -13,18 +13,21 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_galvatron.model.plan_registry import library_release
-from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
+from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS, hidden_states_of, with_hidden_states
 from lightning_galvatron.runtime.tensor_parallel import (
     BlockTensorParallelPlan,
     GatherSequence,
     PerHeadWeights,
     RowwiseFused,
     SplitPerHead,
+    all_gather_heads,
+    gather_sequence,
 )
 
 
@@ -41,6 +44,73 @@ class Compose(ParallelStyle):
         return module
 
 
+class GatherWidth(ParallelStyle):
+    """A module inside a split attention that mixes the whole width it receives (OLMo-2's ``q_norm``/``k_norm``: an
+    RMSNorm over all heads' queries or keys at once): each rank gathers every rank's part of its input (the last
+    dimension, in rank order: the column-parallel layer before it gives each rank a contiguous part), runs the module
+    whole, and keeps its own part of the output. Every rank computes the module on the same whole width and the
+    slice's backward gathers the output's gradient from every rank, so the module's weights stay whole with the same
+    gradient on every rank of the group (as a norm's under plain tensor parallelism)."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        def gather(mod: nn.Module, args: tuple) -> tuple:
+            return (all_gather_heads(args[0], device_mesh, args[0].dim() - 1), *args[1:])
+
+        def keep_part(mod: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+            whole = DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)
+            return whole.redistribute(device_mesh, [Shard(output.dim() - 1)]).to_local()
+
+        module.register_forward_pre_hook(gather)
+        module.register_forward_hook(keep_part)
+        return module
+
+
+class NarrowedInput(ParallelStyle):
+    """An attention that reads its width from its input (nanoGPT's ``B, T, C = x.size()``, then ``C // self.n_head``
+    per head and ``.view(B, T, C)`` before its output projection) receives this rank's part of the width of its hidden
+    states, and its column-parallel layers (``columns``, names in it) the whole hidden states: every size it takes from
+    its input is then this rank's, as its heads are. The part it receives is detached: only its shape may matter,
+    which the proof (:mod:`~lightning_galvatron.model.tensor_parallel_proof`) checks before an inferred plan with it
+    is used. With ``sequence_parallel`` (Megatron-SP) the sequence is gathered first."""
+
+    def __init__(self, columns: Sequence[str], sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.columns, self.sequence_parallel = tuple(columns), sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        gather = (lambda x: gather_sequence(x, device_mesh)) if self.sequence_parallel else None
+        narrow_input(module, self.columns, device_mesh.size(), device_mesh.get_local_rank(), gather)
+        return module
+
+
+def narrow_input(
+    module: nn.Module,
+    columns: Sequence[str],
+    tp: int,
+    rank: int,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[Any]:
+    """:class:`NarrowedInput`'s hooks on ``module`` as rank ``rank`` of ``tp`` (the proof installs them too); returns
+    their handles."""
+    whole: list[torch.Tensor] = []
+
+    def narrowed(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        _, x = hidden_states_of(args, kwargs)
+        x = gather(x) if gather is not None else x
+        whole[:] = [x]
+        width = x.shape[-1] // tp
+        return with_hidden_states(args, kwargs, x.detach().narrow(-1, rank * width, width))
+
+    def whole_input(mod: nn.Module, args: tuple) -> tuple:
+        return (whole[0], *args[1:]) if whole else args
+
+    handles = [module.register_forward_pre_hook(narrowed, with_kwargs=True)]
+    # Before the column layer's own input hooks (DTensor's): they see the whole hidden states.
+    handles += [module.get_submodule(name).register_forward_pre_hook(whole_input, prepend=True) for name in columns]
+    handles.append(module.register_forward_hook(lambda mod, args, output: whole.clear()))
+    return handles
+
+
 def megatron_plan(
     block: nn.Module,
     *,
@@ -52,6 +122,7 @@ def megatron_plan(
     divisible: Mapping[str, int],
     sequence_dims: Mapping[str, int] | None = None,
     extra: Mapping[str, ParallelStyle] | None = None,
+    sequence_extra: Mapping[str, ParallelStyle] | None = None,
     localize: Callable[[nn.Module, int], None] | None = None,
     ulysses: bool | str = False,
     megatron_sp: bool | str = True,
@@ -74,6 +145,8 @@ def megatron_plan(
         sequence_dims: the sequence dimension where it is not 1 (a block that flattens batch and sequence
             before its MLP, like OPT, shards dimension 0 there; any per-token order works).
         extra: other styles (per-head inputs, outputs to copy), applied after any other style of the same module.
+        sequence_extra: styles applied under Megatron-SP only (weights kept whole that see only this rank's part
+            of the sequence there: a mixture of experts run on sequence shards, see :mod:`.moe`).
         ulysses, megatron_sp: ``True``, or the reason the block cannot run it.
         head_dim: one head's width, where an attention holds weights that width between its projections (Qwen3's
             ``q_norm``/``k_norm``): they stay whole, their gradient summed over the group (:func:`per_head_styles`,
@@ -117,7 +190,7 @@ def megatron_plan(
             for name in gathers:
                 if name not in columns:
                     out[name] = GatherSequence()
-        for name, style in extra.items():
+        for name, style in {**extra, **((sequence_extra or {}) if sequence_parallel else {})}.items():
             out[name] = Compose(out[name], style) if name in out else style
         return out
 

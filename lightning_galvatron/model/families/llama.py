@@ -1,7 +1,8 @@
-"""Hugging Face Llama-style decoders (Llama, Qwen2, Qwen3, Mistral, Gemma, Gemma-2, Gemma-3, GLM, Phi, Phi-3 and
-others): separate ``q_proj``/``k_proj``/``v_proj``/``o_proj``, a gated MLP (``gate_proj``/``up_proj``/``down_proj``,
-or fused ``gate_up_proj``) or ``fc1``/``fc2``, rotary positions, grouped-query attention, and (Qwen3, Gemma3) a
-norm over each head's queries and keys.
+"""Hugging Face Llama-style decoders (Llama, Qwen2, Qwen3, Mistral, Gemma, Gemma-2, Gemma-3, GLM, OLMo-2, Phi, Phi-3
+and others): separate ``q_proj``/``k_proj``/``v_proj``/``o_proj``, a gated MLP (``gate_proj``/``up_proj``/
+``down_proj``, or fused ``gate_up_proj``) or ``fc1``/``fc2``, rotary positions, grouped-query attention, and a norm
+over each head's queries and keys (Qwen3, Gemma3: whole on every rank) or over all heads' at once (OLMo-2: on the
+width each rank gathers for it).
 
 Grouped-query attention: a degree must divide the key/value heads (each rank keeps whole groups).
 Multi-query attention (one key/value head): the key and value projections stay whole on every rank
@@ -15,7 +16,7 @@ import copy
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_galvatron.model.families._common import hf_sdpa, localize_groups, megatron_plan
+from lightning_galvatron.model.families._common import GatherWidth, hf_sdpa, localize_groups, megatron_plan
 from lightning_galvatron.model.plan_registry import add_plan
 from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan, ColwiseFused
 
@@ -45,6 +46,20 @@ def gated_mlp_columns(mlp: nn.Module) -> tuple[dict[str, ParallelStyle | None], 
     return {"mlp.gate_proj": None, "mlp.up_proj": None}, width
 
 
+def whole_width_norms(attn: nn.Module, prefix: str, kv_heads: int) -> dict[str, ParallelStyle]:
+    """Styles for norms over all heads' queries (keys) at once (OLMo-2's and OLMoE's ``q_norm``/``k_norm``, one
+    projection wide): each rank gathers the width for them (:class:`~._common.GatherWidth`). With one key/value head
+    the keys stay whole on every rank, and so does ``k_norm``."""
+    extra: dict[str, ParallelStyle] = {}
+    for norm, projection in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
+        module = getattr(attn, norm, None)
+        if module is None or (norm == "k_norm" and kv_heads == 1) or not hasattr(attn, projection):
+            continue
+        if {p.numel() for p in module.parameters()} == {getattr(attn, projection).out_features}:
+            extra[f"{prefix}.{norm}"] = GatherWidth()
+    return extra
+
+
 def llama_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
     columns, sizes, kv_heads = attention_projections(block.self_attn, "self_attn")
     heads = block.self_attn.config.num_attention_heads
@@ -63,6 +78,7 @@ def llama_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
         ],
         gathers=["self_attn", "mlp"],
         divisible=sizes | {"MLP width": width},
+        extra=whole_width_norms(block.self_attn, "self_attn", kv_heads),
         localize=lambda module, tp: localize_groups(module.self_attn, tp, heads, kv_heads),
         head_dim=getattr(block.self_attn, "head_dim", None),
         ulysses=hf_sdpa(block),
@@ -134,6 +150,7 @@ for _name in (
     "cohere.modeling_cohere.CohereDecoderLayer",
     "gemma2.modeling_gemma2.Gemma2DecoderLayer",
     "olmo.modeling_olmo.OlmoDecoderLayer",
+    "olmo2.modeling_olmo2.Olmo2DecoderLayer",
     "glm.modeling_glm.GlmDecoderLayer",
     "glm4.modeling_glm4.Glm4DecoderLayer",
 ):

@@ -1,10 +1,11 @@
-"""Hugging Face OPT and BART (and BART's copies: mBART, Marian, Pegasus, M2M-100):
+"""Hugging Face OPT and BART (and BART's copies: mBART, Marian, Pegasus, M2M-100; Whisper's layers):
 ``self_attn.q_proj/k_proj/v_proj/out_proj`` (BART decoders add ``encoder_attn``), ``fc1``/``fc2`` called by the
 layer itself, learned positions outside the blocks.
 
 OPT flattens batch and sequence before its MLP (``[batch x seq, hidden]``), so under Megatron-SP its
 MLP norm and layers shard dimension 0 of that view: each rank's rows are its own tokens, which is
-all a per-token MLP needs. BART is post-norm: its norms run on sequence shards after each residual add.
+all a per-token MLP needs. BART is post-norm: its norms run on sequence shards after each residual add; Whisper
+is pre-norm, its norms on sequence shards before each sub-layer, which gathers the sequence.
 """
 
 from __future__ import annotations
@@ -38,7 +39,21 @@ def opt_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
 
 
 def bart_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
+    return _bart_like_plan(block, localize=False)
+
+
+def whisper_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
+    """Whisper's layers are BART's, pre-norm; its attention views keys and values with ``self.num_heads``."""
+    return _bart_like_plan(block, localize=True)
+
+
+def _bart_like_plan(block: nn.Module, localize: bool) -> BlockTensorParallelPlan | str:
     attentions = ["self_attn"] + (["encoder_attn"] if hasattr(block, "encoder_attn") else [])
+
+    def local(module: nn.Module, tp: int) -> None:
+        for name in attentions:
+            local_heads(module.get_submodule(name), tp, "num_heads")
+
     columns: dict[str, None] = {"fc1": None}
     for name in attentions:
         columns |= _attention_columns(name)
@@ -49,7 +64,8 @@ def bart_plan(block: nn.Module) -> BlockTensorParallelPlan | str:
         norms=[f"{name}_layer_norm" for name in attentions] + ["final_layer_norm"],
         gathers=[*attentions, "fc1"],
         divisible={"attention heads": block.self_attn.num_heads, "MLP width": block.fc1.out_features},
-        ulysses=hf_sdpa(block),  # the attention reshapes with -1 heads: nothing to localize
+        localize=local if localize else None,  # BART's attention reshapes with -1 heads: nothing to localize
+        ulysses=hf_sdpa(block),
     )
 
 
@@ -64,3 +80,5 @@ for _module, _prefix in (
 ):
     for _kind in ("EncoderLayer", "DecoderLayer"):
         add_plan(f"transformers.models.{_module}.{_prefix}{_kind}", bart_plan)
+for _kind in ("EncoderLayer", "DecoderLayer"):
+    add_plan(f"transformers.models.whisper.modeling_whisper.Whisper{_kind}", whisper_plan)

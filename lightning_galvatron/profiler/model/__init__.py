@@ -133,10 +133,11 @@ def measure_model(
     name: str | None = None,
     overheads: bool = False,
     optimizer_probes: Sequence[OptimizerProbe] | None = None,
+    pipelines: bool = True,
 ) -> tuple[ModelProfile, Overheads | None]:
     """:func:`profile_model`, and with ``overheads`` (needs a live process group) the per-call overheads
     of its blocks, of the optimizer (unless ``optimizer_probes`` of this cluster are given: they do not depend on
-    the model), of pipeline schedules and of DDP's gradient reduction (phase 5)."""
+    the model), of pipeline schedules (unless ``pipelines`` is false) and of DDP's gradient reduction (phase 5)."""
     if any(p.is_meta for p in module.parameters()):
         raise ValueError("the model has parameters on the meta device: profile it after its weights are materialised")
     sizes = sorted({int(b) for b in batch_sizes})
@@ -174,6 +175,7 @@ def measure_model(
                 device,
                 [len(t.members) for t in types],
                 optimizer_probes=optimizer_probes,
+                pipelines=pipelines,
             )
     first = layer_types[0]
     block_index = {i: k for k, t in enumerate(types) for i in t.members}

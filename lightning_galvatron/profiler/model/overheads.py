@@ -67,12 +67,13 @@ def measure_overheads(
     device: torch.device,
     blocks_per_type: Sequence[int] | None = None,
     optimizer_probes: Sequence[OptimizerProbe] | None = None,
+    pipelines: bool = True,
 ) -> Overheads:
     """Call probes of each block type (plain, recomputed, ZeRO-2, ZeRO-3 over the world, each tensor-parallel
     style at each measured degree), optimizer probes (unless given: they are the cluster's, not the model's) and,
-    with two ranks or more, pipeline and reduction probes of the first block type (over ``blocks_per_type[0]``
-    copies, within :data:`REDUCTION_BLOCKS` and :data:`REDUCTION_BYTES`); seconds are the slowest rank's.
-    Collective."""
+    with two ranks or more, pipeline (unless ``pipelines`` is false: no pipeline can be chosen) and reduction probes
+    of the first block type (over ``blocks_per_type[0]`` copies, within :data:`REDUCTION_BLOCKS` and
+    :data:`REDUCTION_BYTES`); seconds are the slowest rank's. Collective."""
     from torch.distributed._composable import checkpoint
 
     from lightning_galvatron.precision import mixed_precision_policy
@@ -105,9 +106,9 @@ def measure_overheads(
     # A pipeline probe chains copies of the first block: only where a block returns hidden states of the shape it
     # receives (Swin's stages merge patches; no pipeline is searched for such models either, see autoplan).
     chained = _keeps_shape(profilers[0])
-    if world > 1 and not chained:
+    if pipelines and world > 1 and not chained:
         log.info("%s changes the shape of its hidden states: no pipeline is probed", profilers[0].name)
-    pipelines = _pipeline_probes(profilers[0], world, device) if world > 1 and chained else []
+    pipelines = _pipeline_probes(profilers[0], world, device) if pipelines and world > 1 and chained else []
     block_bytes = sum(p.numel() * p.element_size() for p in profilers[0].block.parameters())
     copies = max(min((blocks_per_type or [1])[0], REDUCTION_BLOCKS, REDUCTION_BYTES // max(block_bytes, 1)), 1)
     reductions = [_reduction_probe(profilers[0], copies, dp_mesh.get_group(), device)] if world > 1 else []
