@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -56,19 +57,27 @@ def explain_automatic_planning(structure: ModelStructure, world_size: int) -> No
 def place_on_device(model: nn.Module, device: torch.device) -> None:
     """Where the split model trains: meta weights materialised, everything moved to the device (``apply_plan`` calls
     this before it hooks the gradients: moving DTensor parameters later swaps them and drops the hooks)."""
-    _materialize_distributed_module(model, device)
-    model.to(device)
+    with _parameters_kept():
+        _materialize_distributed_module(model, device)
+        model.to(device)
 
 
 def place_restored(model: nn.Module, device: torch.device) -> None:
     """Where a model whose weights are loaded right after trains (a plan switched while training): its meta tensors
     allocated on the device, uninitialised (``reset_parameters`` would draw random numbers and ``to_empty`` would
-    drop the values of the other tensors), the others moved. Parameters are swapped in place: the runtime already
-    holds them (a new ``Parameter`` in place of a meta one would leave a ddp layer's gradients unsummed)."""
+    drop the values of the other tensors), the others moved."""
+    with _parameters_kept():
+        model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+
+
+@contextmanager
+def _parameters_kept() -> Iterator[None]:
+    """Module conversions swap new values into the parameter objects instead of making new ones: the runtime already
+    holds them (a new ``Parameter`` in place of a meta one left a ddp layer's gradients unsummed)."""
     swapping = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
-        model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+        yield
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swapping)
 

@@ -264,20 +264,30 @@ def _train_from_empty_init(plan: ParallelPlan) -> tuple[bool, list[float]]:
         enable_progress_bar=False,
         enable_checkpointing=False,
     )
+    L.seed_everything(0)  # every rank materialises whole (ddp) layers alike, as Lightning's users seed for it
     with trainer.init_module(empty_init=True):
         module = GPTModule(**TINY_GPT)
     was_meta = all(p.is_meta for p in module.parameters())
     losses: list[float] = []
     module.on_train_batch_end = lambda outputs, batch, batch_idx: losses.append(float(outputs["loss"]))
     trainer.fit(module, DataLoader(dataset(64), batch_size=2, shuffle=True))
-    return was_meta, losses
+    return was_meta, losses, [float(p.detach().double().sum()) for p in module.parameters() if p.ndim == 2]
 
 
 def test_empty_init_model_is_materialised_sharded(pools):
     plan = ParallelPlan.uniform(4, 4, S(tp=2, dp_type="zero3"), vocab=S(dp_type="zero3"))
-    was_meta, losses = pools(4).run(_train_from_empty_init, plan)[0]
+    was_meta, losses, _ = pools(4).run(_train_from_empty_init, plan)[0]
     assert was_meta
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_empty_init_model_under_ddp_layers_sums_their_gradients(pools):
+    """Materialising meta weights made new parameter objects after the gradient reducer had registered the old ones:
+    ddp layers trained each rank on its own samples and the replicas drifted apart."""
+    plan = ParallelPlan.uniform(4, 4, S(), vocab=S())
+    results = pools(4).run(_train_from_empty_init, plan)
+    assert results[0][0]
+    assert all(result[2] == results[0][2] for result in results), "the ddp replicas differ after training"
 
 
 def test_ranks_that_disagree_on_a_mask_get_an_error_not_a_hang(pools):
