@@ -133,7 +133,8 @@ def test_broken_runtimes_are_caught_with_both_stacks(monkeypatch: pytest.MonkeyP
     first = report.order.divergences[0]
     assert 2 in first.ranks and first.events[0].kind == "all_reduce" and first.events[0].phase == "train"
     text = report.order.describe()
-    assert "gradient_sync.py" in text and "nothing (its sequence ended here)" in text
+    # where the others sum a bucket, rank 2 already agrees on the bucket order that ends the first backward
+    assert "gradient_sync.py" in text and "(all_reduce vs broadcast)" in text
     monkeypatch.undo()
 
     mesh = MeshCache.mesh

@@ -9,6 +9,10 @@ next to what the cost model (:func:`lightning_galvatron.search.evaluate`) predic
 Simulating every rank also proves the collective order (:mod:`.trace`): every member of every group
 issued the same operations in the same order, the one rule whose violation hangs a job.
 
+With ``device="cuda"`` (``--device cuda``) every rank holds fake tensors on its own simulated GPU, its
+``torch.cuda`` calls are answered by a simulated device (:mod:`.cuda`), and NCCL's rules are checked on
+every collective, host synchronisations counted per step (:mod:`.nccl_rules`).
+
 What is simulated, not observed: values exchanged between ranks (the fake backend moves no data:
 object collectives hand each rank its own object, values read back from tensors are placeholders),
 and time. Memory is that of the CPU code path (attention through PyTorch's CPU SDPA kernels), without

@@ -53,6 +53,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="zero-filled CPU tensors instead of fake ones (faster; small models only)",
     )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help=(
+            "cuda: each rank holds fake tensors on its own simulated GPU (cuda:local_rank) behind a simulated NCCL "
+            "whose rules are checked, host synchronisations counted per step (default: cpu, as gloo runs)"
+        ),
+    )
+    p.add_argument(
+        "--devices-per-node",
+        type=int,
+        help="with --device cuda: GPUs per node (default: the hardware profile's, else 8)",
+    )
+    p.add_argument(
+        "--max-host-syncs",
+        type=int,
+        help="with --device cuda: fail when a rank's training step synchronises the host more often than this",
+    )
     p.add_argument("--no-memory", action="store_true", help="do not measure memory (faster)")
     p.add_argument("--workers", type=int, help="ranks simulated at a time (default: the CPU count)")
     p.add_argument("--events", action="store_true", help="with --json: include every rank's recorded operations")
@@ -100,9 +119,23 @@ def run_dry_run(args: Any) -> int:
         gradient_clip_val=args.gradient_clip_val,
         real_tensors=args.real_tensors,
         workers=args.workers,
+        device=args.device,
+        devices_per_node=args.devices_per_node or _devices_per_node(hardware or profile or reference),
     )
     print(json.dumps(report.to_dict(events=args.events), indent=2) if args.json else report.describe())
-    return 0 if report.ok else 1
+    too_many = args.max_host_syncs is not None and any(
+        count > args.max_host_syncs for count in report.host_syncs_per_step().values()
+    )
+    if too_many and not args.json:
+        print(f"a training step synchronises the host more than --max-host-syncs {args.max_host_syncs} times")
+    return 0 if report.ok and not too_many else 1
+
+
+def _devices_per_node(profile_file: str | None) -> int | None:
+    """The GPUs per node of the profile's hardware (``None`` without a profile: the dry run's default)."""
+    from lightning_galvatron.profiles import load_profile
+
+    return load_profile(profile_file).hardware.devices_per_node if profile_file else None
 
 
 def _measured_precision(profile_file: str | None) -> str:

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
+from lightning_galvatron.dryrun.cuda import track_memory
+
 CATEGORIES = {
     _MemRefType.PARAM: "parameters",
     _MemRefType.BUFFER: "buffers",
@@ -51,9 +53,11 @@ class StepMemoryTracker(MemTracker):
         self._peak_mem_snap = self.get_tracker_snapshot()
         self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._peak_mem_snap.items()}
         torch.utils._python_dispatch.TorchDispatchMode.__enter__(self)
+        track_memory(self)  # a simulated GPU's memory statistics read this step's accounting
         return self
 
     def __exit__(self, *args: object) -> None:
+        track_memory(None)
         self._deregister_param_and_optimizer_hooks()
         self._restore_resize()
         torch.utils._python_dispatch.TorchDispatchMode.__exit__(self, *args)

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
@@ -46,16 +47,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from lightning_galvatron.dryrun.cuda import FakeCudaFactories, fake_parameter_moves, simulated_gpu
 from lightning_galvatron.dryrun.memory import StepMemoryTracker
+from lightning_galvatron.dryrun.nccl_rules import register_simulated_nccl
 from lightning_galvatron.dryrun.trace import Recording
 from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.model.outside_layers import trace_outside_layers
 from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans
-from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_plugin_for
-from lightning_galvatron.runtime.apply import apply_plan
+from lightning_galvatron.precision import precision_plugin_for
+from lightning_galvatron.preparation import prepare
 from lightning_galvatron.runtime.mesh import Layout, MeshCache, local_tensor
 from lightning_galvatron.runtime.pipeline import loss_of
-from lightning_galvatron.runtime.sync import broadcast_module_states
 from lightning_galvatron.strategy import _STEP_METHODS
 
 
@@ -74,6 +76,9 @@ class RankJob:
     keep_stacks: bool = True
     gradient_clip_val: float | None = None
     real_tensors: bool = False  # zero-filled CPU tensors instead of fake ones: faster for small models
+    device: str = "cpu"  # "cuda": fake tensors on a simulated GPU per rank, NCCL's rules checked (dryrun.cuda)
+    devices_per_node: int = 8  # with device="cuda": rank r holds cuda:(r % devices_per_node)
+    device_memory: int | None = None  # with device="cuda": what the simulated GPU reports (default 80 GB)
 
 
 @dataclass
@@ -90,6 +95,8 @@ class RankResult:
     operations: dict[str, dict[str, int]] = field(default_factory=dict)  # phase -> kind -> count
     events: list[Any] | None = None  # trace.Event, when recorded
     placeholders: int = 0
+    violations: list[dict[str, Any]] = field(default_factory=list)  # NCCL's rules broken (nccl_rules.Violation)
+    host_syncs: list[dict[str, Any]] = field(default_factory=list)  # nccl_rules.HostSync, on a simulated GPU
     error: str | None = None
 
     def to_dict(self, events: bool = False) -> dict[str, Any]:
@@ -103,6 +110,8 @@ class RankResult:
             "memory": self.memory,
             "operations": self.operations,
             "placeholder_reads": self.placeholders,
+            "violations": self.violations,
+            "host_syncs": self.host_syncs,
             "error": self.error,
         }
         if events and self.events is not None:
@@ -119,14 +128,24 @@ def simulate_rank(job: RankJob, rank: int) -> RankResult:
     warnings.filterwarnings("ignore")  # Lightning's "self.log() without a Trainer" and friends, once per rank
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)  # DTensor's advice, once per rank
     recording = Recording(rank, plan.world_size, keep_stacks=job.keep_stacks)
+    simulation = (
+        simulated_gpu(rank, job.devices_per_node, job.device_memory, recording)
+        if job.device == "cuda"
+        else fake_parameter_moves()
+    )
     try:
-        if dist.is_initialized():  # inherited from the parent (a Trainer ran there): this process is another rank
-            dist.destroy_process_group()
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
-        _run(job, rank, recording, result)
+        with simulation:
+            if dist.is_initialized():  # inherited from the parent (a Trainer ran there): this process is another rank
+                dist.destroy_process_group()
+            backend = register_simulated_nccl() if job.device == "cuda" else "fake"
+            dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=plan.world_size)
+            _run(job, rank, recording, result)
     except Exception:  # noqa: BLE001 - reported per rank
         result.error = traceback.format_exc()
     finally:
+        if recording.rules is not None:
+            result.violations = [v.to_dict() for v in recording.rules.violations]
+            result.host_syncs = [s.to_dict() for s in recording.rules.host_syncs()]
         result.events = recording.events
         result.placeholders = recording.placeholders
         result.seconds = time.perf_counter() - started
@@ -143,10 +162,11 @@ def simulate_rank(job: RankJob, rank: int) -> RankResult:
 def _run(job: RankJob, rank: int, recording: Any, result: RankResult) -> None:
     plan, module = job.plan, job.module
     fake = nullcontext() if job.real_tensors else FakeTensorMode(allow_non_fake_inputs=True)
-    with recording.active():
+    factories = FakeCudaFactories(fake) if job.device == "cuda" else nullcontext()  # CUDA tensors made outside `fake`
+    with recording.active(), factories:
         structure = find_blocks(module, job.layers)
         blocks, names = structure.blocks, structure.block_names  # a pipeline stage removes other stages' blocks
-        plugin = precision_plugin_for(job.precision, "cpu")
+        plugin = precision_plugin_for(job.precision, job.device)
         module = plugin.convert_module(module)
         with fake:
             _materialize(module, job.real_tensors)
@@ -158,16 +178,17 @@ def _run(job: RankJob, rank: int, recording: Any, result: RankResult) -> None:
             )
         # The plan is applied outside the fake mode (ops on the fake weights stay fake): DeviceMesh and
         # DTensor compute rank layouts from index tensors they make themselves, which must hold real values.
-        broadcast_module_states(module)
-        meshes = MeshCache("cpu")
-        applied = apply_plan(
+        # As the strategy applies it: rank 0's weights broadcast, the plan applied, the model placed on the device.
+        device = torch.device(job.device, torch.cuda.current_device()) if job.device == "cuda" else torch.device("cpu")
+        meshes = MeshCache(job.device)
+        applied = prepare(
             module,
             structure,
             plan,
             meshes,
-            mixed_precision_policy(job.precision),
+            job.precision,
+            device,
             entry_methods=[name for name in _STEP_METHODS if is_overridden(name, module)],
-            boundary_dtype=boundary_dtype(job.precision),
             outside_layers=outside,
             tp_plans=block_tensor_parallel_plans(structure),
         )
@@ -188,7 +209,7 @@ def _run(job: RankJob, rank: int, recording: Any, result: RankResult) -> None:
             recording.events = [e for e in recording.events if e.phase != "warm-up"]
 
         local_batch = plan.global_batch_size // applied.input_shards
-        batch = job.make_batch(local_batch, job.seq_length)
+        batch = move_data_to_device(job.make_batch(local_batch, job.seq_length), device)  # batch_to_device
         if "train" in job.phases:
             recording.phase = "train"
             tracker = StepMemoryTracker(module, optimizer) if job.measure_memory else nullcontext()
@@ -201,7 +222,7 @@ def _run(job: RankJob, rank: int, recording: Any, result: RankResult) -> None:
             _validation_step(module, applied, batch, plugin)
     if "checkpoint" in job.phases:
         # Outside the fake mode too, for the shard offsets DTensor computes.
-        with recording.active():
+        with recording.active(), factories:
             recording.phase, recording.read_placeholders = "checkpoint", False
             _plan_checkpoint(module, optimizer)
 
@@ -217,6 +238,11 @@ def _materialize(module: nn.Module, real: bool = False) -> None:
         return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu")
 
     module._apply(empty)
+    fake_mode = torch._guards.detect_fake_mode()
+    if fake_mode is not None:
+        # Its memo of converted tensors refers to them weakly, and a weakly referenced fake parameter cannot be
+        # moved to a (simulated) GPU, which swaps it: a plain dict (a rank's process is short-lived).
+        fake_mode.fake_tensor_converter.meta_converter.tensor_memo = {}
 
 
 def first_optimizer(module: Any) -> torch.optim.Optimizer:
@@ -318,6 +344,7 @@ def _holdings(
                     "local_shape": list(local.shape),
                     "global_shape": list(p.shape),
                     "dtype": str(p.dtype).removeprefix("torch."),
+                    "device": str(local.device),
                     "placements": _placements(p),
                 }
             )

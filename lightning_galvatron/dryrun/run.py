@@ -32,11 +32,16 @@ class DryRunReport:
     order: OrderCheck | None = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    device: str = "cpu"
 
     @property
     def ok(self) -> bool:
-        """Every rank applied and stepped, and (when checked) the collective order holds."""
-        return all(r.error is None for r in self.ranks) and (self.order is None or self.order.ok)
+        """Every rank applied and stepped, breaking none of NCCL's rules; (when checked) the collective order holds."""
+        return all(r.error is None and not r.violations for r in self.ranks) and (self.order is None or self.order.ok)
+
+    def host_syncs_per_step(self, phase: str = "train") -> dict[int, int]:
+        """Per simulated GPU: the host synchronisations of one step of ``phase`` (empty on the CPU)."""
+        return {r.rank: sum(s["count"] for s in r.host_syncs if s["phase"] == phase) for r in self.ranks}
 
     def predicted_memory(self, rank: int) -> dict[str, float] | None:
         """The cost model's memory for ``rank``'s stage, by the measured categories it corresponds to."""
@@ -63,6 +68,7 @@ class DryRunReport:
     def to_dict(self, events: bool = False) -> dict[str, Any]:
         return {
             "model": self.model,
+            "device": self.device,
             "world_size": self.plan.world_size,
             "precision": self.precision,
             "seq_length": self.seq_length,
@@ -79,6 +85,7 @@ class DryRunReport:
                 for r in self.ranks
             ],
             "collective_order": self.order.to_dict() if self.order is not None else None,
+            "host_syncs_per_step": self.host_syncs_per_step() if self.device == "cuda" else None,
             "prediction": self.estimate.to_dict() if self.estimate is not None else None,
             "notes": self.notes,
         }
@@ -90,7 +97,8 @@ class DryRunReport:
         p = self.plan
         lines = [
             (
-                f"Dry run of {self.model} on {p.world_size} ranks ({len(self.ranks)} simulated), {self.precision}, "
+                f"Dry run of {self.model} on {p.world_size} {'GPUs' if self.device == 'cuda' else 'ranks'} "
+                f"({len(self.ranks)} simulated), {self.precision}, "
                 f"sequence {self.seq_length}, global batch {p.global_batch_size}: {plan_summary(p)}"
             ),
         ]
@@ -142,6 +150,8 @@ class DryRunReport:
         for r in self.ranks:
             if r.error is not None:
                 lines.append(f"\nrank {r.rank} failed:\n{r.error}")
+        if self.device == "cuda":
+            lines.extend(_describe_gpu_checks(self.ranks))
         if self.order is not None:
             lines.append(self.order.describe())
         lines.extend(f"note: {n}" for n in self.notes)
@@ -171,6 +181,8 @@ def dry_run(
     gradient_clip_val: float | None = None,
     real_tensors: bool = False,
     workers: int | None = None,
+    device: str = "cpu",
+    devices_per_node: int | None = None,
 ) -> DryRunReport:
     """Apply ``plan`` to ``model`` as ``ranks`` of a world of ``world_size`` and step it on fake tensors.
 
@@ -192,6 +204,10 @@ def dry_run(
             plan on a narrow copy of the model: the order depends on the plan and the model's structure, not on
             tensor sizes or values).
         workers: processes at a time (default: the CPU count).
+        device: ``"cuda"``: every rank holds fake tensors on its own simulated GPU (``cuda:rank % devices_per_node``,
+            :mod:`.cuda`), its process group is a simulated NCCL whose rules are checked (:mod:`.nccl_rules`), and
+            host synchronisations are counted per step. ``"cpu"``: what gloo runs, unchecked.
+        devices_per_node: GPUs per node with ``device="cuda"`` (default 8).
     """
     from lightning_galvatron.autoplan import optimizer_kind
     from lightning_galvatron.model.discovery import find_blocks
@@ -199,6 +215,10 @@ def dry_run(
     from lightning_galvatron.runtime.apply import check_runtime_support
 
     started = time.perf_counter()
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: choose 'cpu' or 'cuda'")
+    if device == "cuda" and real_tensors:
+        raise ValueError("device='cuda' simulates GPUs with fake tensors: real_tensors makes CPU tensors")
     unknown = set(phases) - set(PHASES)
     if unknown:
         raise ValueError(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
@@ -217,6 +237,9 @@ def dry_run(
     seq = (
         seq_length or (architecture.default_seq_length if architecture is not None else None) or _seq_length_of(module)
     )
+    if not seq and architecture is None:  # the model's own default (a config's max_position_embeddings)
+        shape = source.architecture()
+        seq = shape.default_seq_length if shape is not None else None
     if not seq:
         raise ValueError("the sequence length is not known from the model: pass seq_length")
     if plan == "auto":
@@ -263,20 +286,62 @@ def dry_run(
         keep_stacks=keep_stacks,
         gradient_clip_val=gradient_clip_val,
         real_tensors=real_tensors,
+        device=device,
+        devices_per_node=devices_per_node or 8,
+        device_memory=memory_per_device,
     )
     results = run_ranks(job, chosen, workers)
     order = None
     if check_collective_order if check_collective_order is not None else len(chosen) == resolved.world_size:
         order = check_order({r.rank: r.events or [] for r in results if r.error is None}, resolved.world_size)
     notes = [PLACEHOLDER_NOTE] if any(r.placeholders for r in results) else []
+    if plan == "auto":
+        notes.append(
+            "plan auto: the cost model's best plan is simulated; the measured selection a Trainer runs (short trials "
+            "of the search's candidates) is skipped: on fake tensors they would time nothing"
+        )
     if "checkpoint" in phases:
         notes.append(
             "checkpoint: sharded state dicts collected and this rank's save planned; DCP's exchange of plans "
             "between ranks and the writing are not simulated"
         )
     return DryRunReport(
-        source.label, resolved, precision, seq, results, estimate, order, time.perf_counter() - started, notes
+        source.label, resolved, precision, seq, results, estimate, order, time.perf_counter() - started, notes, device
     )
+
+
+def _describe_gpu_checks(ranks: Sequence[RankResult]) -> list[str]:
+    """NCCL's rules broken (each with where) and the host synchronisations of each phase, ranks alike merged."""
+    from lightning_galvatron.dryrun.nccl_rules import HostSync, Violation
+
+    lines: list[str] = []
+    broken = {(v["rule"], v["message"], tuple(v["stack"])): v for r in ranks for v in r.violations}
+    if broken:
+        lines.append(f"NCCL's rules: {len(broken)} violation(s)")
+        lines.extend(
+            Violation(v["rule"], v["message"], v["phase"], tuple(v["stack"])).describe() for v in broken.values()
+        )
+    else:
+        lines.append(
+            "NCCL's rules: every collective and point-to-point tensor on the rank's own GPU, object "
+            "collectives on the current device"
+        )
+    for phase in ("train", "validate"):
+        counts = sorted({sum(s["count"] for s in r.host_syncs if s["phase"] == phase) for r in ranks if not r.error})
+        if not counts:
+            continue
+        span = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+        lines.append(f"host synchronisations per {phase} step (a GPU waits for each): {span} per rank")
+        seen = {}
+        for r in ranks:
+            for s in r.host_syncs:
+                if s["phase"] == phase:
+                    seen.setdefault(
+                        (s["what"], tuple(s["stack"])),
+                        HostSync(phase, s["what"], tuple(s["stack"]), s["via"], s["count"]),
+                    )
+        lines.extend(f"  {sync.describe()}" for sync in seen.values())
+    return lines
 
 
 def shortened_plan(plan: ParallelPlan) -> ParallelPlan:

@@ -172,6 +172,7 @@ class Recording(TorchDispatchMode):
         self.members: dict[str, tuple[int, ...]] = {}
         self.placeholders = 0
         self.read_placeholders = False  # placeholders for real tensors too (in the steps, not in setup)
+        self.rules: Any = None  # nccl_rules.NcclRules when the rank simulates a GPU: shown every operation
 
     # ------------------------------------------------------------------ groups
     def _group(self, group: dist.ProcessGroup | None) -> tuple[str, tuple[int, ...]]:
@@ -203,6 +204,8 @@ class Recording(TorchDispatchMode):
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor lower to local ops and collectives, which come back here
         kwargs = kwargs or {}
+        if self.rules is not None:
+            self.rules.observe(func, args, kwargs)
         if func is torch.ops.aten._local_scalar_dense.default and (
             self.read_placeholders or isinstance(args[0], FakeTensor)
         ):
@@ -231,6 +234,9 @@ class Recording(TorchDispatchMode):
         compared = [values[_COMPARED_ARGUMENT[op]]] if op in _COMPARED_ARGUMENT else values.values()
         tensors = [t for t in _flatten(compared) if isinstance(t, torch.Tensor)]
         kind = _KINDS.get(op, op)
+        if self.rules is not None:
+            every = [t for t in _flatten(values.values()) if isinstance(t, torch.Tensor)]
+            self.rules.collective(kind, self._group(group)[0], every)
         root = None
         if kind in ("send", "recv"):
             peer = values.get("dst", values.get("src"))
@@ -278,14 +284,21 @@ class Recording(TorchDispatchMode):
         def group_rank(group: Any, rank: int | None) -> int | None:
             return None if rank is None else dist.get_group_rank(group or dist.group.WORLD, rank)
 
+        def checked(kind: str, device: Any = None) -> None:
+            if self.rules is not None:
+                self.rules.object_collective(kind, device)
+
         def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+            checked("broadcast_object_list", device)
             self._add("broadcast_object", group, root=group_src if group_src is not None else group_rank(group, src))
 
         def all_gather_object(object_list, obj, group=None):
+            checked("all_gather_object")
             self._add("all_gather_object", group)
             object_list[:] = [obj] * len(object_list)
 
         def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
+            checked("gather_object")
             self._add("gather_object", group, root=group_dst if group_dst is not None else group_rank(group, dst))
             if object_gather_list is not None:
                 object_gather_list[:] = [obj] * len(object_gather_list)
@@ -293,6 +306,7 @@ class Recording(TorchDispatchMode):
         def scatter_object_list(
             scatter_object_output_list, scatter_object_input_list=None, src=None, group=None, group_src=None
         ):
+            checked("scatter_object_list")
             self._add("scatter_object", group, root=group_src if group_src is not None else group_rank(group, src))
             own = dist.get_rank(group or dist.group.WORLD)
             scatter_object_output_list[0] = scatter_object_input_list[own] if scatter_object_input_list else None
@@ -336,8 +350,27 @@ class Divergence:
     ranks: tuple[int, int]
     events: tuple[Event | None, Event | None]
 
+    @property
+    def reason(self) -> str:
+        """What differs: another operation (or none), or the same one with other dtypes, shapes or root."""
+        a, b = self.events
+        if a is None or b is None:
+            return "one rank issued nothing more"
+        if a.kind != b.kind:
+            return f"different operations ({a.kind} vs {b.kind})"
+        if a.dtypes != b.dtypes:
+            return f"dtypes differ ({','.join(a.dtypes)} vs {','.join(b.dtypes)})"
+        if a.shapes != b.shapes:
+            return "shapes differ"
+        if a.root != b.root:
+            return f"roots differ ({a.root} vs {b.root})"
+        return "members differ" if a.members != b.members else "differs"
+
     def describe(self) -> str:
-        lines = [f"{self.what}: operation {self.index} differs between rank {self.ranks[0]} and rank {self.ranks[1]}"]
+        lines = [
+            f"{self.what}: operation {self.index} differs between rank {self.ranks[0]} and rank {self.ranks[1]}: "
+            f"{self.reason}"
+        ]
         for rank, event in zip(self.ranks, self.events):
             lines.append(f"  rank {rank}: {event.describe() if event else 'nothing (its sequence ended here)'}")
             if event is not None and event.stack:
@@ -350,6 +383,7 @@ class Divergence:
             "group": self.group,
             "members": list(self.members),
             "index": self.index,
+            "reason": self.reason,
             "ranks": list(self.ranks),
             "events": [e.to_dict() if e else None for e in self.events],
         }

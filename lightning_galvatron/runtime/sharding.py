@@ -18,6 +18,7 @@ exactly the gradient of the global-batch mean; averaging would scale each block 
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -50,6 +51,7 @@ def apply_data_parallel(
         )
         return
     ignored = {p for m in modules for p in m.parameters() if reducer.owns(p)}
+    _to_mesh_device(modules, dp_mesh)
     fully_shard(
         module,
         mesh=dp_mesh,
@@ -60,6 +62,20 @@ def apply_data_parallel(
     )
     for m in modules:
         use_sum_reduction(m)
+
+
+def _to_mesh_device(modules: list[nn.Module], mesh: DeviceMesh) -> None:
+    """FSDP2 shards only parameters already on the mesh's device (or on meta); a model built on the CPU moves to
+    the GPU here, a block at a time (never whole), right before it is sharded."""
+    if mesh.device_type == "cpu":
+        return
+    device = torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+    for sub in [sub for m in modules for sub in m.modules() if any(t.device.type == "cpu" for t in _own_tensors(sub))]:
+        sub._apply(lambda t: t.to(device) if t.device.type == "cpu" else t, recurse=False)  # placed ones stay
+
+
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
 
 
 def _unclaimed_parameters(module: nn.Module, reducer: GradientReducer) -> list[nn.Parameter]:

@@ -82,7 +82,8 @@ def broadcast_module_states(module: nn.Module, src: int = 0) -> None:
 
 @torch.no_grad()
 def _broadcast_bucket(tensors: list[torch.Tensor], src: int) -> None:
-    flat = _flatten_dense_tensors([t.detach() for t in tensors])
+    # Through the collective's device: the model is still where it was built (the CPU) and NCCL takes GPU tensors.
+    flat = _flatten_dense_tensors([t.detach() for t in tensors]).to(collective_device())
     dist.broadcast(flat, src)
     for t, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
         t.copy_(synced)
