@@ -367,7 +367,7 @@ def measurement_noise(rows: list[dict]) -> dict[str, Any]:
     return {"round_vs_others_mape": statistics.fmean(errors) if errors else None, "same_plan_pairs": pairs}
 
 
-def report(rows, model, args, seconds, profile_dict, calibration, probes, runs, selection) -> None:  # noqa: ANN001
+def report(rows, model, args, seconds, profile_dict, calibration, probes, runs, selection) -> None:
     summary = summarise(rows)
     print(f"\nCost model accuracy on {WORLD} CPU processes, {model.describe()}, median of {args.rounds} rounds")
     print(

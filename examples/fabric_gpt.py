@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-from examples.gpt import GPT, ArithmeticText, GPTConfig  # noqa: E402
-from lightning_galvatron import GalvatronFabricStrategy  # noqa: E402
+from examples.gpt import GPT, ArithmeticText, GPTConfig
+from lightning_galvatron import GalvatronFabricStrategy
 
 
 def train(

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-import lightning_galvatron  # noqa: E402,F401  (registers strategy="galvatron")
+import lightning_galvatron
 
 
 # ---------------------------------------------------------------------------------------------- model

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-import lightning_galvatron  # noqa: E402,F401  (registers strategy="galvatron")
-from examples.gpt import ALPHABET, ArithmeticDataModule  # noqa: E402
+import lightning_galvatron
+from examples.gpt import ALPHABET, ArithmeticDataModule
 
 TINY_LLAMA = dict(
     model_type="llama",

@@ -102,7 +102,7 @@ def why_not_keep(before: Sequence[float], after: Sequence[float]) -> str | None:
 
 def check_replan(value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"replan must be True or False, got {value!r}")  # noqa: TRY004
+        raise ValueError(f"replan must be True or False, got {value!r}")
     return value
 
 
@@ -149,7 +149,7 @@ class Replanning(Callback):
             return None  # no other measured plan: nothing to move to
         try:
             blueprint, problem = ModuleBlueprint(strategy.lightning_module), ""
-        except Exception as error:  # noqa: BLE001 - re-planning is off, training goes on
+        except Exception as error:
             blueprint, problem = None, f"{type(error).__name__}: {error}"
         if reduce_over_ranks([float(blueprint is not None)], dist.ReduceOp.MIN)[0] < 1:
             rank_zero_info(f"Galvatron: re-planning while training is off: the model cannot be copied ({problem})")

@@ -10,14 +10,14 @@ import torch
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.helpers.pool import PoolManager  # noqa: E402
+from tests.helpers.pool import PoolManager
 
 #: LitGPT's own pins contradict the newest transformers, so requirements/test.lock installs it without its
 #: dependencies; an environment resolved from the test extra alone runs without it.
 LITGPT_INSTALLED = importlib.util.find_spec("litgpt") is not None
 
 
-def pytest_collection_modifyitems(config, items):  # noqa: ANN001, ANN201
+def pytest_collection_modifyitems(config, items):
     if LITGPT_INSTALLED:
         return
     if os.environ.get("CI") and not os.environ.get("GALVATRON_LOWER_BOUNDS"):  # .ci/lower_bounds runs without it

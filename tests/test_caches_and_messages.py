@@ -79,7 +79,7 @@ def test_a_cached_selection_that_does_not_fit_the_model_is_measured_again(pools,
 
 
 # ---------------------------------------------------------------------------------------------- cached profiles
-def _profile_of(model: nn.Module, structure, devices_per_node: int):  # noqa: ANN001, ANN202
+def _profile_of(model: nn.Module, structure, devices_per_node: int):
     """A synthetic profile whose content agrees with ``model`` (name, blocks, parameters, hidden size)."""
     synthetic = synthetic_profile(
         np.random.default_rng(0), num_blocks=structure.num_blocks, devices_per_node=devices_per_node

@@ -49,7 +49,7 @@ TOL = 1e-5
 class GPT2(HFCausalLM):
     """Hugging Face GPT-2 at its defaults, with a test step (the loss, logged as DDP logs it)."""
 
-    def test_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def test_step(self, batch, batch_idx):
         inputs, targets = batch
         loss = F.cross_entropy(self.model(input_ids=inputs).logits.flatten(0, 1).float(), targets.flatten())
         self.log("test_loss", loss, sync_dist=True)
@@ -63,7 +63,7 @@ class Tokens(IterableDataset):
     def __init__(self, num_samples: int, shards: Callable[[], dict] | None = None, seed: int = 0) -> None:
         self.data, self.shards = ArithmeticText(num_samples, SEQ, seed=seed), shards
 
-    def __iter__(self):  # noqa: ANN204
+    def __iter__(self):
         shards = self.shards() if self.shards else {"num_replicas": dist.get_world_size(), "rank": dist.get_rank()}
         for index in range(shards["rank"], len(self.data), shards["num_replicas"]):
             yield self.data[index]
@@ -76,10 +76,10 @@ class PerRankWriter(BasePredictionWriter):
         super().__init__(write_interval)
         self.written: list[tuple] = []
 
-    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):  # noqa: ANN001
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
         self.written.append((prediction.logits.detach().clone(), list(batch_indices), batch[0].clone()))
 
-    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):  # noqa: ANN001
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
         self.written.append(([p.logits.detach().clone() for p in predictions], batch_indices))
 
 
@@ -89,7 +89,7 @@ class SeenTestBatches(L.Callback):
     def __init__(self) -> None:
         self.seen: list[tuple] = []
 
-    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):  # noqa: ANN001
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         self.seen.append(batch[0].clone())
 
 
@@ -126,7 +126,7 @@ def _train_evaluate_predict(name: str) -> dict:
     losses: list[float] = []
 
     class Losses(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             losses.append(float(outputs["loss"]))
 
     trainer.callbacks.append(Losses())
@@ -155,7 +155,7 @@ def _refusal(run: Callable[[], object]) -> dict:
         run(stepped)
     except PlanError as error:
         return {"error": str(error), "optimizer_steps": len(stepped)}
-    except Exception:  # noqa: BLE001 - reported by the test
+    except Exception:
         return {"error": f"failed: {traceback.format_exc()}", "optimizer_steps": len(stepped)}
     return {"error": None, "optimizer_steps": len(stepped)}
 
@@ -164,7 +164,7 @@ class _Steps(L.Callback):
     def __init__(self, stepped: list[int]) -> None:
         self.stepped = stepped
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.stepped.append(trainer.global_step)
 
 
@@ -195,7 +195,7 @@ def _all_cases() -> dict:
 _RESULTS: list[dict] = []
 
 
-def _results(pools) -> list[dict]:  # noqa: ANN001
+def _results(pools) -> list[dict]:
     if not _RESULTS:
         _RESULTS.extend(pools(2).run(_all_cases))
     return _RESULTS

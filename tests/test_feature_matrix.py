@@ -101,7 +101,7 @@ class ShardedStream(IterableDataset):
     def __init__(self, data: Dataset, shards: Callable[[], dict[str, int]]) -> None:
         self.data, self.shards = data, shards
 
-    def __iter__(self):  # noqa: ANN204
+    def __iter__(self):
         shards = self.shards()
         for index in range(shards["rank"], len(self.data), shards["num_replicas"]):
             yield self.data[index]
@@ -135,28 +135,28 @@ class FeatureLM(HFCausalLM):
     def _accuracy(self, metric: MulticlassAccuracy, logits: torch.Tensor, labels: torch.Tensor) -> None:
         metric.update(logits[:, :-1].argmax(-1).flatten(), labels[:, 1:].flatten())  # next-token predictions
 
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def training_step(self, batch, batch_idx):
         loss = self.model(**batch).loss
         self.log("train_loss", loss, sync_dist=True)
         self.log("lr", self.lr_schedulers().get_last_lr()[0])
         return loss
 
-    def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def validation_step(self, batch, batch_idx):
         out = self.model(**batch)
         self.log("val_loss", out.loss, sync_dist=True)
         self._accuracy(self.val_acc, out.logits, batch["labels"])
         self.log("val_acc", self.val_acc)
 
-    def test_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def test_step(self, batch, batch_idx):
         out = self.model(**batch)
         self.log("test_loss", out.loss, sync_dist=True)
         self._accuracy(self.test_acc, out.logits, batch["labels"])
         self.log("test_acc", self.test_acc)
 
-    def predict_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def predict_step(self, batch, batch_idx):
         return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
-    def configure_optimizers(self):  # noqa: ANN201
+    def configure_optimizers(self):
         matrices = [p for p in self.parameters() if p.dim() >= 2]
         vectors = [p for p in self.parameters() if p.dim() < 2]  # norms and biases: no weight decay, half the rate
         optimizer = torch.optim.AdamW(
@@ -199,7 +199,7 @@ class PerRankWriter(BasePredictionWriter):
         super().__init__("batch")
         self.written: list[tuple[torch.Tensor, list[int], torch.Tensor]] = []
 
-    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):  # noqa: ANN001
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
         self.written.append((prediction.detach().float().clone(), list(batch_indices), batch["input_ids"].clone()))
 
 
@@ -292,7 +292,7 @@ def run_matrix(family: str, cases: dict[str, dict[str, Any]], directory: str) ->
             out[name] = run_features(family, case, os.path.join(directory, "profiles"), progress, checkpoints)
         except PlanError as error:
             out[name] = {"refused": f"PlanError: {error}", "batches": progress.batches}
-        except Exception:  # noqa: BLE001 - reported by the test of this case
+        except Exception:
             out[name] = f"failed: {traceback.format_exc()}"
             return out | {later: f"not run: {name} failed before it" for later in cases if later not in out}
     return out
@@ -336,7 +336,7 @@ def matrix_dirs(tmp_path_factory, linked_profile_cache) -> str:
     return str(linked_profile_cache(tmp_path_factory.mktemp("feature-profiles")))
 
 
-def _matrix(pools, directory: str, family: str) -> list[dict[str, Any]]:  # noqa: ANN001
+def _matrix(pools, directory: str, family: str) -> list[dict[str, Any]]:
     """Every rank's results of every case of ``family``, computed once (the model's first test pays for all)."""
     if family not in _RESULTS:
         results = pools(WORLD).run(run_matrix, family, cases(), directory, timeout=300)
@@ -346,7 +346,7 @@ def _matrix(pools, directory: str, family: str) -> list[dict[str, Any]]:  # noqa
     return _RESULTS[family]
 
 
-def _outcomes(pools, directory: str, family: str, case: str) -> list[tuple[dict, dict]]:  # noqa: ANN001
+def _outcomes(pools, directory: str, family: str, case: str) -> list[tuple[dict, dict]]:
     """(the case's results, DDP's) per rank."""
     ranks = _matrix(pools, directory, family)
     for rank_out in ranks:

@@ -49,14 +49,14 @@ class GPT2WithMetrics(HFCausalLM):
         )
         self.val_tokens = SumMetric()
 
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def training_step(self, batch, batch_idx):
         inputs, targets = batch
         logits = self.model(input_ids=inputs).logits
         self.train_acc(logits.argmax(-1).flatten(), targets.flatten())
         self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
-    def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def validation_step(self, batch, batch_idx):
         inputs, targets = batch
         logits = self.model(input_ids=inputs).logits
         self.val_scores.update(logits.argmax(-1).flatten(), targets.flatten())
@@ -89,7 +89,7 @@ def _runs(profile_cache: str) -> dict[str, dict[str, float] | str]:
     for name, strategy in cases.items():
         try:
             logged[name] = _fit_and_validate(strategy)
-        except Exception:  # noqa: BLE001 - reported by the test of this case
+        except Exception:
             logged[name] = f"failed: {traceback.format_exc()}"
             return logged | {later: f"not run: {name} failed before it" for later in cases if later not in logged}
     return logged

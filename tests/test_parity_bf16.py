@@ -30,7 +30,7 @@ PLANS = {
 _REFERENCE: dict[str, object] = {}
 
 
-def _single(precision: str):  # noqa: ANN202
+def _single(precision: str):
     if precision not in _REFERENCE:
         _REFERENCE[precision] = run_single(precision=precision, model_kwargs=NO_BIAS)
     return _REFERENCE[precision]
@@ -59,7 +59,7 @@ def _without_summing_one_block(plan: ParallelPlan) -> object:
     add = GradientReducer.add
     calls = []
 
-    def add_without_the_first_group(self, params, group, reduce_last=False):  # noqa: ANN001, ANN202
+    def add_without_the_first_group(self, params, group, reduce_last=False):
         calls.append(reduce_last)
         return add(self, params, None if calls.count(False) == 1 and not reduce_last else group, reduce_last)
 

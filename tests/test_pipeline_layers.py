@@ -102,7 +102,7 @@ class Toy(nn.Module):
             return F.linear(x, self.wte.weight)
         return self.head(x)
 
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def training_step(self, batch, batch_idx):
         inputs, targets = batch
         return F.cross_entropy(self(inputs).flatten(0, 1), targets.flatten())
 

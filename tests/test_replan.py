@@ -75,7 +75,7 @@ class _SwitchAt(L.Callback):
     def __init__(self, step: int, plan: ParallelPlan, checkpoint: str) -> None:
         self.step, self.plan, self.checkpoint = step, plan, checkpoint
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             trainer.save_checkpoint(self.checkpoint)
             trainer.strategy.replanning.switch(trainer, self.plan)
@@ -85,7 +85,7 @@ class _SaveAt(L.Callback):
     def __init__(self, step: int, checkpoint: str) -> None:
         self.step, self.checkpoint = step, checkpoint
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             trainer.save_checkpoint(self.checkpoint)
 

@@ -26,12 +26,12 @@ class Sleepy(nn.Module):
 
 class _SlowBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, seconds):  # noqa: ANN001, ANN205
+    def forward(ctx, x, seconds):
         ctx.seconds = seconds
         return x.clone()
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         time.sleep(ctx.seconds)
         return grad, None
 

@@ -58,10 +58,10 @@ class PaddedGPT2(L.LightningModule):
         )  # fmt: skip
         self.model = transformers.GPT2LMHeadModel(config)
 
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def training_step(self, batch, batch_idx):
         return self.model(**batch).loss
 
-    def configure_optimizers(self):  # noqa: ANN201
+    def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 

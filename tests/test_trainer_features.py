@@ -92,7 +92,7 @@ class ManualGPT2(HFCausalLM):
         super().__init__("gpt2")
         self.automatic_optimization = False
 
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def training_step(self, batch, batch_idx):
         optimizer = self.optimizers()
         loss = super().training_step(batch, batch_idx)
         optimizer.zero_grad()

@@ -47,7 +47,7 @@ from tests.test_parity_data_parallel import FP32_TOL
 pytestmark = pytest.mark.timeout(600)
 
 
-def _plan(model) -> object:  # noqa: ANN001
+def _plan(model) -> object:
     structure = find_blocks(model)
     return block_tensor_parallel_plans(structure, "training_step", lambda: dataset(4)[0:1])[0]
 
@@ -61,7 +61,7 @@ class _WidthFromAttributes(nn.Module):
         self.c_attn, self.c_proj, self.n_head, self.n_embd = nn.Linear(32, 96), nn.Linear(32, 32), 4, 32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.size()  # noqa: N806
+        B, T, _ = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, self.n_embd // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -72,7 +72,7 @@ class _InputValuesToo(_WidthFromAttributes):
     """Reads its width from its input, as nanoGPT does, and also adds the input's mean to its output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.size()  # noqa: N806
+        B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)

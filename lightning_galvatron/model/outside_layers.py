@@ -85,7 +85,7 @@ def trace_outside_layers(module: nn.Module, structure: ModelStructure, step: str
             out = getattr(module, step)(sample, 0)
         except PlanError:
             raise
-        except Exception as error:  # noqa: BLE001 - say why the strategy ran the step
+        except Exception as error:
             raise PlanError(
                 f"with pipeline parallelism the strategy runs {type(module).__name__}.{step} once on one sample before "
                 f"training, to see which layers run before and after the blocks; it failed: {type(error).__name__}: "
@@ -177,7 +177,7 @@ class _Tracer(TorchFunctionMode):
         if name is not None and self.phase == BEFORE:
             self.before_outputs += [(name, t) for t in tree_flatten(output)[0] if _differentiable(t)]
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _reads_metadata(func):  # ViT reads its patch projection's weight.dtype to cast the pixels: not a use
             return func(*args, **kwargs)
@@ -327,12 +327,12 @@ class _DependsOn(torch.autograd.Function):
     """``value`` unchanged, marked as computed from ``source`` (its backward reaches ``source``, with zeros)."""
 
     @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, source: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
+    def forward(ctx: Any, value: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         ctx.source_shape, ctx.source_dtype = source.shape, source.dtype
         return value.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # noqa: ANN401
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
         return None, torch.zeros(ctx.source_shape, dtype=ctx.source_dtype, device=grad.device)
 
 

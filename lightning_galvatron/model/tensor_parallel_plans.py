@@ -83,7 +83,7 @@ def _load_builtin_families() -> None:
     global _BUILTINS_LOADED
     if not _BUILTINS_LOADED:
         _BUILTINS_LOADED = True
-        import lightning_galvatron.model.families  # noqa: F401 - registers through register_tensor_parallel_plan
+        import lightning_galvatron.model.families
 
 
 def register_tensor_parallel_plan(
@@ -287,7 +287,7 @@ def block_tensor_parallel_plans(
                 observed.append(example_calls(structure.root, structure.blocks, step, batch()))
             except Unprovable:
                 raise
-            except Exception as error:  # noqa: BLE001 - the user's step: reported as why nothing is proven
+            except Exception as error:
                 raise Unprovable(f"running {step} on an example failed ({type(error).__name__}: {error})") from error
         return observed[0]
 

@@ -121,7 +121,7 @@ class RuntimeProfiler:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _pre_forward(self, index: int):  # noqa: ANN202
+    def _pre_forward(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not self.recording or is_recomputing(module):
                 return
@@ -132,7 +132,7 @@ class RuntimeProfiler:
 
         return hook
 
-    def _post_forward(self, index: int):  # noqa: ANN202
+    def _post_forward(self, index: int):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if not self.recording or is_recomputing(module) or index not in self._opened:
                 return
@@ -165,13 +165,13 @@ class RuntimeProfiler:
 
         tensor.register_hook(hook)
 
-    def _backward_begins(self, index: int):  # noqa: ANN202
+    def _backward_begins(self, index: int):
         def begins(now: float) -> None:
             self._backward_open[index].append(now)
 
         return begins
 
-    def _backward_done(self, index: int):  # noqa: ANN202
+    def _backward_done(self, index: int):
         def done(now: float) -> None:
             if self._backward_open[index]:
                 self._backward[index].append(now - self._backward_open[index].pop())

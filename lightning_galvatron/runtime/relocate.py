@@ -182,14 +182,14 @@ class BlockOutputs:
     def __init__(self) -> None:
         self._outputs: dict[int, list[weakref.ref]] = {}
 
-    def record(self, block: nn.Module, index: int):  # noqa: ANN201
+    def record(self, block: nn.Module, index: int):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             extra = output[1:] if isinstance(output, (tuple, list)) else ()
             self._outputs[index] = [weakref.ref(t) for t in extra if isinstance(t, torch.Tensor)]
 
         return block.register_forward_hook(hook)
 
-    def of(self, index: int):  # noqa: ANN201
+    def of(self, index: int):
         """A test: was this tensor an output of block ``index`` in its latest call? (The same tensor, or an alias of
         it: FSDP2 hands a block the inputs that need gradients through an autograd function of its own.)"""
         return lambda value: any(_same_tensor(ref(), value) for ref in self._outputs.get(index, ()))
@@ -443,7 +443,7 @@ def relocate_output(
     micro_batch: MicroBatch,
     position: int,
     group: dist.ProcessGroup,
-):  # noqa: ANN202
+):
     """Forward hook on the last block: its hidden states back to the vocabulary layout."""
 
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:

@@ -118,9 +118,9 @@ class _FirstStageOnly(_StandIn):
                 )
             )
         device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
-        to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+        to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t
         shapes = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
-        zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t
         return tree_map(zeros, shapes)
 
 
@@ -235,10 +235,10 @@ class _AbsentBlock:
 
 
 def _gated_class(cls: type, gate: _Gate) -> type:
-    def __iter__(self):  # noqa: ANN001, ANN202, N807
+    def __iter__(self):
         return iter(gate.calls(list(self._modules.values())))
 
-    def __getitem__(self, index):  # noqa: ANN001, ANN202, N807
+    def __getitem__(self, index):
         if isinstance(index, slice):
             return gate.calls(list(self._modules.values())[index])
         key = str(index % self.galvatron_length)  # keys are the global positions

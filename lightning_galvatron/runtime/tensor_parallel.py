@@ -131,12 +131,12 @@ class _CopyToGroup(torch.autograd.Function):
     """Identity forward; sums the input gradient over the tensor-parallel group in backward."""
 
     @staticmethod
-    def forward(ctx, x, group):  # noqa: ANN001, ANN205
+    def forward(ctx, x, group):
         ctx.group = group
         return x
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -146,13 +146,13 @@ class _ReduceFromGroup(torch.autograd.Function):
     """Sums partial outputs over the tensor-parallel group; identity backward."""
 
     @staticmethod
-    def forward(ctx, x, group):  # noqa: ANN001, ANN205
+    def forward(ctx, x, group):
         x = x.contiguous()
         dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         return grad, None
 
 

@@ -45,7 +45,7 @@ class _AllToAll(torch.autograd.Function):
     """Chunk ``i`` of dim 0 goes to rank ``i``; the inverse (its own backward) is the same exchange."""
 
     @staticmethod
-    def forward(ctx, x, group):  # noqa: ANN001, ANN205
+    def forward(ctx, x, group):
         ctx.group = group
         x = x.contiguous()
         out = torch.empty_like(x)
@@ -53,7 +53,7 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         grad = grad.contiguous()
         out = torch.empty_like(grad)
         dist.all_to_all_single(out, grad, group=ctx.group)
@@ -104,7 +104,7 @@ class _UlyssesAttention(TorchFunctionMode):
         self.memory_lengths = memory_lengths
         self.calls = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
@@ -191,7 +191,7 @@ def apply_ulysses(
     signature = _signature(block)
     g, rank = dist.get_world_size(group), dist.get_rank(group)
 
-    def ulysses_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def ulysses_forward(*args, **kwargs):
         hidden = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
         local, width = hidden.shape[1], hidden.shape[-1]
         if local < 2:

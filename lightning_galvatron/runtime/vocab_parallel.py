@@ -82,7 +82,7 @@ def apply_vocab_parallel(
     """
     split: dict[int, nn.Parameter] = {}  # id of a parameter before splitting -> the split one
 
-    def parallelize(module: nn.Module, style) -> None:  # noqa: ANN001
+    def parallelize(module: nn.Module, style) -> None:
         before = dict(module.named_parameters(recurse=False))
         parallelize_module(module, tp_mesh, style)
         for name, param in before.items():
@@ -110,7 +110,7 @@ def apply_vocab_parallel(
 class _LossAsLocalTensor(TorchFunctionMode):
     """Hand the (replicated) loss of a vocabulary-parallel cross-entropy back as a plain tensor."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in (F.cross_entropy, F.nll_loss) and isinstance(out, DTensor):
             return out.to_local()  # replicated: the local value is the loss; backward re-wraps the gradient

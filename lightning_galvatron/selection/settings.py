@@ -43,7 +43,7 @@ class TrialSettings:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"trials {name} must be an integer >= {least}, got {value!r}")
         if not isinstance(self.measure_memory, bool):
-            raise ValueError(f"trials measure_memory must be True or False, got {self.measure_memory!r}")  # noqa: TRY004
+            raise ValueError(f"trials measure_memory must be True or False, got {self.measure_memory!r}")
 
     @classmethod
     def of(cls, value: bool | float | Mapping[str, Any] | TrialSettings | None) -> TrialSettings | None:

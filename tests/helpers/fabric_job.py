@@ -16,13 +16,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
-from lightning_galvatron import GalvatronFabricStrategy  # noqa: E402
-from tests.helpers.training import dataset, tiny_gpt  # noqa: E402
+from lightning_galvatron import GalvatronFabricStrategy
+from tests.helpers.training import dataset, tiny_gpt
 
 
 def main() -> None:

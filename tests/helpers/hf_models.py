@@ -54,23 +54,23 @@ class HFCausalLM(L.LightningModule):
         else:
             raise ValueError(family)
 
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def training_step(self, batch, batch_idx):
         inputs, targets = batch
         logits = self.model(input_ids=inputs).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
-    def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def validation_step(self, batch, batch_idx):
         inputs, targets = batch
         logits = self.model(input_ids=inputs).logits
         self.log("val_loss", F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()), sync_dist=True)
 
-    def predict_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def predict_step(self, batch, batch_idx):
         inputs, _ = batch
         return self.model(input_ids=inputs)  # a ModelOutput: logits and, at the defaults, a KV cache
 
-    def configure_optimizers(self):  # noqa: ANN201
+    def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)
 
 

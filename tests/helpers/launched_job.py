@@ -14,19 +14,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import lightning.pytorch as L  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import lightning.pytorch as L
+import torch
+from torch.utils.data import DataLoader
 
-from lightning_galvatron import GalvatronStrategy  # noqa: E402
-from tests.helpers.training import dataset, tiny_gpt  # noqa: E402
+from lightning_galvatron import GalvatronStrategy
+from tests.helpers.training import dataset, tiny_gpt
 
 
 class _WritePid(L.Callback):
     def __init__(self, directory: Path) -> None:
         self.directory = directory
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == 2:
             (self.directory / f"rank{trainer.global_rank}.pid").write_text(str(os.getpid()))
 

@@ -28,7 +28,7 @@ class SometimesMasked(L.LightningModule):
         self.blocks = nn.ModuleList(MaskedBlock(8) for _ in range(2))
         self.head = nn.Linear(8, 16)
 
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def training_step(self, batch, batch_idx):
         inputs, targets = batch
         x = self.embed(inputs)
         mask = torch.ones(inputs.shape, dtype=x.dtype) if dist.get_rank() % 2 == 0 else None
@@ -36,7 +36,7 @@ class SometimesMasked(L.LightningModule):
             x = block(x, mask=mask)
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
-    def configure_optimizers(self):  # noqa: ANN201
+    def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
@@ -64,14 +64,14 @@ class MixerLM(L.LightningModule):
         self.blocks = nn.ModuleList(MixerBlock(8) for _ in range(4))
         self.head = nn.Linear(8, 16)
 
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def training_step(self, batch, batch_idx):
         inputs, targets = batch
         x = self.embed(inputs)
         for block in self.blocks:
             x = block(x)
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
-    def configure_optimizers(self):  # noqa: ANN201
+    def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 

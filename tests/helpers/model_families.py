@@ -33,28 +33,28 @@ class _Trainable(L.LightningModule):
         super().__init__()
         self.learning_rate = learning_rate
 
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def training_step(self, batch, batch_idx):
         loss = self.loss(batch)
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
-    def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def validation_step(self, batch, batch_idx):
         self.log("val_loss", self.loss(batch), sync_dist=True)
 
-    def test_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def test_step(self, batch, batch_idx):
         self.log("test_loss", self.loss(batch), sync_dist=True)
 
-    def predict_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def predict_step(self, batch, batch_idx):
         """The inputs (to align predictions across data shards) and the model's logits for them."""
         inputs, _ = batch
         return inputs, self.logits(batch).float()
 
-    def loss(self, batch):  # noqa: ANN001, ANN201
+    def loss(self, batch):
         _, targets = batch
         logits = self.logits(batch)
         return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
-    def configure_optimizers(self):  # noqa: ANN201
+    def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.learning_rate, eps=1e-6)
 
 
@@ -90,7 +90,7 @@ class BertClassifier(_Trainable):
         config._attn_implementation = "sdpa"
         self.model = transformers.BertForSequenceClassification(config)
 
-    def loss(self, batch):  # noqa: ANN001, ANN201
+    def loss(self, batch):
         inputs, targets = batch
         logits = self.model(input_ids=inputs, attention_mask=padding_mask(inputs)).logits
         return F.cross_entropy(logits.float(), targets[:, -1] % 2)
@@ -121,7 +121,7 @@ class TorchEncoderLM(_Trainable):
         self.norm = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB)
 
-    def logits(self, batch):  # noqa: ANN001, ANN201
+    def logits(self, batch):
         inputs, _ = batch
         seq = inputs.shape[1]
         x = self.embedding(inputs) + self.positions(torch.arange(seq, device=inputs.device))
@@ -155,7 +155,7 @@ class TorchSeq2Seq(_Trainable):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
 
-    def loss(self, batch):  # noqa: ANN001, ANN201
+    def loss(self, batch):
         inputs, targets = batch
         seq = targets.shape[1]
         padding = inputs == SEMICOLON  # True = ignore this key (at most a few per sample)
@@ -198,7 +198,7 @@ class PlainBlocksLM(_Trainable):
         self.blocks = nn.ModuleList(MixerBlock() for _ in range(4))
         self.head = nn.Linear(HIDDEN, VOCAB)
 
-    def loss(self, batch):  # noqa: ANN001, ANN201
+    def loss(self, batch):
         inputs, targets = batch
         x = self.embedding(inputs)
         for block in self.blocks:
@@ -258,7 +258,7 @@ class FamilyLM(_Trainable):
         self.family = family
         self.kind, self.model = FAMILY_MODELS[family]()
 
-    def logits(self, batch):  # noqa: ANN001, ANN201
+    def logits(self, batch):
         inputs, targets = batch
         if self.kind == "vision":
             config = getattr(self.model.config, "vision_config", self.model.config)
@@ -274,14 +274,14 @@ class FamilyLM(_Trainable):
             return self.model(input_features=frames(inputs, self.model.config), decoder_input_ids=shifted).logits
         return self.model(input_ids=inputs, decoder_input_ids=shifted).logits
 
-    def loss(self, batch):  # noqa: ANN001, ANN201
+    def loss(self, batch):
         if self.kind != "vision":
             return super().loss(batch)
         _, targets = batch
         return F.cross_entropy(self.logits(batch).float(), targets[:, 0])  # the image's class: its first target
 
 
-def pixels(inputs: torch.Tensor, config) -> torch.Tensor:  # noqa: ANN001
+def pixels(inputs: torch.Tensor, config) -> torch.Tensor:
     """Images for a vision transformer from token batches: each token a patch of fixed random pixels, the tokens
     repeated as often as ``config.image_size`` holds patches, row by row."""
     size = config.image_size
@@ -294,24 +294,24 @@ def pixels(inputs: torch.Tensor, config) -> torch.Tensor:  # noqa: ANN001
     return grid.permute(0, 3, 1, 4, 2, 5).reshape(inputs.shape[0], channels, height, width)
 
 
-def frames(inputs: torch.Tensor, config) -> torch.Tensor:  # noqa: ANN001
+def frames(inputs: torch.Tensor, config) -> torch.Tensor:
     """Audio features for a speech model (Whisper) from token batches: each token two frames of fixed random
     features, ``[batch, mel bins, frames]``."""
     table = torch.randn(VOCAB, config.num_mel_bins, generator=torch.Generator().manual_seed(0))
     return table.to(inputs.device)[inputs].repeat_interleave(2, dim=1).transpose(1, 2)
 
 
-def _hf(kind: str, architecture: str, config: str, **settings):  # noqa: ANN003, ANN202
+def _hf(kind: str, architecture: str, config: str, **settings):
     import transformers
 
-    def build():  # noqa: ANN202
+    def build():
         sizes = {"num_labels": VOCAB} if kind == "vision" else {"vocab_size": VOCAB}
         return kind, getattr(transformers, architecture)(getattr(transformers, config)(**sizes, **settings))
 
     return build
 
 
-def _litgpt(**settings):  # noqa: ANN003, ANN202
+def _litgpt(**settings):
     from litgpt import GPT, Config
 
     config = Config(
@@ -703,7 +703,7 @@ FAMILY_MODELS = {
 }
 
 
-def family(name: str):  # noqa: ANN201
+def family(name: str):
     """A factory (picklable for the worker pool) of the family's LightningModule, seeded."""
     return functools.partial(_family, name)
 
@@ -721,7 +721,7 @@ class PerSamplePositionsLM(FamilyLM):
     reach every block as a ``(cos, sin)`` tuple of ``[batch, seq, head_dim]`` tensors, which must move with their
     samples between blocks of different layouts."""
 
-    def logits(self, batch):  # noqa: ANN001, ANN201
+    def logits(self, batch):
         inputs, _ = batch
         # Positions 1, 2 or 3 apart, from the sample itself (rotary attention sees only distances: an offset alone
         # would change nothing).
@@ -775,7 +775,7 @@ class FoldedScaleLM(_Trainable):
         self.blocks = nn.ModuleList(block() for _ in range(2))
         self.head = nn.Linear(HIDDEN, VOCAB)
 
-    def logits(self, batch):  # noqa: ANN001, ANN201
+    def logits(self, batch):
         inputs, _ = batch
         scale = (1 + inputs.sum(dim=1) % 3).float().repeat_interleave(2).view(-1, 1)
         x = self.embedding(inputs)

@@ -25,14 +25,14 @@ class _TokenLM(_Trainable):
 
     net: nn.Module
 
-    def loss(self, batch):  # noqa: ANN001, ANN201
+    def loss(self, batch):
         inputs, targets = batch
         return F.cross_entropy(self.net(inputs).flatten(0, 1).float(), targets.flatten())
 
-    def test_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def test_step(self, batch, batch_idx):
         self.log("test_loss", self.loss(batch), sync_dist=True)
 
-    def predict_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def predict_step(self, batch, batch_idx):
         inputs, _ = batch
         return self.net(inputs).float()
 

@@ -59,10 +59,10 @@ class _LossRecorder(L.Callback):
         self.losses: list[float] = []
         self.grads: dict[str, torch.Tensor] | None = None
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"].detach().float()))
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.grads is None:
             self.grads = {
                 name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().float().clone()
@@ -407,7 +407,7 @@ def run_cases(
             out[name] = run_distributed(model=model, global_batch=global_batch, **common, **case)
         except PlanError as error:
             out[name] = f"PlanError: {error}"
-        except Exception:  # noqa: BLE001 - reported by the test of this case
+        except Exception:
             out[name] = f"failed: {traceback.format_exc()}"
             # Ranks may have stopped in different places: what follows would only wait for the others.
             out |= {later: f"not run: {name} failed before it" for later in cases if later not in out}

@@ -46,7 +46,7 @@ class NanoAttention(nn.Module):
         self.n_head, self.n_embd = HEADS, HIDDEN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.size()  # noqa: N806 - nanoGPT's code, verbatim (but dropout, which is 0 here)
+        B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
@@ -92,7 +92,7 @@ class NanoGPT(_Trainable):
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # nanoGPT's weight tying
 
-    def logits(self, batch):  # noqa: ANN001, ANN201
+    def logits(self, batch):
         inputs, _ = batch
         x = self.transformer.wte(inputs) + self.transformer.wpe(torch.arange(inputs.shape[1], device=inputs.device))
         for block in self.transformer.h:
@@ -120,7 +120,7 @@ class MinAttention(nn.Module):
         self.n_head, self.n_embd = HEADS, HIDDEN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.size()  # noqa: N806 - minGPT's code, verbatim (but dropout, which is 0 here)
+        B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
@@ -163,7 +163,7 @@ class MinGPT(_Trainable):
         )
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
-    def logits(self, batch):  # noqa: ANN001, ANN201
+    def logits(self, batch):
         inputs, _ = batch
         x = self.transformer.wte(inputs) + self.transformer.wpe(torch.arange(inputs.shape[1], device=inputs.device))
         for block in self.transformer.h:
@@ -250,7 +250,7 @@ class LlamaScratch(_Trainable):
         self.output = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.register_buffer("freqs_cis", precompute_freqs_cis(HIDDEN // HEADS, 2 * SEQ), persistent=False)
 
-    def logits(self, batch):  # noqa: ANN001, ANN201
+    def logits(self, batch):
         inputs, _ = batch
         h = self.tok_embeddings(inputs)
         freqs_cis = self.freqs_cis[: inputs.shape[1]]
@@ -273,7 +273,7 @@ class HiddenHeadsAttention(NanoAttention):
         self.groups = HEADS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.size()  # noqa: N806
+        B, T, _ = x.size()
         q, k, v = (t.view(B, T, self.groups, -1).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=-1))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -300,7 +300,7 @@ def hidden_heads() -> HiddenHeadsGPT:
 class _Structured(FamilyLM):
     """A Hugging Face model built here (not one of the family matrix's), trained as :class:`FamilyLM` trains it."""
 
-    def __init__(self, kind: str, architecture: str, config: str, **settings) -> None:  # noqa: ANN003
+    def __init__(self, kind: str, architecture: str, config: str, **settings) -> None:
         _Trainable.__init__(self)
         self.family = architecture
         self.kind, self.model = _hf(kind, architecture, config, **settings)()
@@ -394,7 +394,7 @@ class WideningLM(_Trainable):
         self.blocks = nn.ModuleList(WideningBlock(a, b) for a, b in zip(widths, widths[1:]))
         self.head = nn.Linear(48, VOCAB)
 
-    def logits(self, batch):  # noqa: ANN001, ANN201
+    def logits(self, batch):
         inputs, _ = batch
         x = self.embedding(inputs) + self.positions(torch.arange(inputs.shape[1], device=inputs.device))
         for block in self.blocks:
@@ -423,7 +423,7 @@ class CarriedGateLM(NanoGPT):
         super().__init__()
         self.transformer.h = nn.ModuleList(GatedBlock() for _ in range(4))
 
-    def logits(self, batch):  # noqa: ANN001, ANN201
+    def logits(self, batch):
         inputs, _ = batch
         x = self.transformer.wte(inputs) + self.transformer.wpe(torch.arange(inputs.shape[1], device=inputs.device))
         gate = torch.ones_like(x[..., :1])
@@ -453,7 +453,7 @@ class CarriedDepthLM(NanoGPT):
         super().__init__()
         self.transformer.h = nn.ModuleList(DepthScaledBlock() for _ in range(4))
 
-    def logits(self, batch):  # noqa: ANN001, ANN201
+    def logits(self, batch):
         inputs, _ = batch
         x = self.transformer.wte(inputs) + self.transformer.wpe(torch.arange(inputs.shape[1], device=inputs.device))
         depth = 0
@@ -476,7 +476,7 @@ class UnlistedBlocksLM(NanoGPT):
         del self.transformer.h
         self.first, self.second = NanoBlock(), NanoBlock()
 
-    def logits(self, batch):  # noqa: ANN001, ANN201
+    def logits(self, batch):
         inputs, _ = batch
         x = self.transformer.wte(inputs) + self.transformer.wpe(torch.arange(inputs.shape[1], device=inputs.device))
         return self.lm_head(self.transformer.ln_f(self.second(self.first(x))))
@@ -505,7 +505,7 @@ class ConditionedLM(NanoGPT):
         super().__init__()
         self.transformer.h = nn.ModuleList(ConditionedBlock() for _ in range(4))
 
-    def logits(self, batch):  # noqa: ANN001, ANN201
+    def logits(self, batch):
         inputs, _ = batch
         scale = 1 + (inputs[:, 0] % 3).float() / 10
         x = self.transformer.wte(inputs) + self.transformer.wpe(torch.arange(inputs.shape[1], device=inputs.device))

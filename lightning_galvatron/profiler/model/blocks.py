@@ -298,7 +298,7 @@ class _AttentionCounter(TorchFunctionMode):
         super().__init__()
         self.calls = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.scaled_dot_product_attention:
             self.calls += 1
         return func(*args, **(kwargs or {}))

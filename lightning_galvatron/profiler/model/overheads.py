@@ -194,7 +194,7 @@ def _median_seconds(once: Callable[[], float], device: torch.device) -> float:
     return float(np.median([once() for _ in range(agreed_repeats(warm, CALL_POINT_S))]))
 
 
-def _optimizer_probes(world: int, device: torch.device, mesh) -> list[tuple[int, int, bool, float]]:  # noqa: ANN001
+def _optimizer_probes(world: int, device: torch.device, mesh) -> list[tuple[int, int, bool, float]]:
     """AdamW (as ``torch.optim`` defaults it: the foreach path) over plain tensors and over DTensors sharded on
     ``mesh``, at two sizes per rank: ``(tensors, local elements, dtensor, seconds)``, each the median of its steps
     (:func:`_median_seconds`; the quiet end of three steps, the step that had a core to itself, priced the
