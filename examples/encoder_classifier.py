@@ -29,7 +29,7 @@ from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-import lightning_galvatron
+import lightning_galvatron  # noqa: F401  (registers strategy="galvatron"; harmless under DDP)
 
 CLS, ZERO, ONE = 1, 2, 3  # token ids; 0 is padding (unused: every sequence has the full length)
 

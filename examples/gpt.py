@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-import lightning_galvatron
+import lightning_galvatron  # noqa: F401  (registers strategy="galvatron")
 
 
 # ---------------------------------------------------------------------------------------------- model

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-import lightning_galvatron
+import lightning_galvatron  # noqa: F401  (registers strategy="galvatron")
 from examples.gpt import ALPHABET, ArithmeticDataModule
 
 TINY_LLAMA = dict(

@@ -149,7 +149,7 @@ class Replanning(Callback):
             return None  # no other measured plan: nothing to move to
         try:
             blueprint, problem = ModuleBlueprint(strategy.lightning_module), ""
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - re-planning is off, training goes on
             blueprint, problem = None, f"{type(error).__name__}: {error}"
         if reduce_over_ranks([float(blueprint is not None)], dist.ReduceOp.MIN)[0] < 1:
             rank_zero_info(f"Galvatron: re-planning while training is off: the model cannot be copied ({problem})")

@@ -10,7 +10,7 @@ import torch
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.helpers.pool import PoolManager
+from tests.helpers.pool import PoolManager  # noqa: E402
 
 #: LitGPT's own pins contradict the newest transformers, so requirements/test.lock installs it without its
 #: dependencies; an environment resolved from the test extra alone runs without it.

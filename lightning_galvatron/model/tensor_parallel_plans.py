@@ -83,7 +83,7 @@ def _load_builtin_families() -> None:
     global _BUILTINS_LOADED
     if not _BUILTINS_LOADED:
         _BUILTINS_LOADED = True
-        import lightning_galvatron.model.families
+        import lightning_galvatron.model.families  # noqa: F401 - registers through register_tensor_parallel_plan
 
 
 def register_tensor_parallel_plan(

@@ -118,9 +118,9 @@ class _FirstStageOnly(_StandIn):
                 )
             )
         device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
-        to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t
+        to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
         shapes = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
-        zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t
+        zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return tree_map(zeros, shapes)
 
 

@@ -170,7 +170,7 @@ class RankMonitor:
                 wait_for_workers=False,
                 timeout=timedelta(seconds=_store_timeout(settings)),
             )
-        except Exception:
+        except Exception:  # noqa: BLE001 - no side channel: train without a watchdog rather than not at all
             return None
         monitor = cls(rank, world_size, settings, store)
         monitor.start()
@@ -194,7 +194,7 @@ class RankMonitor:
             self._where = f"{self._where}, with {_one_line(failure)}"
         try:
             self._publish()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the store is gone with the job
             pass
 
     # ---------------------------------------------------------------- progress (main thread, cheap)
@@ -249,7 +249,7 @@ class RankMonitor:
         """Whether this rank is the first of the job to fail (so the one to print); ``True`` when unsure."""
         try:
             return int(self._on_store(lambda store: store.add(f"{self._prefix}/failures", 1))) == 1
-        except Exception:
+        except Exception:  # noqa: BLE001 - the store is gone (its host died): the lowest survivor reports
             dead = self.dead_ranks(wait_s=0.0)
             return self.rank == min(set(range(self.world_size)) - dead, default=self.rank)
 
@@ -258,7 +258,7 @@ class RankMonitor:
         (when it beats more often than that)."""
         try:
             self._read_all()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the store is gone: what was seen last still names the processes
             pass
         dead = {
             r for r, seen in enumerate(self._seen) if seen.record is not None and _process_gone(seen.record, self._host)
@@ -273,7 +273,7 @@ class RankMonitor:
             time.sleep(0.2)
             try:
                 self._read_all()
-            except Exception:
+            except Exception:  # noqa: BLE001
                 break
         return {
             r
@@ -301,7 +301,7 @@ class RankMonitor:
         (a closed connection, a timeout) most likely echoes; ``None`` if none did."""
         try:
             self._read_all()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the store is gone: what was seen last still says it
             pass
         failed = [
             f"rank {r} failed in {seen.record.where}"
@@ -324,7 +324,7 @@ class RankMonitor:
                 self._publish()
                 self._read_all()
                 verdict = self._verdict()
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - the store does not answer: its host is stopped or gone
                 verdict = self._store_lost(err)
             if verdict is not None and not self._stop.is_set():
                 self._end(*verdict)
@@ -481,7 +481,7 @@ class RankMonitor:
                 self._publish()
             else:
                 self._wait_until(deadline + 5.0, self._reported)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the store is gone with its host: the lowest rank not at fault reports
             reports = report is not None and self.rank == min(set(range(self.world_size)) - at_fault, default=self.rank)
         for r in at_fault - {self.rank}:
             record = self._seen[r].record
