@@ -260,7 +260,7 @@ def apply_plan(
             apply_data_parallel(module, plan.vocab, vocab_dp_mesh, mp_policy, applied.gradients, outside_blocks=True)
     if place is not None:
         place(model)
-    applied.gradients.build()
+    applied.gradients.build(order_group=stage_group)  # the stage agrees on the ready order of its buckets
     tied_group = _tied_weights_group(plan, applied.partition, position)
     if tied_group is not None:
         partition = applied.partition
@@ -317,7 +317,7 @@ def _device_of(model: nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-def _gradient_mesh(meshes: MeshCache, plan: ParallelPlan, strategy: LayerStrategy):  # noqa: ANN202
+def _gradient_mesh(meshes: MeshCache, plan: ParallelPlan, strategy: LayerStrategy):
     """The ranks over which a block's parameters are replicated (and its gradients summed).
 
     Ulysses keeps whole weights on every rank of the group, each seeing other sequence positions,
