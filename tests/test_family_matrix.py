@@ -50,7 +50,9 @@ pytestmark = pytest.mark.timeout(900)
 #: the same layers, with other norms (Gemma), biases (Qwen2) or per-head norms (Gemma-3, as Qwen3); DeiT is ViT's;
 #: Mistral's sliding window is wider than the sequence; Cohere's parallel residual is Phi's and Falcon's), refusals
 #: (StableLM's is unit-tested), Mixtral (its experts stay whole) and Gemma-2: the suite runs them with
-#: GALVATRON_ALL_FAMILIES=1 (the suite's time on 2 cores). The mixtures of experts (Mixtral, Qwen2-MoE, OLMoE),
+#: GALVATRON_ALL_FAMILIES=1 (the suite's time on 2 cores). So do ELECTRA (BERT's layers), OPT (BART's decoder
+#: layers, the same plan module), GPT-J (rotary with a parallel residual, as GPT-NeoX and Phi) and GPT-BigCode
+#: (multi-query attention, as Falcon). The mixtures of experts (Mixtral, Qwen2-MoE, OLMoE),
 #: OLMo-2, Whisper and GPT-Neo have registered plans proven on their blocks in tests/test_family_proofs.py.
 MORE_FAMILIES = (
     "gemma",
@@ -83,6 +85,10 @@ MORE_FAMILIES = (
     "olmoe",
     "whisper",
     "gpt_neo",
+    "electra",
+    "opt",
+    "gptj",
+    "gpt_bigcode",
 )
 FAMILIES = [
     *(f for f in FAMILY_MODELS if f not in MORE_FAMILIES or os.environ.get("GALVATRON_ALL_FAMILIES") == "1"),
