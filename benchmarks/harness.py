@@ -56,17 +56,17 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)  # forked workers hang if the parent ran OpenMP threads; 4 processes share 2 cores
 
-import lightning.pytorch as L  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import lightning.pytorch as L
+import torch.distributed as dist
+from torch.utils.data import DataLoader
 
-from benchmarks.pool import WorkerPool  # noqa: E402
-from examples.gpt import ArithmeticText, GPTModule  # noqa: E402
-from lightning_galvatron.calibrate import CalibrationProbe  # noqa: E402
+from benchmarks.pool import WorkerPool
+from examples.gpt import ArithmeticText, GPTModule
+from lightning_galvatron.calibrate import CalibrationProbe
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -180,6 +180,7 @@ class StepProbe(L.Callback):
     def __init__(self, warmup: int, timed: int, memory: bool = True) -> None:
         self.warmup, self.timed, self.memory = warmup, timed, memory
         self.starts: list[float] = []
+        self.cpu_starts: list[float] = []  # this process's CPU time (every thread) at the same moments
         self.phases: list[dict[str, float]] = []  # per step: moments of its phases, relative to its start
         self.states_at_start = 0
         self.peak_bytes: int | None = None
@@ -194,17 +195,18 @@ class StepProbe(L.Callback):
         if self.phases:
             self.phases[-1].setdefault(name, time.perf_counter() - self.starts[-1])
 
-    def on_before_backward(self, trainer, pl_module, loss) -> None:  # noqa: ANN001
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
         self._phase("backward_start")
 
-    def on_after_backward(self, trainer, pl_module) -> None:  # noqa: ANN001
+    def on_after_backward(self, trainer, pl_module) -> None:
         self._phase("backward_end")
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self._phase("optimizer_start")
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
         self.phases.append({})
         step = len(self.starts) - 1
         first_memory = self.warmup + self.timed + 1
@@ -230,7 +232,7 @@ class StepProbe(L.Callback):
                 marker = torch.empty(_MARKER_BYTES, dtype=torch.uint8)
                 del marker
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._phase("optimizer_end")
         if not self.memory or len(self.starts) != self.warmup + self.timed + 3:
             return
@@ -268,6 +270,11 @@ class StepProbe(L.Callback):
             if values:
                 out[name] = statistics.median(values)
         return out
+
+    def cpu_step_times(self) -> list[float]:
+        """CPU seconds of this process (every thread) over each timed step."""
+        c = self.cpu_starts
+        return [c[i + 1] - c[i] for i in range(self.warmup, self.warmup + self.timed)]
 
     def step_times(self) -> list[float]:
         """Durations of the timed steps (start of a step to the start of the next)."""
@@ -348,6 +355,11 @@ def measure_run(
     phases: list[Any] = [None] * world
     dist.all_gather_object(phases, probe.phase_times())
     extra["phases_per_rank"] = phases
+    # CPU seconds a step costs, summed over the ranks (median over the timed steps): the work, whatever the waits --
+    # on a machine shared with other jobs far steadier than the step time, which the other jobs' load moves.
+    cpu = torch.tensor(statistics.median(probe.cpu_step_times()), dtype=torch.float64)
+    dist.all_reduce(cpu)
+    extra["cpu_s_per_step"] = float(cpu)
     if runtime is not None:
         extra["observations"] = [o.to_dict() for o in runtime.observations]
     setup = (probe.starts[0] - started) if probe.starts else 0.0

@@ -6,6 +6,8 @@ processes (gloo; 2 is one process per core, closer to one GPU per process):
 * ``auto``: the **default path** -- ``GalvatronStrategy(memory_budget=...)`` with nothing else: no calibration
   file, a fresh (empty) profile cache for every run, so every run profiles, searches and runs its measured
   selection (trials) in ``setup``. Its setup time is reported separately and amortised over 1,000 steps;
+* ``auto-cached``: right after each ``auto`` run, a second ``fit`` with the same cache: the cached selection, which
+  is what most users run (every fit after their first);
 * every uniform plan the search knows, executed by the same runtime: DDP (also with 2 and 4 micro-batches, and
   with recomputation), ZeRO-2, ZeRO-3, ZeRO-3 with recomputation, tensor parallelism over all devices, pipelines of
   DDP blocks (1F1B, GPipe, interleaved 1F1B);
@@ -31,6 +33,7 @@ their median reported (steady state, and with each configuration's setup amortis
 
     python benchmarks/plan_vs_baselines.py [--rounds 3] [--worlds 2 4]
     python benchmarks/plan_vs_baselines.py --quick     # one round, fewer steps
+    python benchmarks/plan_vs_baselines.py --families gpt2 llama bert   # Hugging Face models (family_baselines.py)
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from families import FAMILIES, FamilyModel, make_family_module
 from harness import FSDP2GPT, RESULTS, BenchModel, interleaved, make_module, measure_run, mib, model_parallel_fsdp2
 from pool import DistributedFailure, WorkerPool
 
@@ -55,6 +59,14 @@ from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.search.report import plan_summary
 
 AMORTISED_STEPS = 1000
+#: Name prefix of the default path's second fit with the same cache (``auto-cached@<setting>``).
+CACHED = "auto-cached@"
+
+
+def cached_name(auto: str) -> str:
+    return CACHED + auto.removeprefix("auto@")
+
+
 LIGHTNING = ("lightning-ddp", "lightning-model-parallel-fsdp2")
 
 
@@ -110,13 +122,15 @@ def mixed_plans(model: BenchModel, world: int) -> dict[str, ParallelPlan]:
 def run(spec: dict, model: BenchModel, warmup: int, timed: int, memory: bool) -> dict:
     """One training run of ``spec`` (a picklable description; strategies are built in the worker)."""
     kind = spec["kind"]
-    module_cls = None
+    family = isinstance(model, FamilyModel)  # a Hugging Face model (family_baselines), else the example GPT
+    module_cls = make_family_module if family else None
     if kind == "galvatron":
 
         def make() -> Any:
             return GalvatronStrategy(save_plan=False, **spec["kwargs"])
     elif kind == "lightning-model-parallel-fsdp2":
-        make, module_cls = model_parallel_fsdp2, (lambda m: make_module(m, FSDP2GPT))
+        make = model_parallel_fsdp2
+        module_cls = (lambda m: make_family_module(m, fsdp2=True)) if family else (lambda m: make_module(m, FSDP2GPT))
     elif kind == "lightning-ddp":
 
         def make() -> Any:
@@ -177,11 +191,28 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--timed-steps", type=int, default=8)
+    parser.add_argument(
+        "--families",
+        nargs="+",
+        default=["example"],
+        choices=["example", *FAMILIES],
+        help="example: the example GPT (BenchModel) in every setting (the default); gpt2, llama, bert: Hugging Face "
+        "models at its size, the default path fresh and cached against Lightning's strategies (family_baselines.py)",
+    )
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.warmup_steps, args.timed_steps = 1, 1, 3
-    output = Path(args.output or RESULTS / ("plan_vs_baselines_quick.json" if args.quick else "plan_vs_baselines.json"))
+    stem = "plan_vs_baselines" + ("_quick" if args.quick else "")
+    if "example" in args.families:
+        run_example(args, Path(args.output or RESULTS / f"{stem}.json"))
+    hf = [f for f in args.families if f != "example"]
+    if hf:
+        output = Path(args.output or RESULTS / f"{stem}.json")
+        run_families(hf, args, output.with_name(output.stem + "_families.json"))
+
+
+def run_example(args: Any, output: Path) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     model = BenchModel()
     started = time.perf_counter()
@@ -205,6 +236,33 @@ def main() -> None:
     write(output, results, model, args, seconds)
     plot(results, output.with_suffix(".png"), model)
     print(f"\nresults written to {output} (.json, .txt, .png)  ({seconds:.0f} s)")
+
+
+def run_families(families: list[str], args: Any, output: Path) -> None:
+    from family_baselines import measure_families, report_families
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    model = FamilyModel(family="<family>")
+    started = time.perf_counter()
+    pools = Pools()
+    results: dict[str, Any] = {}
+    tables: list[str] = []
+    scratch = Path(tempfile.mkdtemp(prefix="plan_vs_baselines_families_"))
+    try:
+        for world in args.worlds:
+            results[str(world)] = measure_families(pools, world, families, args, scratch)
+            table = io.StringIO()
+            with contextlib.redirect_stdout(table):
+                report_families(results[str(world)], world)
+            print(table.getvalue(), end="")
+            tables.append(table.getvalue())
+            output.with_suffix(".txt").write_text("".join(tables).lstrip("\n"))
+            write(output, results, model, args, time.perf_counter() - started)
+    finally:
+        pools.shutdown()
+    seconds = time.perf_counter() - started
+    write(output, results, model, args, seconds)
+    print(f"\nresults written to {output} (.json, .txt)  ({seconds:.0f} s)")
 
 
 def write(output: Path, results: dict, model: BenchModel, args: Any, seconds: float) -> None:
@@ -258,15 +316,21 @@ def measure_world(pools: Pools, world: int, model: BenchModel, args: Any, scratc
     for name, setting in settings.items():
         print(f"  budget {name}: {mib(setting['budget_bytes']) if setting['budget_bytes'] else '-'} ({setting['why']})")
 
-    def auto_spec(setting: dict) -> dict:
-        cache = scratch / f"cache-{world}-{next(counter)}"  # fresh: the run profiles, searches and tries plans
+    def auto_spec(setting: dict, cache: Path) -> dict:
         kwargs = {"memory_budget": setting["budget_bytes"], "profile_cache": str(cache), **setting.get("strategy", {})}
         return {"kind": "galvatron", "kwargs": kwargs}
 
+    def measure_auto(name: str, memory: bool) -> None:
+        """The default path twice: with a fresh cache (the run profiles, searches and tries plans), then a second fit
+        with the same cache (its cached selection: what most users run)."""
+        cache = scratch / f"cache-{world}-{next(counter)}"
+        measure(name, auto_spec(autos[name], cache), memory)
+        measure(cached_name(name), auto_spec(autos[name], cache), False)
+
     autos = {f"auto@{name}": s for name, s in settings.items() if s["budget_bytes"]}
-    print("round 0 (default path):")
-    for name, setting in autos.items():
-        measure(name, auto_spec(setting), True)
+    print("round 0 (default path, fresh cache then cached):")
+    for name in autos:
+        measure_auto(name, True)
     # In the later rounds each default path runs right after the baseline that was its best in round 0: the pair
     # the headline ratio compares shares the machine's slow and fast phases (they last longer than one run here).
     first = ratios(runs, settings)
@@ -274,8 +338,10 @@ def measure_world(pools: Pools, world: int, model: BenchModel, args: Any, scratc
     for r in range(1, args.rounds):
         print(f"round {r}:")
         for name in paired_order(list(baselines), list(autos), partners, r):
-            spec = auto_spec(autos[name]) if name in autos else baselines[name]
-            measure(name, spec, False)
+            if name in autos:
+                measure_auto(name, False)
+            else:
+                measure(name, baselines[name], False)
     return {"runs": runs, "settings": settings, "peaks": peaks, "ratios": ratios(runs, settings)}
 
 
@@ -341,7 +407,7 @@ def ratios(runs: dict[str, list[dict]], settings: dict[str, dict]) -> dict[str, 
         row: dict[str, Any] = {"budget_bytes": budget, "versus": {}}
         autos = runs[auto]
         for other, rs in runs.items():
-            if other.startswith("auto@"):
+            if other.startswith(("auto@", CACHED)):
                 continue
             pairs = [(a, b) for a, b in zip(autos, rs) if "error" not in a and "error" not in b]
             if not pairs:
@@ -381,6 +447,15 @@ def ratios(runs: dict[str, list[dict]], settings: dict[str, dict]) -> dict[str, 
             uniform = {k: v for k, v in fitting.items() if k not in LIGHTNING}
             if uniform:
                 row["best_uniform"] = min(uniform, key=lambda k: uniform[k]["step_s"])
+        cached = ok(runs.get(cached_name(auto), []))
+        if cached:  # the second fit with the same cache: its cached selection
+            row["cached"] = {
+                "step_s": statistics.median(a["step_time_s"] for a in cached),
+                "setup_s": statistics.median(a["setup_s"] for a in cached),
+                "plans": [plan_summary(ParallelPlan.from_dict(a["info"]["plan"])) for a in cached],
+            }
+            if "best_baseline" in row:
+                row["cached"]["versus_best"] = versus(runs[cached_name(auto)], runs[row["best_baseline"]])
         # The mixed plans have no pipeline: they bound the per-layer search's gain where pipelines are off.
         if mixed and setting.get("strategy", {}).get("max_pp") == 1:
             row["best_mixed"] = min(mixed, key=lambda k: mixed[k]["step_s"])
@@ -398,6 +473,20 @@ def ratios(runs: dict[str, list[dict]], settings: dict[str, dict]) -> dict[str, 
 
 def _amortised(run: dict) -> float:
     return run["step_time_s"] + run["setup_s"] / AMORTISED_STEPS
+
+
+def versus(autos: list[dict], others: list[dict]) -> dict | None:
+    """The default path's throughput over another configuration's, per round where both ran (steady and with the
+    setup amortised over ``AMORTISED_STEPS`` steps), and the medians."""
+    pairs = [(a, b) for a, b in zip(autos, others) if "error" not in a and "error" not in b]
+    if not pairs:
+        return None
+    steady = [b["step_time_s"] / a["step_time_s"] for a, b in pairs]
+    return {
+        "throughput_ratio": statistics.median(steady),
+        "amortised_ratio": statistics.median(_amortised(b) / _amortised(a) for a, b in pairs),
+        "per_round": steady,
+    }
 
 
 def report_world(result: dict, world: int, model: BenchModel) -> None:
@@ -432,6 +521,20 @@ def report_world(result: dict, world: int, model: BenchModel) -> None:
                     f"that fits ({row[label]}): {v['throughput_ratio']:.2f}x "
                     f"steady, {v['amortised_ratio']:.2f}x with setup amortised over {AMORTISED_STEPS} steps"
                 )
+        cached = row.get("cached")
+        if cached:
+            against = cached.get("versus_best")
+            print(
+                f"  cached selection (a second fit, same cache): {cached['step_s'] * 1e3:.0f} ms/step, setup "
+                f"{cached['setup_s']:.1f} s, plan(s): {'; '.join(dict.fromkeys(cached['plans']))}"
+                + (
+                    f"; vs the best baseline: {against['throughput_ratio']:.2f}x steady, "
+                    f"{against['amortised_ratio']:.2f}x amortised (per round: "
+                    f"{', '.join(f'{x:.2f}' for x in against['per_round'])})"
+                    if against
+                    else ""
+                )
+            )
         if row.get("rounds_with_best_baselines_plan"):
             print(
                 f"  the default path trained {row['best_baseline']}'s own plan in "
