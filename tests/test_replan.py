@@ -76,8 +76,8 @@ class _SwitchAt(L.Callback):
         self.step, self.plan, self.checkpoint = step, plan, checkpoint
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.checkpoint)
+        if trainer.global_step == self.step and trainer.strategy.plan != self.plan:  # once (accumulation: the next
+            trainer.save_checkpoint(self.checkpoint)  # batch ends with the same global step)
             trainer.strategy.replanning.switch(trainer, self.plan)
 
 
@@ -101,6 +101,7 @@ def _fit(
     ckpt_path: str | None = None,
     replan: bool = True,
     validate: bool = False,
+    trainer_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The tiny GPT on this pool's ranks, from the cached selection (``plan="auto"``) or a given plan."""
     world = dist.get_world_size()
@@ -121,6 +122,7 @@ def _fit(
         max_epochs=max_epochs,
         max_steps=max_steps,
         callbacks=[recorder, *callbacks],
+        **(trainer_options or {}),
     )
     module = _model()
     loader = DataLoader(dataset(num_samples), batch_size=GLOBAL_BATCH // world, shuffle=True)
@@ -202,6 +204,23 @@ def test_a_switch_at_step_k_equals_a_resume_into_the_second_plan_at_step_k(pools
 
 
 # ---------------------------------------------------------------------------------------------- the automatic switch
+def test_a_switch_with_gradient_accumulation_and_clipping_equals_a_resume(pools, cached, tmp_path):
+    """With ``accumulate_grad_batches=2`` and norm clipping (features users turn on together), a move after
+    optimizer step k -- the end of an accumulation window -- trains what a resume into the second plan trains."""
+    cache, selection = cached(tmp_path)
+    _set_selection(selection, (DDP, 0.01), (PIPELINE, 1e3))
+    k, checkpoint = 4, str(tmp_path / "k.ckpt")
+    options = dict(accumulate_grad_batches=2, gradient_clip_val=0.05)
+    epoch = dict(num_samples=8 * GLOBAL_BATCH, trainer_options=options)
+    switched = pools(2).run(_fit, str(cache), max_epochs=2, callbacks=(_SwitchAt(k, PIPELINE, checkpoint),), **epoch)
+    resumed = pools(2).run(_fit, str(cache), PIPELINE, max_epochs=2, ckpt_path=checkpoint, **epoch)
+    switched, resumed = switched[0], resumed[0]
+    assert switched["plan"] == PIPELINE
+    assert len(switched["losses"]) == 4 * k and switched["losses"][2 * k :] == resumed["losses"]
+    for name, value in resumed["state"].items():
+        assert torch.equal(switched["state"][name], value), name
+
+
 def test_a_cached_plan_that_trains_slower_than_the_runner_up_measured_is_replaced_within_the_window(
     pools, cached, tmp_path
 ):
