@@ -1,4 +1,4 @@
-"""GPU acceptance check: one CUDA device, under 8 minutes.
+"""GPU acceptance check: one CUDA device, under 8 minutes; then every plan kind where 2 or more GPUs are visible.
 
     python benchmarks/gpu_check.py            # writes benchmarks/results/gpu_check.json; exit status 0 = passed
 
@@ -16,6 +16,9 @@ vocabulary 32,000, sequence 512) unless ``--tiny``:
 3. **example**: the README's first command on the GPU --
    ``python examples/gpt.py fit --config configs/gpt_tiny_cpu_auto.yaml`` with ``--trainer.accelerator gpu
    --trainer.devices 1`` (automatic plan: profiled, searched, applied) -- and its logged ``train_loss`` must fall.
+4. **multi-GPU** (where 2 or more GPUs are visible; skipped with a message otherwise): every plan kind over NCCL
+   against one GPU in bf16, with measured step time and ``max_memory_allocated`` next to the strategy's prediction,
+   written to ``benchmarks/results/gpu_check_multi.json`` (``benchmarks/gpu_check_multi.py``).
 
 Everything but the measurements themselves is device-independent and tested on CPU
 (``tests/test_gpu_check.py`` runs the profile and memory sections with ``--device cpu --tiny``).
@@ -327,11 +330,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     out["memory"] = memory_section(config, args.device, profiles, args.memory_tolerance, cases)
     if not args.skip_example:
         out["example"] = example_section("gpu" if args.device == "cuda" else "cpu")
+    multi = _multi_gpu(config, args.device)
+    out["multi_gpu"] = multi.get("skipped") or f"{'passed' if multi['passed'] else 'FAILED'}: gpu_check_multi.json"
     out["seconds"] = time.perf_counter() - started
     out["passed"] = (
         all(p["passed"] for p in out["profile"].values())
         and all(r["passed"] for r in out["memory"])
         and out.get("example", {"passed": True})["passed"]
+        and multi.get("passed", True)
     )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(out, indent=2))
@@ -347,8 +353,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"example: exit {out['example']['returncode']}, train_loss {losses[:1]} -> {losses[-1:]}, "
             f"{'ok' if out['example']['passed'] else 'FAILED'}"
         )
+    print(multi["skipped"] if "skipped" in multi else f"multi-GPU: {'ok' if multi['passed'] else 'FAILED'}")
     print(f"{'passed' if out['passed'] else 'FAILED'} in {out['seconds']:.0f} s; results in {args.output}")
     return 0 if out["passed"] else 1
+
+
+def _multi_gpu(config: ModelConfig, device: str) -> dict[str, Any]:
+    """The multi-GPU section where 2 or more GPUs are visible (``{"skipped": why}`` otherwise), its results written."""
+    from benchmarks import gpu_check_multi  # builds on this module's model and batches
+
+    if device != "cuda":
+        return {"skipped": "multi-GPU section skipped: --device cpu (gpu_check_multi.py --device cpu tests it)"}
+    multi = gpu_check_multi.multi_section(config, device, None)
+    if "skipped" not in multi:
+        gpu_check_multi.MULTI_OUTPUT.write_text(json.dumps(multi, indent=2))
+        gpu_check_multi.print_summary(multi)
+    return multi
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,11 +138,40 @@ def load_checkpoint(
     except Exception as err:  # noqa: BLE001 - say which file
         raise CheckpointError(f"cannot read {str(path / METADATA_FILE)!r} ({type(err).__name__}: {err})") from None
     _check_same_save(path, index, loop_state)
-    saved = set(index.state_dict_metadata)
-    _load_model(path, model, saved, strict)
-    for number, optimizer in enumerate(optimizers):
-        _load_optimizer(path, model, optimizer, f"optimizer_{number}", saved, strict)
+    read = _read_files(path)
+    load_sharded_states(read, set(index.state_dict_metadata), model, optimizers, strict=strict, name=repr(str(path)))
     return loop_state
+
+
+# Fills a state dict of holders (nested) through a DCP load planner: ``read(holders, planner)``.
+ReadStates = Callable[[dict[str, Any], Any], None]
+
+
+def load_sharded_states(
+    read: ReadStates,
+    saved: set[str],
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    strict: bool,
+    name: str,
+) -> None:
+    """Load the model's and each optimizer's states of a sharded checkpoint whose index holds the entries ``saved``
+    into ``model`` as parallelised now: the holders this rank's shards need, filled by ``read`` (DCP's ``load`` from
+    the files; the dry run plans the reads against the index instead), then set. ``name`` names it in errors."""
+    _load_model(read, name, model, saved, strict)
+    for number, optimizer in enumerate(optimizers):
+        _load_optimizer(read, name, model, optimizer, f"optimizer_{number}", saved, strict)
+
+
+def _read_files(path: Path) -> ReadStates:
+    """DCP's ``load`` of the checkpoint directory ``path``: the holders filled from its shard files."""
+    from torch.distributed.checkpoint import load as dcp_load
+
+    def read(holders: dict[str, Any], planner: Any) -> None:
+        dcp_load(holders, checkpoint_id=str(path), planner=planner)
+
+    return read
 
 
 def without_created_states(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
@@ -170,7 +199,18 @@ def whole_strided_tensors(state: Any) -> Any:
         return {k: whole_strided_tensors(v) for k, v in state.items()}
     if isinstance(state, list):
         return [whole_strided_tensors(v) for v in state]
-    return state.full_tensor() if _is_strided(state) else state
+    return _whole(state) if _is_strided(state) else state
+
+
+def _whole(value: Any) -> torch.Tensor:
+    """A DTensor's whole tensor, gathered on its mesh's device even when its local part was offloaded to the host
+    (``cpu_offload``, as Lightning collects sharded state dicts: NCCL takes no CPU tensor), and returned there."""
+    local = value.to_local()
+    kind = value.device_mesh.device_type
+    if local.device.type == kind:
+        return value.full_tensor()
+    device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+    return value.to(device).full_tensor().to(local.device)
 
 
 def _whole_holders(state: dict[str, Any]) -> dict[str, Any]:
@@ -202,50 +242,54 @@ def _split_like(loaded: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _load_model(path: Path, model: nn.Module, saved: set[str], strict: bool) -> None:
+def _load_model(read: ReadStates, name: str, model: nn.Module, saved: set[str], strict: bool) -> None:
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     state = get_model_state_dict(model)
-    missing = sorted(name for name in state if f"{MODEL_KEY}.{name}" not in saved)
+    missing = sorted(fqn for fqn in state if f"{MODEL_KEY}.{fqn}" not in saved)
     if missing and strict:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} lacks {len(missing)} of this model's tensors ({_first(missing)}): it was saved "
+            f"checkpoint {name} lacks {len(missing)} of this model's tensors ({_first(missing)}): it was saved "
             "from another model; load it into that model, or set the LightningModule's strict_loading = False"
         )
-    state = {name: value for name, value in state.items() if name not in missing}
+    state = {fqn: value for fqn, value in state.items() if fqn not in missing}
     holder = {MODEL_KEY: _whole_holders(state)}
-    dcp_load(holder, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    read(holder, DefaultLoadPlanner(allow_partial_load=not strict))
     set_model_state_dict(model, _split_like(holder[MODEL_KEY], state), options=StateDictOptions(strict=False))
 
 
 def _load_optimizer(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, key: str, saved: set[str], strict: bool
+    read: ReadStates,
+    name: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    key: str,
+    saved: set[str],
+    strict: bool,
 ) -> None:
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
         set_optimizer_state_dict,
     )
 
-    if not any(name.startswith(f"{key}.") for name in saved):
+    if not any(entry.startswith(f"{key}.") for entry in saved):
         raise CheckpointError(
-            f"checkpoint {str(path)!r} has no state for optimizer {key[len('optimizer_') :]} (saved with "
+            f"checkpoint {name} has no state for optimizer {key[len('optimizer_') :]} (saved with "
             "save_weights_only=True, or with fewer optimizers): it can initialise a model but not resume its training"
         )
     state = _saved_entries(get_optimizer_state_dict(model, optimizer), key, saved)
     own_groups = [list(group["params"]) for group in state["param_groups"]]
-    saved_groups = len({name.split(".")[2] for name in saved if name.startswith(f"{key}.param_groups.")})
+    saved_groups = len({entry.split(".")[2] for entry in saved if entry.startswith(f"{key}.param_groups.")})
     if saved_groups != len(own_groups):
         raise CheckpointError(
-            f"checkpoint {str(path)!r}: optimizer {key[len('optimizer_') :]} has {len(own_groups)} parameter "
+            f"checkpoint {name}: optimizer {key[len('optimizer_') :]} has {len(own_groups)} parameter "
             f"groups but the checkpoint's has {saved_groups}; configure_optimizers must build the same groups"
         )
     holder = {key: {**state, "state": _whole_holders(state["state"])}}
-    dcp_load(holder, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    read(holder, DefaultLoadPlanner(allow_partial_load=not strict))
     loaded = {**holder[key], "state": _split_like(holder[key]["state"], state["state"])}
     for group, params in zip(loaded["param_groups"], own_groups):
         group["params"] = params  # one rank's names were stored; hyper-parameters are the same on every rank

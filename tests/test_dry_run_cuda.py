@@ -66,6 +66,20 @@ def test_object_collectives_need_the_current_device_and_a_collective_its_own_gpu
     assert sum(s.count for s in rules.host_syncs("train")) == 3
 
 
+def test_a_checkpoint_loads_into_tensors_on_the_own_gpu() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    rules = NcclRules(torch.device("cuda", 1), lambda: 1, lambda: "load")
+    with FakeTensorMode():
+        own, other = torch.empty(2, device="cuda:1"), torch.empty(2, device="cuda:0")
+    rules.checkpoint_load({"a": own, "b": own, "step": torch.tensor(3.0)})  # Adam's step stays on the host
+    assert not rules.violations
+    rules.checkpoint_load({"a": own, "b": torch.empty(2), "c": other})
+    (violation,) = rules.violations
+    assert violation.rule == "checkpoint loaded off the rank's own GPU"
+    assert "2 of the 3 tensors" in violation.message and "b on cpu, c on cuda:0" in violation.message
+
+
 def test_order_check_names_a_dtype_or_shape_that_differs_within_a_group() -> None:
     create = Event("setup", "new_group", "1", (0, 1))
 
@@ -121,12 +135,28 @@ MATRIX = {
 }
 
 
+# Each plan's checkpoint is loaded into the next plan: no pipeline into 1F1B's two stages, 1F1B into interleaved
+# stages, interleaved into GPipe's four stages, four stages into none; data parallel into tensor parallel and back.
+LOADS_INTO = dict(zip(MATRIX, [*list(MATRIX)[1:], next(iter(MATRIX))]))
+
+
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_every_plan_kind_steps_on_8_simulated_gpus_over_2_nodes(name: str) -> None:
-    """Setup, a training step, a validation step and a checkpoint's state dicts on every rank, bf16-mixed as on a
-    GPU: no rule broken, the order (with shapes and dtypes) proven, the host synchronisations of a step named."""
+    """Setup, a training step, a validation step and a checkpoint save on every rank, bf16-mixed as on a GPU, and
+    that checkpoint loaded into another plan: no rule broken, the order (with shapes and dtypes) proven, the host
+    synchronisations of a step named."""
     report = simulate(MATRIX[name], measure_memory=False)  # memory is measured as on the CPU: not what is checked
     passed(report)
+    # the save's index, as DCP's coordinator makes it (refusing shards that overlap or leave part of a tensor out)
+    index = report.checkpoint_index()
+    assert {"state_dict.model.lm_head.weight", "optimizer_0.state.model.lm_head.weight.exp_avg"} <= set(
+        index.state_dict_metadata
+    )
+    # resumed into another plan as Trainer.fit(ckpt_path=...) loads it, on its last rank (a pipeline's last stage)
+    other = MATRIX[LOADS_INTO[name]]
+    resumed = simulate(other, ranks=[other.world_size - 1], phases=(), load_from=report, measure_memory=False)
+    passed(resumed)
+    assert all(r.load_reads > 0 for r in resumed.ranks)
     assert report.order is not None and report.order.complete
     for r in report.ranks:
         devices = {p["device"] for b in r.blocks for p in b["parameters"]} if r.blocks else set()
@@ -153,6 +183,17 @@ def test_the_automatic_plan_says_its_trials_are_skipped() -> None:
     )
     passed(report)
     assert any("measured selection" in note and "skipped" in note for note in report.notes)
+
+
+def test_the_relocation_agrees_once_per_forward_not_per_block() -> None:
+    """Four tensor-parallel blocks gather the samples of the embedding's two data shards: the ranks agree that they
+    hold the same inputs once per micro-batch's forward (a host synchronisation each), not once per block."""
+    plan = ParallelPlan(world_size=2, layers=(S(tp=2),) * 4, vocab=S(), micro_batches=2, global_batch_size=4)
+    report = simulate(plan, ranks=[0], phases=("train",), measure_memory=False)
+    passed(report)
+    (rank,) = report.ranks
+    agreements = [s["count"] for s in rank.host_syncs if any("_agree_on_per_sample" in f for f in s["stack"])]
+    assert sum(agreements) == plan.micro_batches, rank.host_syncs
 
 
 # ---------------------------------------------------------------------------------------------- the rules bite
@@ -192,3 +233,46 @@ def test_planted_faults_fail_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
     assert planted and all("training_step_reading_the_loss" in site for _, site in planted), planted
     clean_counts, counts = clean.host_syncs_per_step(), report.host_syncs_per_step()
     assert all(counts[r] == clean_counts[r] + 1 for r in counts)
+
+
+# ---------------------------------------------------------------------------------------------- the command's limit
+def test_the_command_fails_a_step_over_max_host_syncs_naming_where(
+    tmp_path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dry-run --max-host-syncs N`` passes a step that synchronises the host N times and fails one more, naming
+    the line that made it (an ``.item()`` planted in the training step)."""
+    import json
+
+    import examples.gpt as example
+    from lightning_galvatron.cli import main
+
+    # tensor-parallel blocks gather the samples of the embedding's two data shards: the ranks agree on it per forward
+    plan = ParallelPlan(world_size=2, layers=(S(tp=2),) * 4, vocab=S(), global_batch_size=4)
+    plan.save(tmp_path / "plan.json")
+
+    def dry_run_command(limit: int, *extra: str) -> tuple[int, str]:
+        model = ["--model", TINY_GPT, "--model-args", json.dumps(GPT_ARGS), "--plan", str(tmp_path / "plan.json")]
+        code = main(
+            ["dry-run", *model, "--device", "cuda", "--devices-per-node", "2", "--ranks", "all", "--phases", "train"]
+            + ["--no-memory", "--workers", "2", "--max-host-syncs", str(limit), *extra]
+        )
+        return code, capsys.readouterr().out
+
+    code, out = dry_run_command(1000, "--json")
+    assert code == 0, out
+    limit = max(json.loads(out)["host_syncs_per_step"].values())
+    assert limit > 0
+
+    step = example.GPTModule.training_step
+
+    def training_step_reading_the_loss(self, batch, batch_idx):
+        loss = step(self, batch, batch_idx)
+        loss.item()
+        return loss
+
+    monkeypatch.setattr(example.GPTModule, "training_step", training_step_reading_the_loss)
+    code, out = dry_run_command(limit)
+    assert code == 1
+    said = out[out.index(f"--max-host-syncs {limit}: ") :]
+    assert f"rank 0: {limit + 1}, rank 1: {limit + 1}" in said, said
+    assert "training_step_reading_the_loss" in said, said

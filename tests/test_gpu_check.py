@@ -70,3 +70,51 @@ def test_profile_and_memory_sections_run_on_cpu(tmp_path: Path) -> None:
     assert [r["case"] for r in out["memory"]] == ["bf16-mixed no-recompute m1", "bf16-mixed no-recompute m4"]
     for row in out["memory"]:
         assert row["measured_bytes"] > 0 and row["predicted_bytes"] > 0 and 0.5 < row["ratio"] < 2.0
+
+
+# ---------------------------------------------------------------------------------------------- the multi-GPU section
+def test_multi_gpu_plans_launch_and_verdicts() -> None:
+    from benchmarks import gpu_check_multi as multi
+
+    kinds = multi.plan_kinds(2, 2, 8)
+    assert set(kinds) == {"auto", "ddp", "zero2", "zero3", "tp2 megatron-sp", "vocab tp2", "1f1b", "gpipe"}
+    plans = {name: plan for name, plan in kinds.items() if plan != "auto"}
+    assert all(p.world_size == 2 and p.global_batch_size == 8 and p.num_layers == 2 for p in plans.values())
+    assert {plans["zero2"].layers[0].dp_type, plans["zero3"].layers[0].dp_type} == {"zero2", "zero3"}
+    assert plans["tp2 megatron-sp"].layers[0].sp == "megatron" and plans["vocab tp2"].vocab.tp == 2
+    assert (plans["1f1b"].pp, plans["1f1b"].schedule, plans["gpipe"].schedule) == (2, "1f1b", "gpipe")
+    command = multi.launch_command(4, Path("case.json"))
+    assert command[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=4" in command
+    assert command[-2:] == ["--worker", "case.json"]
+    reference = {"losses": [2.0, 1.5]}
+    assert multi.parity({"losses": [2.001, 1.502], "moved": {"a": 0.2, "b": 0.1}}, reference)["passed"]
+    assert not multi.parity({"losses": [2.0, 1.6], "moved": {"a": 0.2}}, reference)["passed"]  # a loss 7% off
+    assert not multi.parity({"losses": [2.0, 1.5], "moved": {"a": 5.0}}, reference)["passed"]  # a parameter astray
+    assert not multi.parity({"losses": [2.0], "moved": {"a": 0.1}}, reference)["passed"]  # a step missing
+
+
+def test_multi_gpu_section_skips_without_two_gpus(capsys) -> None:
+    from benchmarks import gpu_check_multi as multi
+
+    assert multi.main([]) == 0  # --device cuda on a machine without GPUs
+    assert "multi-GPU section skipped: 0 CUDA device(s) visible, it needs 2 or more" in capsys.readouterr().out
+
+
+def test_a_multi_gpu_case_trains_like_one_device_on_the_cpu(pools, tmp_path: Path) -> None:
+    """What each launched process runs (``train_plan``), on the tests' gloo workers: ZeRO-3 over 2 processes
+    against one, the same verdict the GPU run gives."""
+    from dataclasses import asdict
+
+    import examples.gpt  # noqa: F401 - torch and Lightning imported here, before the workers fork, not in each
+    from benchmarks import gpu_check_multi as multi
+
+    config = gpu_check.ModelConfig.tiny()
+    work = str(tmp_path)
+    single = multi.single_plan(config, config.global_batch).to_dict()
+    reference = pools(1).run(multi.train_plan, single, asdict(config), 1, "cpu", work, True, False)[0]
+    zero3 = multi.plan_kinds(2, config.n_layer, config.global_batch)["zero3"].to_dict()
+    record = pools(2).run(multi.train_plan, zero3, asdict(config), 1, "cpu", work, False, False)[0]
+    verdict = multi.parity(record, reference)
+    assert verdict["passed"], verdict
+    assert record["devices"] == 2 and record["peak_bytes_per_rank"] == [None, None]  # not measured here
+    assert record["predicted_step_time_s"] is None and "profile" in record["prediction_missing"]

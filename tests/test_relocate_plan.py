@@ -7,6 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
+from lightning_galvatron.plan import LayerStrategy as S
+from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.runtime.mesh import Layout
 from lightning_galvatron.runtime.relocate import ActivationLayout, exchange_plan
 
@@ -59,3 +61,16 @@ def test_sequence_that_does_not_split_is_refused():
     layout = ActivationLayout(Layout(4, 1, 4), seq_sharded=True)
     with pytest.raises(ValueError, match="sequence length 6 is not divisible by the sequence-parallel degree 4"):
         layout.region(0, 4, 6)
+
+
+def test_ranks_that_stop_agreeing_on_a_mask_in_a_later_step_get_an_error_not_a_hang(pools):
+    """The ranks agree on their per-sample inputs once per forward, not once per block: a step whose inputs differ
+    between ranks after steps where they agreed is still refused on every rank (a check skipped on some ranks only
+    would leave the others waiting in it)."""
+    from tests.helpers.masked_model import masked_on_every_rank_in_the_first_step
+    from tests.helpers.training import run_distributed
+
+    # Strided vocabulary groups read shards r % 2, the blocks' dp=4 needs quarter r: samples cross ranks.
+    plan = ParallelPlan(world_size=4, layers=(S(), S()), vocab=S(tp=2, tp_consecutive=False))
+    with pytest.raises(AssertionError, match="passed different inputs to MaskedBlock: some a per-sample tensor"):
+        pools(4).run(run_distributed, plan, model=masked_on_every_rank_in_the_first_step)

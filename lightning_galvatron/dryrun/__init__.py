@@ -7,7 +7,9 @@ validation and a checkpoint save (:mod:`.rank`); it reports the blocks and param
 process groups, its peak memory by category as torch's ``MemTracker`` measured it (:mod:`.memory`),
 next to what the cost model (:func:`lightning_galvatron.search.evaluate`) predicts for its stage.
 Simulating every rank also proves the collective order (:mod:`.trace`): every member of every group
-issued the same operations in the same order, the one rule whose violation hangs a job.
+issued the same operations in the same order, the one rule whose violation hangs a job. Given the dry
+run of another plan (``dry_run(..., load_from=)``), each rank also loads that plan's checkpoint as a
+resume does, its reads planned against the save's index (:mod:`.checkpoint`).
 
 With ``device="cuda"`` (``--device cuda``) every rank holds fake tensors on its own simulated GPU, its
 ``torch.cuda`` calls are answered by a simulated device (:mod:`.cuda`), and NCCL's rules are checked on

@@ -10,6 +10,7 @@ A job on GPUs talks through NCCL, which is stricter than gloo, the backend every
   every rank of a node uses GPU 0), and an explicit ``device=`` must be that GPU;
 * **agreement**: the members of a group issue the same collectives with the same shapes and dtypes (checked
   across ranks by :func:`~lightning_galvatron.dryrun.trace.check_order`, which names what differs);
+* **checkpoints** load into tensors on the rank's own GPU (:meth:`NcclRules.checkpoint_load`);
 * **host synchronisations** are no error but a cost: a value read back to the host (``.item()``, ``float(t)``,
   ``bool(t)``, ``.tolist()``), a copy to the host (``.cpu()``), ``torch.cuda.synchronize()`` and every object
   collective stall the CPU until the GPU has caught up. They are counted per phase (one step each) and named by
@@ -27,7 +28,7 @@ backend is.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,22 @@ class NcclRules:
                 "would use the same GPU)",
             )
         self._sync(f"object collective ({kind})")
+
+    def checkpoint_load(self, holders: Mapping[str, torch.Tensor]) -> None:
+        """Every tensor a checkpoint is loaded into (its local part) on this rank's own GPU, where the model trains: a
+        holder elsewhere costs a copy more, and one split again over a mesh would be sent to NCCL from there. Scalars
+        on the host are not data but counters torch's optimizers keep there (Adam's ``step``)."""
+        wrong = [
+            f"{fqn} on {t.device}"
+            for fqn, t in holders.items()
+            if t.device != self.device and not (t.dim() == 0 and t.device.type == "cpu")
+        ]
+        if wrong:
+            self._violate(
+                "checkpoint loaded off the rank's own GPU",
+                f"{len(wrong)} of the {len(holders)} tensors the checkpoint is loaded into are not on this rank's GPU "
+                f"{self.device}: {', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''}",
+            )
 
     def sync(self, what: str) -> None:
         """A host synchronisation made through ``torch.cuda`` (``synchronize``, an event's or stream's)."""

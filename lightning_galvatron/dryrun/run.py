@@ -39,6 +39,20 @@ class DryRunReport:
         """Every rank applied and stepped, breaking none of NCCL's rules; (when checked) the collective order holds."""
         return all(r.error is None and not r.violations for r in self.ranks) and (self.order is None or self.order.ok)
 
+    def checkpoint_index(self) -> Any:
+        """DCP's index (``.metadata``) of the checkpoint the simulated save writes: every rank's save plan combined as
+        DCP's coordinator combines them, which refuses shards that overlap or leave part of a tensor out. What
+        ``dry_run(..., load_from=)`` loads into another plan; needs the checkpoint phase on every rank."""
+        from lightning_galvatron.dryrun.checkpoint import saved_index
+
+        plans = [r.save_plan for r in self.ranks]
+        if len(plans) != self.plan.world_size or any(p is None for p in plans):
+            raise ValueError(
+                "a checkpoint's index combines every rank's save: dry-run every rank (ranks='all') with the "
+                "checkpoint phase"
+            )
+        return saved_index(plans)
+
     def host_syncs_per_step(self, phase: str = "train") -> dict[int, int]:
         """Per simulated GPU: the host synchronisations of one step of ``phase`` (empty on the CPU)."""
         return {r.rank: sum(s["count"] for s in r.host_syncs if s["phase"] == phase) for r in self.ranks}
@@ -183,6 +197,7 @@ def dry_run(
     workers: int | None = None,
     device: str = "cpu",
     devices_per_node: int | None = None,
+    load_from: DryRunReport | None = None,
 ) -> DryRunReport:
     """Apply ``plan`` to ``model`` as ``ranks`` of a world of ``world_size`` and step it on fake tensors.
 
@@ -208,6 +223,9 @@ def dry_run(
             :mod:`.cuda`), its process group is a simulated NCCL whose rules are checked (:mod:`.nccl_rules`), and
             host synchronisations are counted per step. ``"cpu"``: what gloo runs, unchecked.
         devices_per_node: GPUs per node with ``device="cuda"`` (default 8).
+        load_from: the dry run of another plan of this model, with the checkpoint phase on every rank: its checkpoint
+            is loaded into this plan after the phases, as ``Trainer.fit(ckpt_path=...)`` resumes (the reads planned
+            against its index, :mod:`.checkpoint`).
     """
     from lightning_galvatron.autoplan import optimizer_kind
     from lightning_galvatron.model.discovery import find_blocks
@@ -289,6 +307,7 @@ def dry_run(
         device=device,
         devices_per_node=devices_per_node or 8,
         device_memory=memory_per_device,
+        load_index=load_from.checkpoint_index() if load_from is not None else None,
     )
     results = run_ranks(job, chosen, workers)
     order = None
@@ -304,6 +323,13 @@ def dry_run(
         notes.append(
             "checkpoint: sharded state dicts collected and this rank's save planned; DCP's exchange of plans "
             "between ranks and the writing are not simulated"
+        )
+    if load_from is not None:
+        from lightning_galvatron.search.report import plan_summary
+
+        notes.append(
+            f"load: the checkpoint of the dry run of {plan_summary(load_from.plan)} loaded into this plan, each rank's "
+            "reads planned against its index; DCP's exchange of plans between ranks and the reading are not simulated"
         )
     return DryRunReport(
         source.label, resolved, precision, seq, results, estimate, order, time.perf_counter() - started, notes, device

@@ -24,7 +24,9 @@ input of a block reaches its layout (the hidden states along batch and sequence,
 inputs along the batch, tuples of them part by part), and each block list's last output returns to the vocabulary
 layout. An input that stays where it is while samples move must be the same on every rank of the stage: the first
 step compares a digest of each over the stage and refuses one that differs (rows per sample in a shape not
-recognised), which would otherwise be applied to other samples.
+recognised), which would otherwise be applied to other samples. Before per-sample inputs are exchanged, the ranks of
+the stage agree that all of them hold those inputs, for sequences of one length (:func:`_agree_on_per_sample_inputs`):
+once per forward, not once per block (each agreement is a host synchronisation on a GPU).
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ from __future__ import annotations
 import hashlib
 import math
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_galvatron.layout import ActivationLayout, Region
 from lightning_galvatron.plan import PlanError
@@ -139,13 +142,34 @@ def _area(region: Region) -> int:
 class Relocate(torch.autograd.Function):
     """Autograd-aware relocation; backward relocates the gradient the other way."""
 
+    if TYPE_CHECKING:  # torch leaves ``Function.apply`` untyped
+
+        @classmethod
+        def apply(
+            cls,
+            x: torch.Tensor,
+            source: ActivationLayout,
+            target: ActivationLayout,
+            batch: int,
+            position: int,
+            group: dist.ProcessGroup | None,
+        ) -> torch.Tensor: ...
+
     @staticmethod
-    def forward(ctx, x, source, target, batch, position, group):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        source: ActivationLayout,
+        target: ActivationLayout,
+        batch: int,
+        position: int,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
         ctx.args = (source, target, batch, position, group)
         return relocate_tensor(x, source, target, batch, position, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
         source, target, batch, position, group = ctx.args
         return relocate_tensor(grad.contiguous(), target, source, batch, position, group), None, None, None, None, None
 
@@ -166,9 +190,15 @@ def relocate(
 # ---------------------------------------------------------------------------------------------- hooks on the blocks
 @dataclass
 class MicroBatch:
-    """The stage's micro-batch size of the forward in flight (learned from the first block's input)."""
+    """The stage's micro-batch size of the forward in flight (learned from the first block's input), and the
+    signature of block inputs (:func:`_inputs_signature`) every rank of the stage was found to share in it."""
 
     size: int = 0
+    agreed: tuple[Any, ...] | None = None
+
+    def start(self, size: int) -> None:
+        """A forward begins (a micro-batch, a pipeline chunk): its inputs come from a new batch, not yet compared."""
+        self.size, self.agreed = size, None
 
 
 class BlockOutputs:
@@ -180,16 +210,16 @@ class BlockOutputs:
     """
 
     def __init__(self) -> None:
-        self._outputs: dict[int, list[weakref.ref]] = {}
+        self._outputs: dict[int, list[weakref.ref[torch.Tensor]]] = {}
 
-    def record(self, block: nn.Module, index: int):
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+    def record(self, block: nn.Module, index: int) -> RemovableHandle:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             extra = output[1:] if isinstance(output, (tuple, list)) else ()
             self._outputs[index] = [weakref.ref(t) for t in extra if isinstance(t, torch.Tensor)]
 
         return block.register_forward_hook(hook)
 
-    def of(self, index: int):
+    def of(self, index: int) -> Callable[[torch.Tensor], bool]:
         """A test: was this tensor an output of block ``index`` in its latest call? (The same tensor, or an alias of
         it: FSDP2 hands a block the inputs that need gradients through an autograd function of its own.)"""
         return lambda value: any(_same_tensor(ref(), value) for ref in self._outputs.get(index, ()))
@@ -216,11 +246,11 @@ def relocate_inputs(
     group: dist.ProcessGroup,
     first: bool,
     extras_source: ActivationLayout,
-    carried: Any = None,
+    carried: Callable[[torch.Tensor], bool] | None = None,
     folded: Mapping[str | int, int] | None = None,
     positions: Mapping[str | int, int] | None = None,
     shared: frozenset[str | int] = frozenset(),
-) -> list[Any]:
+) -> list[RemovableHandle]:
     """Forward pre-hook: bring the block's inputs to the ``target`` layout.
 
     The hidden states (first tensor argument) move from ``source`` (the previous block's layout) along
@@ -241,7 +271,9 @@ def relocate_inputs(
     positions = dict(positions or {})
     unmoved_checked = [False]
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def hook(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if is_recomputing(module):
             return None
         hidden_index, hidden = next(((i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)), (None, None))
@@ -250,11 +282,14 @@ def relocate_inputs(
         if hidden is None:
             raise RuntimeError(f"{type(module).__name__} was called without a hidden-states tensor to relocate")
         if first:
-            micro_batch.size = hidden.shape[0] * source.layout.dp  # the input layout's shards are even
+            micro_batch.start(hidden.shape[0] * source.layout.dp)  # the input layout's shards are even
         extras_batch = micro_batch.size // extras_source.layout.dp
         previous_batch = micro_batch.size // source.layout.dp
         seq = source.global_seq(hidden.shape[1])
-        slots = [*((i, a) for i, a in enumerate(args) if i != hidden_index), *kwargs.items()]
+        slots: list[tuple[str | int, Any]] = [
+            *((i, a) for i, a in enumerate(args) if i != hidden_index),
+            *kwargs.items(),
+        ]
         slots = [(name, v) for name, v in slots if not (hidden_index is None and name == "hidden_states")]
         from_previous = {
             name for name, v in slots if carried is not None and isinstance(v, torch.Tensor) and carried(v)
@@ -275,7 +310,7 @@ def relocate_inputs(
             kwargs = {k: dict(slots).get(k, v) for k, v in kwargs.items()}
         moves = {name: batch_only_previous if name in from_previous else batch_only_source for name, _ in slots}
 
-        def sample_rows(name: Any, value: Any) -> bool:
+        def sample_rows(name: str | int, value: Any) -> bool:
             return name not in shared and _is_per_sample(
                 name,
                 _unfolded(value, folded.get(name)),
@@ -292,7 +327,14 @@ def relocate_inputs(
         }
         crossing = _extras_cross_ranks(batch_only_source, batch_only_target, micro_batch.size)
         if crossing or from_previous & per_sample:
-            _agree_on_per_sample_inputs(module, [name in per_sample for name, _ in slots], seq, group)
+            # Every block's decisions follow from the signature, so ranks found to share it need not agree again in
+            # this forward while it stays the same. Within a forward it changes only as the model's code does (an
+            # input a block returns to the next), alike on every rank; each new forward agrees anew (new samples).
+            signature = _inputs_signature(slots, from_previous, seq, micro_batch.size)
+            if signature != micro_batch.agreed:
+                present = [name in per_sample for name, _ in slots]
+                shared_by_all = _agree_on_per_sample_inputs(module, present, seq, group, signature)
+                micro_batch.agreed = signature if shared_by_all else None
         if crossing and not unmoved_checked[0]:
             unmoved_checked[0] = True
             unmoved = [
@@ -304,13 +346,13 @@ def relocate_inputs(
             ]
             _check_unmoved_inputs_agree(module, unmoved, group)
 
-        def move_rows(name: Any, value: torch.Tensor) -> torch.Tensor:
+        def move_rows(name: str | int, value: torch.Tensor) -> torch.Tensor:
             moved = relocate(
                 _unfolded(value, folded.get(name)), moves[name], batch_only_target, micro_batch.size, position, group
             )
             return moved.flatten(0, 1) if name in folded else moved
 
-        def move(name: Any, value: Any) -> Any:
+        def move(name: str | int, value: Any) -> Any:
             if name == "hidden":
                 return relocate(value, source, target, micro_batch.size, position, group)
             if name not in per_sample:
@@ -328,13 +370,13 @@ def relocate_inputs(
     return [block.register_forward_pre_hook(hook, with_kwargs=True)]
 
 
-def _parts(value: Any) -> tuple:
+def _parts(value: Any) -> tuple[Any, ...]:
     """A block input's tensors: the parts of a tuple or list (rotary ``(cos, sin)``), else the input itself."""
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
 def _check_unmoved_inputs_agree(
-    block: nn.Module, unmoved: list[tuple[Any, torch.Tensor]], group: dist.ProcessGroup
+    block: nn.Module, unmoved: list[tuple[str | int, torch.Tensor]], group: dist.ProcessGroup
 ) -> None:
     """The inputs that stay where they are while the samples move between ranks must be the same on every rank of
     the stage (a causal mask, positions shared by all samples): one that differs holds something per sample in a
@@ -379,7 +421,9 @@ def _unfolded(value: Any, factor: int | None) -> Any:
     return value.view(value.shape[0] // factor, factor, *value.shape[1:])
 
 
-def _is_per_sample(name: Any, value: Any, batch: int, seq: int, block: nn.Module, batch_major: bool = False) -> bool:
+def _is_per_sample(
+    name: str | int, value: Any, batch: int, seq: int, block: nn.Module, batch_major: bool = False
+) -> bool:
     """Whether a block input other than the hidden states holds one row per sample (and so moves with them).
 
     Batch-major tensors do (masks ``[b, ...]``, position tables ``[b, s, ...]``, an encoder's memory); a
@@ -409,12 +453,40 @@ def _extras_cross_ranks(source: ActivationLayout, target: ActivationLayout, batc
     return _CROSSING[key]
 
 
-def _agree_on_per_sample_inputs(block: nn.Module, present: list[bool], seq: int, group: dist.ProcessGroup) -> None:
+def _inputs_signature(
+    slots: list[tuple[str | int, Any]], from_previous: set[str | int], seq: int, micro_batch_size: int
+) -> tuple[Any, ...]:
+    """What decides, for any block, which of its inputs hold rows per sample and how long its sequences are: the
+    micro-batch size, the sequence length, and each input's name, origin (the previous block or outside the blocks)
+    and the shapes of its tensors (``None`` for a part that is none). Ranks with the same signature take the same
+    decisions, block after block. Left out is what differs between the blocks of one forward alike on every rank
+    (the dtypes a ZeRO-3 block's mixed precision casts to, a cache object): those blocks need not agree again."""
+    return (
+        micro_batch_size,
+        seq,
+        tuple(
+            (
+                name,
+                name in from_previous,
+                tuple(tuple(p.shape) if isinstance(p, torch.Tensor) else None for p in _parts(value)),
+            )
+            for name, value in slots
+        ),
+    )
+
+
+def _agree_on_per_sample_inputs(
+    block: nn.Module, present: list[bool], seq: int, group: dist.ProcessGroup, signature: tuple[Any, ...]
+) -> bool:
     """Ranks that exchange a block's per-sample inputs must all have them (else some would wait forever), for
-    sequences of one length (samples of different lengths cannot be stacked into one batch)."""
+    sequences of one length (samples of different lengths cannot be stacked into one batch). Returns whether every
+    rank has this rank's ``signature`` (:func:`_inputs_signature`), in the same collective. Collective."""
+    digest = float(int.from_bytes(hashlib.blake2b(repr(signature).encode(), digest_size=6).digest(), "big"))
     # The least of "has it" and of "lacks it" over the ranks: both 0 where some ranks have it and some do not.
     flags = reduce_over_ranks(
-        [int(p) for p in present] + [1 - int(p) for p in present] + [seq, -seq], dist.ReduceOp.MIN, group
+        [int(p) for p in present] + [1 - int(p) for p in present] + [seq, -seq, digest, -digest],
+        dist.ReduceOp.MIN,
+        group,
     )
     n = len(present)
     shortest, longest = int(flags[2 * n]), -int(flags[2 * n + 1])
@@ -434,6 +506,8 @@ def _agree_on_per_sample_inputs(block: nn.Module, present: list[bool], seq: int,
             "without padding: pass the mask on every batch (or pad every batch), or keep these blocks in the "
             "embedding's data-parallel layout"
         )
+    # Where values do not travel (the dry run's fake backend) the ranks run the same code on the same shapes: alike.
+    return not values_travel(group) or flags[2 * n + 2] == -flags[2 * n + 3]
 
 
 def relocate_output(
@@ -443,10 +517,10 @@ def relocate_output(
     micro_batch: MicroBatch,
     position: int,
     group: dist.ProcessGroup,
-):
+) -> RemovableHandle:
     """Forward hook on the last block: its hidden states back to the vocabulary layout."""
 
-    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if isinstance(output, torch.Tensor):
             return relocate(output, source, target, micro_batch.size, position, group)
         if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):

@@ -22,8 +22,9 @@ class MaskedBlock(nn.Module):
 
 
 class SometimesMasked(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, unmasked_from_step: int = 0) -> None:
         super().__init__()
+        self.unmasked_from_step = unmasked_from_step  # odd ranks pass no mask from this step on
         self.embed = nn.Embedding(16, 8)
         self.blocks = nn.ModuleList(MaskedBlock(8) for _ in range(2))
         self.head = nn.Linear(8, 16)
@@ -31,7 +32,8 @@ class SometimesMasked(L.LightningModule):
     def training_step(self, batch, batch_idx):
         inputs, targets = batch
         x = self.embed(inputs)
-        mask = torch.ones(inputs.shape, dtype=x.dtype) if dist.get_rank() % 2 == 0 else None
+        masked = dist.get_rank() % 2 == 0 or batch_idx < self.unmasked_from_step
+        mask = torch.ones(inputs.shape, dtype=x.dtype) if masked else None
         for block in self.blocks:
             x = block(x, mask=mask)
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
@@ -43,6 +45,11 @@ class SometimesMasked(L.LightningModule):
 def sometimes_masked() -> SometimesMasked:
     torch.manual_seed(0)
     return SometimesMasked()
+
+
+def masked_on_every_rank_in_the_first_step() -> SometimesMasked:
+    torch.manual_seed(0)
+    return SometimesMasked(unmasked_from_step=1)
 
 
 class MixerBlock(nn.Module):
