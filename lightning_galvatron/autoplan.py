@@ -23,6 +23,7 @@ from lightning_galvatron.model.discovery import ModelStructure
 from lightning_galvatron.model.outside_layers import pipeline_loop_problem
 from lightning_galvatron.plan import ParallelPlan, PlanError
 from lightning_galvatron.profiles import Profile
+from lightning_galvatron.search.engine import SearchResult
 from lightning_galvatron.search.estimate import Estimate
 from lightning_galvatron.token_means import has_ignored_labels
 from lightning_galvatron.units import format_bytes, parse_bytes
@@ -101,6 +102,9 @@ def _agree_on_failure(failure: str | None, what: str) -> None:
 
 @dataclass
 class AutoPlan:
+    """What :func:`plan_automatically` found: the plan, the profile it was searched on, and what the search was given
+    (measured selection searches again with it)."""
+
     plan: ParallelPlan
     profile: Profile
     report: str  # what the search compared its plan with, and its cost (rank 0; empty elsewhere)
@@ -108,7 +112,7 @@ class AutoPlan:
     estimate: Estimate  # the plan's predicted time and memory (every rank)
     seconds: dict[str, float] = field(default_factory=dict)
     profile_cached: bool = False
-    search_result: Any = None  # the search's SearchResult (rank 0; None elsewhere)
+    search_result: SearchResult | None = None  # rank 0; None elsewhere
     search_arguments: dict[str, Any] = field(default_factory=dict)  # what the search was given (rank 0)
 
 

@@ -490,6 +490,11 @@ class GalvatronFabricStrategy(ModelParallelStrategy):
         return modules[0], state[modules[0]], optimizers
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def applied(self) -> AppliedPlan | None:
+        """The plan as the runtime applied it to the model (``None`` before ``fabric.setup``)."""
+        return self._applied
+
     def _progress(self, where: str) -> None:
         if self._monitor is not None:
             self._monitor.mark(where)
@@ -513,7 +518,7 @@ class _DeferredGradientSums(_BackwardSyncControl):
 
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        applied = self._strategy._applied
+        applied = self._strategy.applied
         return applied.gradients.deferred() if enabled and applied is not None else nullcontext()
 
 

@@ -29,6 +29,7 @@ from lightning_galvatron.autoplan import (
 )
 from lightning_galvatron.data import example_batch, first_dataloader
 from lightning_galvatron.model.discovery import BlockDiscoveryError, ModelStructure, find_blocks
+from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
 from lightning_galvatron.model.tensor_parallel_plans import (
     BlockTensorParallelPlan,
     block_tensor_parallel_plans,
@@ -36,6 +37,7 @@ from lightning_galvatron.model.tensor_parallel_plans import (
 )
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
 from lightning_galvatron.prediction import Prediction
+from lightning_galvatron.runtime.sync import agree_across_ranks
 from lightning_galvatron.search.cost import optimizer_state_bytes, resolve_precision
 from lightning_galvatron.units import format_bytes
 
@@ -44,6 +46,7 @@ __all__ = [
     "automatic_plan",
     "block_plans",
     "find_structure",
+    "traced_outside_layers",
     "tensor_parallel_plan_or_reason",
     "whole_model_plan",
 ]
@@ -75,6 +78,16 @@ def block_plans(structure: ModelStructure, step: str, trainer: Any) -> list[Bloc
     block first; where the block takes more than its hidden states, on the inputs of a real call, observed by running
     ``step`` on the first batch of the trainer's loader (taken only then)."""
     return block_tensor_parallel_plans(structure, step, lambda: example_batch(first_dataloader(trainer)))
+
+
+def traced_outside_layers(module: nn.Module, structure: ModelStructure, step: str, trainer: Any) -> OutsideLayers:
+    """Pipelines: which layers outside the blocks ``step`` runs before them and which after, observed once on the
+    first batch of the trainer's loader (registration order does not tell); the same answer, or the same error, on
+    every rank."""
+    batch = example_batch(first_dataloader(trainer))
+    return agree_across_ranks(
+        lambda: trace_outside_layers(module, structure, step, batch), "which layers run before and after the blocks"
+    )
 
 
 def automatic_plan(

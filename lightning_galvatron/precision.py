@@ -13,42 +13,41 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from lightning_galvatron._compat import override
-from lightning_galvatron.runtime.clipping import clip_grad_norm_, clip_grad_value_
+from lightning_galvatron.runtime.step import NormScope, clip_gradients, optimizer_parameters
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
-class _GlobalNormClipping(Precision):
-    """Mixin: clip by the norm over every mesh and pipeline stage, by value on each rank's shards."""
+class GlobalNormClipping(Precision):
+    """Mixin: clip as the runtime's step clips (:func:`~lightning_galvatron.runtime.step.clip_gradients`): by the norm
+    over every mesh and pipeline stage of the applied plan (``norm_scope``, set where a plan is applied), by value on
+    each rank's shards."""
 
-    pipeline_group: dist.ProcessGroup | None = None
-    norm_excluded: frozenset[int] | set[int] = frozenset()  # ids of weights another stage already counts
+    norm_scope: NormScope = NormScope()
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_(params, clip_val, pipeline_group=self.pipeline_group, norm_excluded=self.norm_excluded)
+        clip_gradients(optimizer_parameters(optimizer), clip_val, "norm", self.norm_scope)
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        clip_grad_value_([p for group in optimizer.param_groups for p in group["params"]], clip_val)
+        clip_gradients(optimizer_parameters(optimizer), clip_val, "value", self.norm_scope)
 
 
-class GalvatronFullPrecision(_GlobalNormClipping, Precision):
+class GalvatronFullPrecision(GlobalNormClipping, Precision):
     """``32-true``."""
 
 
-class GalvatronMixedPrecision(_GlobalNormClipping, MixedPrecision):
+class GalvatronMixedPrecision(GlobalNormClipping, MixedPrecision):
     """``bf16-mixed``: fp32 parameters and optimizer states, bf16 compute (FSDP2 casts, autocast guards)."""
 
 
-class GalvatronHalfPrecision(_GlobalNormClipping, HalfPrecision):
+class GalvatronHalfPrecision(GlobalNormClipping, HalfPrecision):
     """``bf16-true``: everything in bf16."""
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -27,6 +28,7 @@ from lightning_galvatron.plan import ParallelPlan, load_plan
 from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy
 from lightning_galvatron.runtime.apply import AppliedPlan, apply_plan
 from lightning_galvatron.runtime.mesh import MeshCache
+from lightning_galvatron.runtime.step import STEP_METHODS
 from lightning_galvatron.runtime.structure import OutsideLayers
 from lightning_galvatron.runtime.sync import broadcast_module_states
 from lightning_galvatron.runtime.tensor_parallel import BlockTensorParallelPlan
@@ -120,6 +122,12 @@ def prepare(
         compile_options=compile_options,
         place=functools.partial(place, device=device),
     )
+
+
+def overridden_step_methods(module: nn.Module) -> list[str]:
+    """The step methods (:data:`~lightning_galvatron.runtime.step.STEP_METHODS`) ``module`` overrides: the entry
+    methods ``apply_plan`` gathers the root's parameters around."""
+    return [name for name in STEP_METHODS if is_overridden(name, module)]
 
 
 def count_optimizer_steps(applied: AppliedPlan, optimizers: Iterable[torch.optim.Optimizer]) -> list[Any]:

@@ -27,17 +27,17 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_galvatron._compat import override
 from lightning_galvatron.autoplan import optimizer_kind
 from lightning_galvatron.metrics import sync_metrics_over_data_shards
-from lightning_galvatron.model_setup import find_structure
 from lightning_galvatron.plan import ParallelPlan, PlanError
 from lightning_galvatron.plan_switch import (
     CarriedShards,
@@ -51,12 +51,18 @@ from lightning_galvatron.plan_switch import (
     whole_state_bytes,
 )
 from lightning_galvatron.precision import precision_flag
-from lightning_galvatron.preparation import count_optimizer_steps, place_restored
-from lightning_galvatron.runtime.apply import check_runtime_support
 from lightning_galvatron.runtime.mesh import reduce_over_ranks
 from lightning_galvatron.search.report import plan_summary
 from lightning_galvatron.selection import Selection, SelectionCache, TrialRecord, preserved_rng
 from lightning_galvatron.selection.resolution import TIE, measurably_faster, trial_steps
+
+if TYPE_CHECKING:
+    import lightning.pytorch as L
+
+    from lightning_galvatron.auto_setup import PlanningContext
+    from lightning_galvatron.model.outside_layers import OutsideLayers
+    from lightning_galvatron.prediction import Prediction
+    from lightning_galvatron.strategy import GalvatronStrategy
 
 #: Steps not timed after the start of training and after each switch: they pay for lazy initialisation (FSDP's, the
 #: allocator's, compilation), not for the plan.
@@ -117,8 +123,16 @@ class Replanning(Callback):
     """Times training steps on every rank and moves training to a faster plan (a callback on every rank: its windows
     are collective). ``events``: what it did, as printed."""
 
-    def __init__(self, strategy: Any, blueprint: ModuleBlueprint, outside: Any, selection: Selection) -> None:
-        self.strategy, self.blueprint, self.outside, self.selection = strategy, blueprint, outside, selection
+    def __init__(
+        self,
+        strategy: GalvatronStrategy,
+        context: PlanningContext,
+        blueprint: ModuleBlueprint,
+        outside: OutsideLayers | None,
+        selection: Selection,
+    ) -> None:
+        self.strategy, self.context, self.blueprint = strategy, context, blueprint
+        self.outside, self.selection = outside, selection
         self.events: list[str] = []
         self.kept = 0  # re-plans kept: what galvatron/replans logs
         self.stopped: str | None = None  # why it no longer checks
@@ -131,12 +145,12 @@ class Replanning(Callback):
         self._unsupported: dict[ParallelPlan, str] = {}
 
     @classmethod
-    def start(cls, strategy: Any, trainer: Any, outside: Any) -> Replanning | None:
-        """In ``setup``, right before the first plan is applied (the blueprint is taken then): the re-planning of this
-        fit, added to the trainer's callbacks, or ``None`` where there is nothing to re-plan."""
-        if trainer.state.fn != TrainerFn.FITTING or not (
-            isinstance(strategy._plan_source, str) and strategy._plan_source == "auto"
-        ):
+    def start(
+        cls, strategy: GalvatronStrategy, context: PlanningContext, outside: OutsideLayers | None
+    ) -> Replanning | None:
+        """In ``setup`` under ``plan="auto"``, right before the first plan is applied (the blueprint is taken then): the
+        re-planning of this fit, added to the trainer's callbacks, or ``None`` where there is nothing to re-plan."""
+        if not context.fitting:
             return None
         if not strategy.lightning_module.automatic_optimization:
             rank_zero_info(
@@ -157,25 +171,31 @@ class Replanning(Callback):
         budget = selection.memory_budget_bytes
         if outside is None and any(t.plan.pp > 1 for t in selection.trials if t.fits(budget)):
             try:  # collective, on the module before any plan; the same error on every rank
-                outside = strategy._trace_outside_layers(trainer)
+                outside = context.trace_outside_layers()
             except PlanError:
                 outside = None  # pipelines are not moved to (the notice says why)
-        replanning = cls(strategy, blueprint, outside, selection)
+        replanning = cls(strategy, context, blueprint, outside, selection)
         for record in selection.trials:  # while the structure is whole (a pipeline stage keeps its own blocks)
             try:
-                check_runtime_support(record.plan, strategy.structure, strategy._tp_plans)
+                context.check(record.plan)
             except PlanError as error:  # a cached selection's other plans were not checked when it was read
                 replanning._unsupported[record.plan] = f"the runtime cannot run it on this model ({error})"
-        trainer.callbacks.append(replanning)
+        context.trainer.callbacks.append(replanning)
         return replanning
 
     # ------------------------------------------------------------------ timing
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.stopped is None and self._started is None:  # the first batch of an optimizer step
             self._started = self._now()
             self._step_at_start = trainer.global_step
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._started is None or trainer.global_step == self._step_at_start:
             return  # still accumulating gradients
         seconds = (self._now() - self._started) / trainer.accumulate_grad_batches
@@ -200,7 +220,7 @@ class Replanning(Callback):
         return time.perf_counter()
 
     # ------------------------------------------------------------------ decisions
-    def _watch(self, trainer: Any, batch: Any, window: list[float], steps: str) -> None:
+    def _watch(self, trainer: L.Trainer, batch: Any, window: list[float], steps: str) -> None:
         runner_up = self.selection.runner_up
         if runner_up is None:
             return
@@ -223,7 +243,7 @@ class Replanning(Callback):
             trainer, f"{head}: moved to it in memory in {seconds:.2f} s, to train {WINDOW_STEPS} steps and compare"
         )
 
-    def _judge(self, trainer: Any, window: list[float], steps: str) -> None:
+    def _judge(self, trainer: L.Trainer, window: list[float], steps: str) -> None:
         probe, self._probe = self._probe, None
         assert probe is not None
         tried = self.strategy.plan
@@ -262,7 +282,7 @@ class Replanning(Callback):
             return self._unsupported[plan]
         if plan.pp > 1 and self.outside is None:
             return "it is a pipeline, and the step could not be traced for one"
-        if plan.pp > 1 and not strategy._save_distributed_checkpoint:
+        if plan.pp > 1 and not self.context.sharded_checkpoints:
             return "it is a pipeline, which save_distributed_checkpoint=False cannot save"
         made_with = getattr(strategy.data_shards, "made_with", {})
         if not same_data_shards(made_with.get(RunningStage.TRAINING, current), plan) and (why := regroupable(batch)):
@@ -275,45 +295,37 @@ class Replanning(Callback):
         return None
 
     # ------------------------------------------------------------------ the switch
-    def switch(self, trainer: Any, plan: ParallelPlan) -> float:
+    def switch(self, trainer: L.Trainer, plan: ParallelPlan) -> float:
         """Move training to ``plan`` in memory, between two optimizer steps (collective); the seconds it took."""
         strategy, module = self.strategy, self.strategy.lightning_module
         optimizers = strategy.optimizers
         started = time.perf_counter()
-        strategy._progress(f"re-planning: moving to {plan_summary(plan)}")
+        self.context.progress(f"re-planning: moving to {plan_summary(plan)}")
         made_with = getattr(strategy.data_shards, "made_with", {})
         made_with = {stage: made_with.get(stage, strategy.plan) for stage in _CARRIED_STAGES}
         with preserved_rng(strategy.root_device):
             state = gather_whole_state(module, optimizers)
-            strategy._applied.gradients.remove()
-            for handle in strategy._step_hooks:
-                handle.remove()
+            strategy.release_plan()
             for optimizer in optimizers:  # no reference to the old parameters stays
                 optimizer.state.clear()
                 for group in optimizer.param_groups:
                     group["params"] = []
             self.blueprint.install(module)
-            strategy.structure = find_structure(module, strategy._layers, strategy._plan_source)
-            strategy.plan = plan
-            strategy._applied = strategy._apply_plan(
-                self.outside if plan.pp > 1 else None, broadcast_initial_weights=False, place=place_restored
-            )
-            strategy._use_applied()
+            applied = strategy.reapply_plan(plan, self.outside if plan.pp > 1 else None)
             give_new_parameters(module, optimizers, state.groups)
             load_whole_state(module, optimizers, state)
             del state
-            strategy._step_hooks = count_optimizer_steps(strategy._applied, optimizers)
-            trainer.fit_loop._skip_backward = strategy._applied.runner is not None
+            trainer.fit_loop._skip_backward = applied.runner is not None  # as in setup
             sync_metrics_over_data_shards(module, plan)
             strategy.data_shards = CarriedShards(
-                plan, strategy.global_rank, strategy._meshes, strategy.root_device, made_with
+                plan, strategy.global_rank, self.context.meshes, strategy.root_device, made_with
             )
             strategy.prediction = _repriced(strategy, plan, self.selection)
         gc.collect()
         if strategy.root_device.type == "cuda":
             torch.cuda.empty_cache()
         self._times, self._skip, self._started = [], WARMUP_STEPS, None
-        strategy._progress(f"re-planning: training {plan_summary(plan)}")
+        self.context.progress(f"re-planning: training {plan_summary(plan)}")
         return time.perf_counter() - started
 
     def regroup(self, batch: Any, stage: Any) -> Any:
@@ -322,7 +334,7 @@ class Replanning(Callback):
         return shards.regroup(batch, stage) if isinstance(shards, CarriedShards) else batch
 
     # ------------------------------------------------------------------ reporting
-    def _event(self, trainer: Any, line: str) -> None:
+    def _event(self, trainer: L.Trainer, line: str) -> None:
         self.events.append(line)
         rank_zero_info(line)
         if trainer.is_global_zero:
@@ -332,7 +344,7 @@ class Replanning(Callback):
     def _save_selection(self) -> str | None:
         """Rank 0 writes the selection as re-planning left it where it was read from (or written to)."""
         file = self.selection.cache_file
-        cache = SelectionCache.of(self.strategy._search.profile_cache)
+        cache = SelectionCache.of(self.context.search.profile_cache)
         if self.strategy.global_rank != 0 or file is None or cache is None:
             return None
         path = cache.save(Path(file).stem, self.selection)
@@ -345,12 +357,12 @@ def _measured(record: TrialRecord, window: list[float] | None) -> TrialRecord:
     )
 
 
-def _remaining_steps(trainer: Any) -> int | None:
+def _remaining_steps(trainer: L.Trainer) -> int | None:
     total = trainer.estimated_stepping_batches
     return None if total is None or not math.isfinite(total) else int(total) - trainer.global_step
 
 
-def _repriced(strategy: Any, plan: ParallelPlan, selection: Selection) -> Any:
+def _repriced(strategy: GalvatronStrategy, plan: ParallelPlan, selection: Selection) -> Prediction:
     """The strategy's prediction, for ``plan``: what the setup report, the monitor and the first steps' check read."""
     from lightning_galvatron.search import evaluate
 

@@ -3,11 +3,15 @@
 These are the rules of executability, written once. The search offers a candidate if and only if no
 rule objects (:mod:`lightning_galvatron.search.space`); :func:`~lightning_galvatron.search.evaluate`
 turns objections into warnings (it still prices the plan, as a what-if); the runtime raises them as
-errors before anything is changed (:func:`~lightning_galvatron.runtime.apply.check_runtime_support`),
-adding only what depends on the model's code -- which sizes a block's tensor-parallel plan splits and
-whether it has the style at all -- and calling :func:`degree_problem` for the arithmetic.
+errors before anything is changed (:func:`~lightning_galvatron.runtime.apply.check_runtime_support`).
 
-Reasons are phrases without the location (``layers[3]``, ``vocab``): each caller says where. Only plan
+A whole plan is checked once, by :func:`plan_problems`, over the :class:`ModelFacts` a model gives: a profile
+(:class:`ProfileFacts`) or the live modules (:class:`~lightning_galvatron.runtime.model_facts.LiveModelFacts`,
+whose blocks answer from their tensor-parallel plans). Both sides therefore object to the same plans at the same
+places, in one message format; where the live model knows more (the names of the sizes a plan splits, why a
+block has no style), its reasons say more.
+
+Reasons are phrases without the location (``layers[3]``, ``vocab``): :func:`plan_problems` says where. Only plan
 validity (degrees that divide the stage, batch divisibility, chunks per block) is not here: a
 :class:`~lightning_galvatron.plan.ParallelPlan` cannot be built without it.
 
@@ -16,12 +20,21 @@ Torch-free, like :mod:`lightning_galvatron.plan`: the search runs offline.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan
 from lightning_galvatron.profiles import LayerTypeProfile, ModelProfile
 
 __all__ = [
+    "PLAN_RULES",
+    "BlockFacts",
+    "LayerTypeFacts",
+    "ModelFacts",
+    "ProfileFacts",
+    "block_problem",
+    "compile_problem",
     "degree_problem",
     "interleaved_rounds",
     "layer_problem",
@@ -147,42 +160,6 @@ def sequence_problem(degree: int, sp: str, seq_length: int) -> str | None:
     return problem
 
 
-def layer_problem(strategy: LayerStrategy, layer: LayerTypeProfile) -> str | None:
-    """Whether a block type, described by its profile, runs ``strategy``'s model-parallel group.
-
-    Megatron TP splits what the block's tensor-parallel plan splits (the profile's ``tensor_parallel_divisors``:
-    heads, key/value heads, widths; heads, hidden and FFN for profiles without them); Ulysses splits the
-    (query) heads (``ulysses_divisors``, else ``num_heads``) and keeps whole weights; both sequence-parallel
-    kinds split the sequence between blocks. Which styles a block type has at all is the profile's
-    ``supports_*`` (from its tensor-parallel plan).
-    """
-    g, sp = strategy.tp, strategy.sp
-    if g == 1:
-        return None
-    if sp == "ulysses":
-        if not layer.supports_ulysses:
-            return f"{layer.name} cannot run Ulysses sequence parallelism"
-        heads = [("attention heads", size) for size in layer.ulysses_divisors or (layer.num_heads,)]
-        problem = degree_problem(g, heads) or sequence_problem(g, sp, layer.seq_length)
-        return None if problem is None else f"Ulysses degree {g} is not executable for {layer.name}: {problem}"
-    if not layer.supports_tensor_parallel:
-        return f"TP degree {g} is not executable for {layer.name}: it has no tensor-parallel plan"
-    if layer.tensor_parallel_divisors:
-        sizes = [("(a size its tensor-parallel plan splits)", size) for size in layer.tensor_parallel_divisors]
-    else:
-        sizes = [
-            ("attention heads", layer.num_heads),
-            ("hidden size", layer.hidden_size),
-            ("FFN width", layer.ffn_hidden_size),
-        ]
-    problem = degree_problem(g, sizes) or sequence_problem(g, sp, layer.seq_length)
-    if problem is not None:
-        return f"TP degree {g} is not executable for {layer.name}: {problem}"
-    if sp == "megatron" and not layer.supports_megatron_sp:
-        return f"{layer.name} has no Megatron sequence parallelism"
-    return None
-
-
 def vocab_problem(strategy: LayerStrategy, vocab_parallel: bool) -> str | None:
     """The embedding and head: whole sequences (the user's step computes the loss on them); any
     vocabulary-parallel degree where the model has a token table to split (uneven shards are fine)."""
@@ -199,21 +176,208 @@ def vocab_problem(strategy: LayerStrategy, vocab_parallel: bool) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------------------------------------- blocks
+class BlockFacts(Protocol):
+    """What the rules read of one block: a profile's block type (:class:`LayerTypeFacts`) or a live block."""
+
+    @property
+    def name(self) -> str:
+        """The block's class or type, for messages."""
+        ...
+
+    @property
+    def seq_length(self) -> int | None:
+        """The sequence positions a sequence-parallel degree must divide (``None``: not known yet)."""
+        ...
+
+    @property
+    def why_no_tensor_parallel_plan(self) -> str | None:
+        """Why the block has no tensor-parallel plan at all, or ``None`` where it has one."""
+        ...
+
+    def unsupported(self, tp: int, sp: str) -> str | None:
+        """The block's own half of the rules: why ``(tp, sp)`` cannot run on it (which styles it has, which sizes
+        they split), or ``None``; called only where it has a plan and ``tp > 1``."""
+        ...
+
+
+@dataclass(frozen=True)
+class LayerTypeFacts:
+    """A profiled block type as :class:`BlockFacts`.
+
+    Megatron TP splits what the block's tensor-parallel plan splits (the profile's ``tensor_parallel_divisors``:
+    heads, key/value heads, widths; heads, hidden and FFN for profiles without them); Ulysses splits the
+    (query) heads (``ulysses_divisors``, else ``num_heads``) and keeps whole weights. Which styles a block type
+    has is the profile's ``supports_*`` (from its tensor-parallel plan, less what failed when profiled); one with
+    none of them has no plan.
+    """
+
+    layer: LayerTypeProfile
+
+    @property
+    def name(self) -> str:
+        return self.layer.name
+
+    @property
+    def seq_length(self) -> int:
+        return self.layer.seq_length
+
+    @property
+    def why_no_tensor_parallel_plan(self) -> str | None:
+        layer = self.layer
+        if layer.supports_tensor_parallel or layer.supports_megatron_sp or layer.supports_ulysses:
+            return None
+        return "its profile supports no tensor-parallel style"
+
+    def unsupported(self, tp: int, sp: str) -> str | None:
+        layer = self.layer
+        if sp == "ulysses":
+            if not layer.supports_ulysses:
+                return "it cannot run Ulysses sequence parallelism"
+            return degree_problem(
+                tp, [("attention heads", size) for size in layer.ulysses_divisors or (layer.num_heads,)]
+            )
+        if not layer.supports_tensor_parallel:
+            return "it has no Megatron tensor parallelism"
+        if layer.tensor_parallel_divisors:
+            sizes = [("(a size its tensor-parallel plan splits)", size) for size in layer.tensor_parallel_divisors]
+        else:
+            sizes = [
+                ("attention heads", layer.num_heads),
+                ("hidden size", layer.hidden_size),
+                ("FFN width", layer.ffn_hidden_size),
+            ]
+        problem = degree_problem(tp, sizes)
+        if problem is None and sp == "megatron" and not layer.supports_megatron_sp:
+            return "it has no Megatron sequence parallelism"
+        return problem
+
+
+def block_problem(strategy: LayerStrategy, block: BlockFacts) -> str | None:
+    """Whether ``block`` runs ``strategy``'s model-parallel group: it needs a tensor-parallel plan, its own half
+    of the rules (:meth:`BlockFacts.unsupported`) and, for sequence parallelism, a sequence split in equal parts."""
+    tp, sp = strategy.tp, strategy.sp
+    if tp == 1:
+        return None
+    missing = block.why_no_tensor_parallel_plan
+    if missing is not None:
+        # Without a plan nothing says which sizes a degree must divide, nor (for Ulysses) that the block takes only
+        # per-position inputs.
+        kind = f"tp={tp}" if sp != "ulysses" else f"Ulysses of degree {tp}"
+        return (
+            f"{block.name} has no tensor-parallel plan, so {kind} cannot run ({missing}); use tp=1 for it or register "
+            "a plan with lightning_galvatron.register_tensor_parallel_plan"
+        )
+    reason = block.unsupported(tp, sp)
+    if reason is None and block.seq_length is not None:
+        reason = sequence_problem(tp, sp, block.seq_length)
+    return None if reason is None else f"{block.name} cannot run tp={tp}, sp={sp!r}: {reason}"
+
+
+def layer_problem(strategy: LayerStrategy, layer: LayerTypeProfile) -> str | None:
+    """Whether a block type, described by its profile, runs ``strategy``'s model-parallel group."""
+    return block_problem(strategy, LayerTypeFacts(layer))
+
+
+def compile_problem(plan: ParallelPlan, options: Mapping[str, object] | None) -> str | None:
+    """Blocks compiled with dynamic shapes cannot be recomputed exactly: the recomputation could take another
+    compiled graph than the forward pass (see :mod:`lightning_galvatron.runtime.compile`)."""
+    recomputed = [i for i, s in enumerate(plan.layers) if s.recompute]
+    if options is None or not recomputed or options.get("dynamic") is False:
+        return None
+    return (
+        f"compile={{'dynamic': {options.get('dynamic')!r}}} with recomputation (layers {recomputed}): a block's "
+        "recomputation could take another compiled graph than its forward pass and compute wrong gradients "
+        "(pytorch/pytorch#166926); leave 'dynamic' out (static shapes), or use a plan without recompute"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- a whole plan
-def plan_problems(plan: ParallelPlan, model: ModelProfile) -> list[str]:
-    """Every rule ``plan`` breaks for the profiled ``model``, each prefixed by where (empty: executable)."""
-    out = []
-    problem = schedule_problem(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
+class ModelFacts(Protocol):
+    """What the whole-plan rules read of a model and how it runs: a profile (:class:`ProfileFacts`) and the live
+    modules (:class:`~lightning_galvatron.runtime.model_facts.LiveModelFacts`) both give it."""
+
+    @property
+    def block_lists(self) -> int | Sequence[str]:
+        """The containers holding the blocks: how many, or their paths (for messages)."""
+        ...
+
+    @property
+    def has_token_embedding(self) -> bool:
+        """Whether there is a token table (an ``nn.Embedding`` outside the blocks) to split by vocabulary."""
+        ...
+
+    @property
+    def compile_options(self) -> Mapping[str, object] | None:
+        """The ``torch.compile`` arguments the blocks are compiled with (``None``: not compiled, or not known)."""
+        ...
+
+    def block(self, index: int) -> BlockFacts:
+        """Block ``index`` (in the plan's order)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ProfileFacts:
+    """A profiled model as :class:`ModelFacts` (the profile does not record compilation)."""
+
+    model: ModelProfile
+    compile_options: Mapping[str, object] | None = None
+
+    @property
+    def block_lists(self) -> int:
+        return self.model.block_lists
+
+    @property
+    def has_token_embedding(self) -> bool:
+        return self.model.vocab.supports_tensor_parallel
+
+    def block(self, index: int) -> LayerTypeFacts:
+        return LayerTypeFacts(self.model.block_type(index))
+
+
+def _at(where: str, problem: str | None) -> Iterator[str]:
+    """The one message format: ``where: problem`` (no location for the whole plan)."""
     if problem is not None:
-        out.append(problem)
-    problem = pipeline_problem(plan.pp, model.block_lists)
-    if problem is not None:
-        out.append(problem)
-    problem = vocab_problem(plan.vocab, model.vocab.supports_tensor_parallel)
-    if problem is not None:
-        out.append(f"vocab: {problem}")
-    for i, strategy in enumerate(plan.layers):
-        problem = layer_problem(strategy, model.block_type(i))
-        if problem is not None:
-            out.append(f"layers[{i}]: {problem}")
-    return out
+        yield f"{where}: {problem}" if where else problem
+
+
+def _schedule_rule(plan: ParallelPlan, model: ModelFacts) -> Iterator[str]:
+    return _at("", schedule_problem(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages))
+
+
+def _pipeline_rule(plan: ParallelPlan, model: ModelFacts) -> Iterator[str]:
+    return _at("", pipeline_problem(plan.pp, model.block_lists))
+
+
+def _vocabulary_rule(plan: ParallelPlan, model: ModelFacts) -> Iterator[str]:
+    return _at("vocab", vocab_problem(plan.vocab, plan.vocab.tp == 1 or model.has_token_embedding))
+
+
+def _block_rule(plan: ParallelPlan, model: ModelFacts) -> Iterator[str]:
+    for index, strategy in enumerate(plan.layers):
+        if strategy.tp > 1:
+            yield from _at(f"layers[{index}]", block_problem(strategy, model.block(index)))
+
+
+def _compile_rule(plan: ParallelPlan, model: ModelFacts) -> Iterator[str]:
+    return _at("", compile_problem(plan, model.compile_options))
+
+
+#: Every whole-plan rule, in the order its problems are reported: a new kind of parallelism adds its rule here
+#: (per block: to :func:`block_problem` and :meth:`BlockFacts.unsupported`).
+PLAN_RULES: tuple[Callable[[ParallelPlan, ModelFacts], Iterator[str]], ...] = (
+    _schedule_rule,
+    _pipeline_rule,
+    _vocabulary_rule,
+    _block_rule,
+    _compile_rule,
+)
+
+
+def plan_problems(plan: ParallelPlan, model: ModelFacts | ModelProfile) -> list[str]:
+    """Every rule ``plan`` breaks for ``model`` (a profile is read through :class:`ProfileFacts`), each prefixed by
+    where (empty: executable). The plan has one strategy per block of the model (checked by the callers, which say
+    what each model has)."""
+    facts = ProfileFacts(model) if isinstance(model, ModelProfile) else model
+    return [problem for rule in PLAN_RULES for problem in rule(plan, facts)]

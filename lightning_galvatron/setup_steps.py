@@ -17,6 +17,7 @@ from typing import Any
 
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
 
 
 @contextmanager
@@ -41,3 +42,13 @@ def configured_optimizers_in_place(strategy: Any, trainer: Any) -> Iterator[None
         yield
     finally:
         strategy.optimizers, strategy.lr_scheduler_configs = [], []
+
+
+def configured_optimizers(module: Any) -> list[Optimizer]:
+    """The optimizers the module's ``configure_optimizers`` returns (the search sizes the first one's states); none
+    where it cannot run yet (then sized as Adam, the common worst case)."""
+    try:
+        optimizers, _, _ = _init_optimizers_and_lr_schedulers(module)
+    except Exception:  # noqa: BLE001 - sized as Adam, the common worst case
+        return []
+    return list(optimizers)

@@ -6,8 +6,8 @@
   global norm across meshes.
 - ``setup_environment`` (every worker): initialise the process group and start the rank monitor
   (:mod:`lightning_galvatron.runtime.watchdog`); meshes are made lazily.
-- ``setup``: find the model's blocks, get the plan (given, or with ``plan="auto"`` profiled and
-  searched by :mod:`lightning_galvatron.autoplan`) and its prediction (:mod:`lightning_galvatron.prediction`),
+- ``setup``: find the model's blocks, get the plan (given, or with ``plan="auto"`` profiled, searched and tried:
+  the recipe :func:`lightning_galvatron.auto_setup.resolve_automatic_plan`) and its prediction,
   report them, broadcast rank 0's weights, apply the plan (the runtime does the work), create the optimizers,
   add the callback that logs plan and measurements (:mod:`lightning_galvatron.monitor`).
 - ``distributed_sampler_kwargs`` / ``process_dataloader`` / ``batch_to_device``: give each data shard the samples DDP
@@ -38,32 +38,29 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_galvatron._compat import override
 from lightning_galvatron.arguments import check_strategy_arguments
-from lightning_galvatron.autoplan import SearchSettings, check_memory_budget, optimizer_kind
+from lightning_galvatron.auto_setup import PlanningContext, resolve_automatic_plan
+from lightning_galvatron.autoplan import SearchSettings, check_memory_budget
 from lightning_galvatron.checkpoint import hf_models, load_checkpoint, whole_strided_tensors, without_created_states
 from lightning_galvatron.checkpoint_files import remove_checkpoint, save_sharded
 from lightning_galvatron.data import (
     DataShards,
     batch_index,
-    example_batch,
     first_dataloader,
     loader_batch_size,
     sampler_kwargs,
@@ -74,28 +71,36 @@ from lightning_galvatron.errors import leave_to_reporting_rank, note_cause, repo
 from lightning_galvatron.metrics import metric_states_kept, sync_metrics_over_data_shards
 from lightning_galvatron.micro_batches import run_micro_batches, step_args_for_token_means
 from lightning_galvatron.model.discovery import ModelStructure
-from lightning_galvatron.model.outside_layers import OutsideLayers, trace_outside_layers
-from lightning_galvatron.model_setup import automatic_plan, block_plans, find_structure, whole_model_plan
+from lightning_galvatron.model.outside_layers import OutsideLayers
+from lightning_galvatron.model_setup import block_plans, find_structure, traced_outside_layers
 from lightning_galvatron.monitor import GalvatronMonitor, output_dir, save_plan_files
 from lightning_galvatron.plan import ParallelPlan, PlanError
 from lightning_galvatron.precision import check_precision_first, precision_flag, precision_plugin_for
-from lightning_galvatron.prediction import Prediction, plan_source_name, price_given_plan, searched_prediction
-from lightning_galvatron.preparation import count_optimizer_steps, explain_automatic_planning, load_given_plan, prepare
+from lightning_galvatron.prediction import Prediction, plan_source_name, price_given_plan
+from lightning_galvatron.preparation import (
+    count_optimizer_steps,
+    load_given_plan,
+    overridden_step_methods,
+    place_restored,
+    prepare,
+)
 from lightning_galvatron.replan import Replanning, check_replan
 from lightning_galvatron.rules import manual_optimization_problem
-from lightning_galvatron.runtime.apply import AppliedPlan, check_runtime_support, input_shard
+from lightning_galvatron.runtime.apply import AppliedPlan, input_shard
 from lightning_galvatron.runtime.compile import compile_options
 from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.runtime.pipeline import PipelineRunner
-from lightning_galvatron.runtime.sync import agree_across_ranks, destroy_process_group
+from lightning_galvatron.runtime.step import NormScope
+from lightning_galvatron.runtime.sync import destroy_process_group
 from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 from lightning_galvatron.runtime.watchdog import RankMonitor, WatchdogSettings
 from lightning_galvatron.selection import TrialSettings
-from lightning_galvatron.setup_steps import configured_optimizers_in_place
-from lightning_galvatron.trials import choose_plan
+from lightning_galvatron.setup_steps import configured_optimizers, configured_optimizers_in_place
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 _DESCRIPTION = "Hybrid parallelism with a per-layer plan searched by Galvatron"
-_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 _STEP_OF = {
     TrainerFn.FITTING: "training_step",
     TrainerFn.VALIDATING: "validation_step",
@@ -237,7 +242,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         with reported_by_rank_zero(rank_zero_only.rank):
             self.precision_plugin = precision_plugin_for(precision_flag(self.precision_plugin), device.type)
             if self._plan_source != "auto":
-                self._load_plan(self.num_nodes * len(self.parallel_devices))
+                load_given_plan(self._plan_source, self.num_nodes * len(self.parallel_devices), self._global_batch_size)
             if self._search.memory_budget_bytes is not None:
                 check_memory_budget(self._search.memory_budget_bytes, device, len(self.parallel_devices))
         super()._configure_launcher()
@@ -286,7 +291,8 @@ class GalvatronStrategy(ModelParallelStrategy):
         self.structure = find_structure(module, self._layers, self._plan_source)  # auto: found or the whole
         self._tp_plans = block_plans(self.structure, _STEP_OF[trainer.state.fn], trainer)  # guesses proven first
         self._progress("setup: resolving the plan")
-        self.plan, self.prediction = self._resolve_plan(trainer, self.structure)
+        planning = self._planning_context(trainer, self.structure)
+        self.plan, self.prediction = self._resolve_plan(planning)
         manual = trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization
         if manual and (problem := manual_optimization_problem(self.plan)):  # before a pipeline's trace runs the step
             raise PlanError(problem)
@@ -305,7 +311,8 @@ class GalvatronStrategy(ModelParallelStrategy):
             )
 
         self.model = self.precision_plugin.convert_module(self.model)
-        self.replanning = Replanning.start(self, trainer, outside) if self._replan else None  # before any plan
+        replan = self._replan and self._plan_source == "auto"  # started before any plan is applied
+        self.replanning = Replanning.start(self, planning, outside) if replan else None
         self._applied = self._apply_plan(outside, broadcast_initial_weights=self._broadcast_initial_weights)
         self._parallelised = self.model
         sync_metrics_over_data_shards(module, self.plan)  # torchmetrics: one state per data shard, as under DDP
@@ -323,86 +330,84 @@ class GalvatronStrategy(ModelParallelStrategy):
                 precision_flag(self.precision_plugin),
                 self.root_device,
                 tp_plans=self._tp_plans,
-                entry_methods=[name for name in _STEP_METHODS if is_overridden(name, self.lightning_module)],
+                entry_methods=overridden_step_methods(self.lightning_module),
                 parallel_loss=self._uses_parallel_loss,
                 outside_layers=outside,
                 compile_options=self._compile,
                 **options,
             )
 
+    @property
+    def applied(self) -> AppliedPlan | None:
+        """The plan as the runtime applied it to the model (``None`` before ``setup``)."""
+        return self._applied
+
+    def release_plan(self) -> None:
+        """Re-planning: remove the applied plan's gradient hooks and optimizer-step counters, before the model is
+        restored as it was before any plan (:meth:`~lightning_galvatron.replan.Replanning.switch`)."""
+        assert self._applied is not None
+        self._applied.gradients.remove()
+        for handle in self._step_hooks:
+            handle.remove()
+
+    def reapply_plan(self, plan: ParallelPlan, outside: OutsideLayers | None) -> AppliedPlan:
+        """Re-planning: apply ``plan`` to the restored model in place of the released one (placed, not broadcast:
+        the whole training state is loaded into the new parameters next)."""
+        self.structure = find_structure(self.lightning_module, self._layers, self._plan_source)
+        self.plan = plan
+        self._applied = self._apply_plan(outside, broadcast_initial_weights=False, place=place_restored)
+        self._use_applied()
+        self._step_hooks = count_optimizer_steps(self._applied, self.optimizers)
+        return self._applied
+
     def _use_applied(self) -> None:
-        partition = self._applied.partition
-        self.precision_plugin.pipeline_group = self._applied.pipeline_group
-        tied = partition is not None and partition.is_last and not partition.is_first
-        self.precision_plugin.norm_excluded = {id(p) for p in partition.tied} if tied else frozenset()  # first stage's
+        assert self._applied is not None
+        self.precision_plugin.norm_scope = NormScope.of(self._applied)  # clipping over this plan's meshes and stages
 
     def _trace_outside_layers(self, trainer: Any) -> OutsideLayers:
-        """Pipelines: which layers outside the blocks the step runs before them and which after, observed once on
-        a real batch (registration order does not tell); the same answer, or the same error, on every rank."""
         assert self.structure is not None
         self._progress("setup: tracing the step for the pipeline")
-        step = _STEP_OF[trainer.state.fn]
-        batch = example_batch(first_dataloader(trainer))
-        return agree_across_ranks(
-            lambda: trace_outside_layers(self.lightning_module, self.structure, step, batch),
-            "which layers run before and after the blocks",
-        )
+        return traced_outside_layers(self.lightning_module, self.structure, _STEP_OF[trainer.state.fn], trainer)
 
-    def _load_plan(self, world_size: int) -> ParallelPlan:
-        return load_given_plan(self._plan_source, world_size, self._global_batch_size)
-
-    def _resolve_plan(self, trainer: Any, structure: ModelStructure) -> tuple[ParallelPlan, Prediction]:
-        """The plan -- given, or with ``plan="auto"`` profiled on every rank and searched on rank 0, the same
-        everywhere -- and what the cost model predicts for it (a given plan: with a cached profile, if any)."""
+    def _planning_context(self, trainer: pl.Trainer, structure: ModelStructure) -> PlanningContext:
+        """What planning needs from the strategy, handed over instead of the strategy itself."""
         module = self.lightning_module
-        loader = first_dataloader(trainer)
-        per_device = loader_batch_size(loader)
-        optimizers = list(self.optimizers) or _configured_optimizers(module)  # in place while fitting (setup_steps)
-        context = {
-            "world_size": self.world_size,
-            "devices_per_node": self.num_processes,
-            "device": self.root_device,
-            "precision": precision_flag(self.precision_plugin),
-            "settings": self._search,
-            "optimizer": optimizer_kind(optimizers[0] if optimizers else None),
-        }
-        if self._plan_source != "auto":
-            plan = self._load_plan(self.world_size)
-            check_runtime_support(plan, structure, self._tp_plans)  # before the plan is priced, printed or applied
-            return plan, price_given_plan(
-                plan, plan_source_name(self._plan_source), module, structure, loader, per_device, **context
-            )
-        if any(p.is_meta for p in module.parameters()):
-            raise PlanError(
-                'plan="auto" profiles the model by running it, but its parameters are on the meta device '
-                "(empty_init / configure_model); create it with real weights, or pass a plan (e.g. one from "
-                "`lightning-galvatron search`)"
-            )
-        if per_device is None:
-            raise PlanError(
-                'plan="auto" needs a DataLoader with a batch_size to profile with and to size the global batch; '
-                "pass a plan, or global_batch_size= with a DataLoader that has batch_size"
-            )
-        example = move_data_to_device(example_batch(loader), self.root_device)
-        global_batch = self._global_batch_size or per_device * self.world_size
-        if not structure.blocks:  # no blocks found: the whole model as one unit (the floor under plan="auto")
-            return whole_model_plan(module, structure, global_batch, **context)
-        explain_automatic_planning(structure, self.world_size)
-        context["manual_optimizers"] = 0 if module.automatic_optimization else max(len(optimizers), 1)
-        auto = automatic_plan(module, structure, example, global_batch, **context)
-        if isinstance(auto, tuple):  # the floor (model_setup): profiling or searching failed
-            return auto
-        plan = choose_plan(self, trainer, auto, loader, global_batch)  # trials when fitting (measured selection)
-        check_runtime_support(plan, structure, self._tp_plans)  # before the plan is printed or applied
-        if plan.global_batch_size != global_batch:
-            rank_zero_info(
-                f"Galvatron: the search changed the global batch size from {global_batch} to "
-                f"{plan.global_batch_size} (search_batch_size=True)"
-            )
-        calibration = self.selection.calibration if self.selection is not None else None
-        return plan, searched_prediction(
-            auto, plan, optimizer=context["optimizer"], precision=context["precision"], calibration=calibration
+        assert self._meshes is not None
+        return PlanningContext(
+            module=module,
+            trainer=trainer,
+            structure=structure,
+            tp_plans=self._tp_plans,
+            layers=self._layers,
+            meshes=self._meshes,
+            precision_plugin=self.precision_plugin,
+            device=self.root_device,
+            world_size=self.world_size,
+            devices_per_node=self.num_processes,
+            global_rank=self.global_rank,
+            search=self._search,
+            trials=self._trials,
+            optimizers=list(self.optimizers) or configured_optimizers(module),  # in place while fitting
+            global_batch_size=self._global_batch_size,
+            vocab_parallel_loss=self._vocab_parallel_loss,
+            sharded_checkpoints=self._save_distributed_checkpoint,
+            trace_outside_layers=lambda: self._trace_outside_layers(trainer),
+            progress=self._progress,
         )
+
+    def _resolve_plan(self, planning: PlanningContext) -> tuple[ParallelPlan, Prediction]:
+        """The plan -- given, or with ``plan="auto"`` profiled, searched and tried
+        (:func:`~lightning_galvatron.auto_setup.resolve_automatic_plan`), the same everywhere -- and what the cost
+        model predicts for it (a given plan: with a cached profile, if any)."""
+        if self._plan_source == "auto":
+            plan, prediction, self.selection = resolve_automatic_plan(planning)
+            return plan, prediction
+        plan = load_given_plan(self._plan_source, self.world_size, self._global_batch_size)
+        planning.check(plan)  # before the plan is priced, printed or applied
+        loader = first_dataloader(planning.trainer)
+        name, module, per_device = plan_source_name(self._plan_source), planning.module, loader_batch_size(loader)
+        arguments = planning.cost_model_arguments()
+        return plan, price_given_plan(plan, name, module, planning.structure, loader, per_device, **arguments)
 
     # ------------------------------------------------------------------ data: batch semantics
     @property
@@ -475,7 +480,18 @@ class GalvatronStrategy(ModelParallelStrategy):
     def _run_micro_batches(
         self, hook: str, precision_context: Callable[[], AbstractContextManager], args: tuple, kwargs: dict
     ) -> Any:
-        return run_micro_batches(self, hook, precision_context, args, kwargs)
+        assert self._applied is not None
+        return run_micro_batches(
+            self._applied,
+            self.lightning_module,
+            hook,
+            args,
+            kwargs,
+            optimizers=self.optimizers,
+            device=self.root_device,
+            precision_context=precision_context,
+            loss_context=self._step_context,
+        )
 
     @contextmanager
     @override
@@ -575,15 +591,6 @@ class GalvatronStrategy(ModelParallelStrategy):
         if self.plan is None:
             raise RuntimeError("the Galvatron plan is resolved in setup(); it is not available yet")
         return self.plan
-
-
-def _configured_optimizers(module: Any) -> list[Optimizer]:
-    """The optimizers the module's configure_optimizers returns (the search sizes the first one's states)."""
-    try:
-        optimizers, _, _ = _init_optimizers_and_lr_schedulers(module)
-    except Exception:  # noqa: BLE001 - sized as Adam, the common worst case
-        return []
-    return list(optimizers)
 
 
 GalvatronStrategy.register_strategies(StrategyRegistry)  # also called by _registry once Lightning is imported

@@ -2,9 +2,12 @@
 measured selection (:mod:`lightning_galvatron.selection` decides; this module runs and reports).
 
 A trial deep-copies the LightningModule (never touching the user's module, whose first optimizer step must be
-that of the chosen plan), applies the plan to the copy exactly as the strategy would (precision, FSDP mixed
-precision, entry methods, pipeline stages), makes the copy's own optimizers with its ``configure_optimizers``
-and trains it on one real global batch of the user's data:
+that of the chosen plan), applies the plan to the copy as the strategy does
+(:func:`~lightning_galvatron.preparation.prepare`: rank 0's weights, precision, entry methods, pipeline stages,
+placement), makes the copy's own optimizers with its ``configure_optimizers`` and trains it on one real global batch
+of the user's data with training's step
+(:func:`~lightning_galvatron.runtime.step.train_step`; gradients clipped through the module's
+``configure_gradient_clipping`` and the precision plugin, as the Trainer's ``gradient_clip_val`` says):
 
 * ``warmup_steps`` untimed steps (lazy initialisation, first collectives);
 * ``timed_steps`` steps timed on every rank; a step's time is the slowest rank's, the trial's the median step
@@ -17,10 +20,10 @@ and trains it on one real global batch of the user's data:
 
 ``self.log`` calls of the copy are dropped; the random state is restored after the trials.
 
-:func:`choose_plan` is what the strategy calls with what ``plan="auto"`` found: it prints it, runs the trials
-when fitting and adds :class:`StepClock`, which compares the first training steps with the prediction. The
-training loop adds its own work to every step (logging, callbacks) that neither the cost model nor a trial
-counts, so that comparison is a sanity check, not a calibration.
+:func:`select_in_trials` is what the recipe of ``plan="auto"``
+(:func:`~lightning_galvatron.auto_setup.resolve_automatic_plan`) calls when fitting; :class:`StepClock` then compares
+the first training steps with the prediction. The training loop adds its own work to every step (logging,
+callbacks) that neither the cost model nor a trial counts, so that comparison is a sanity check, not a calibration.
 """
 
 from __future__ import annotations
@@ -29,114 +32,100 @@ import copy
 import gc
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import Callback
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_galvatron._compat import override
 from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.model.outside_layers import OutsideLayers
 from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans
 from lightning_galvatron.plan import ParallelPlan
-from lightning_galvatron.precision import boundary_dtype, mixed_precision_policy, precision_flag
-from lightning_galvatron.runtime.apply import apply_plan, check_runtime_support, input_shard
+from lightning_galvatron.precision import GlobalNormClipping, precision_flag
+from lightning_galvatron.preparation import count_optimizer_steps, overridden_step_methods, prepare
+from lightning_galvatron.runtime.apply import AppliedPlan, input_shard
 from lightning_galvatron.runtime.mesh import MeshCache, reduce_over_ranks
-from lightning_galvatron.runtime.pipeline import loss_of
+from lightning_galvatron.runtime.step import NormScope, train_step
 from lightning_galvatron.runtime.vocab_parallel import parallel_cross_entropy
 from lightning_galvatron.search.calibration import Observation
 from lightning_galvatron.search.report import plan_summary
-from lightning_galvatron.selection import SelectionCache, select_by_measurement
+from lightning_galvatron.selection import Selection, SelectionCache, select_by_measurement
 from lightning_galvatron.selection.memory import step_peak_bytes
 from lightning_galvatron.selection.resolution import measurably_faster, trial_steps
 from lightning_galvatron.selection.settings import Measurement, TrialSettings, TrialUnavailable
 
+if TYPE_CHECKING:
+    import lightning.pytorch as L
+
+    from lightning_galvatron.auto_setup import PlanningContext
+    from lightning_galvatron.autoplan import AutoPlan
+
+
 # ---------------------------------------------------------------------------------------------- the strategy's side
-_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+def select_in_trials(context: PlanningContext, auto: AutoPlan, loader: Iterable[Any]) -> Selection | None:
+    """Measured selection: the candidates of ``auto`` train a few steps on copies of the user's module and the
+    fastest measured plan that fits is chosen; ``None`` (saying why) where the module cannot be tried.
 
-
-def choose_plan(strategy: Any, trainer: Any, auto: Any, loader: Any, global_batch: int) -> ParallelPlan:
-    """The plan to train: the search's, or with ``strategy._trials`` and when fitting, the fastest measured
-    (``global_batch``: the batch the loader gives, kept for callers; the plan may carry another).
-
-    Collective (every rank, the same plan); sets ``strategy.selection``.
+    Collective: every rank calls it and gets the same selection.
     """
-    plan = auto.plan  # the search's report is printed with the plan that trains (display.setup_report)
-    predicted = auto.search_result.estimate.step_time_s if auto.search_result is not None else None
-    trial_s = runner_up = None
-    if strategy._trials is not None and trainer.state.fn == TrainerFn.FITTING:  # trials train
-        selection = _trials(strategy, trainer, auto, loader)
-        if selection is not None:
-            strategy.selection, plan = selection, selection.plan
-            chosen, other = selection.chosen, selection.runner_up
-            if chosen is not None:
-                predicted, trial_s = chosen.calibrated_step_s or chosen.predicted_step_s, chosen.step_s
-            runner_up = (other.name, other.plan, trial_steps(other)) if other is not None else None
-    if strategy.global_rank == 0 and trainer.state.fn == TrainerFn.FITTING:
-        trainer.callbacks.append(StepClock(predicted, trial_s, runner_up, rank_zero_info))
-    return plan
-
-
-def _trials(strategy: Any, trainer: Any, auto: Any, loader: Any) -> Any:
-    module = strategy.lightning_module
+    settings = context.trials
+    assert settings is not None
     try:
-        reason = no_trials_reason(module)
+        reason = no_trials_reason(context.module)
         if reason is not None:
             raise TrialUnavailable(reason)
         batch = global_batch_samples(loader, auto.plan.global_batch_size)
     except TrialUnavailable as why:
         rank_zero_info(f"Galvatron: no trials ({why}): training the search's plan")
         return None
-    flag = precision_flag(strategy.precision_plugin)
-    traced: dict[str, Any] = {}
-
-    def outside_layers() -> Any:  # traced once, for the first pipelined candidate (collective)
-        if "layers" not in traced:
-            traced["layers"] = strategy._trace_outside_layers(trainer)
-        return traced["layers"]
-
-    runner = TrialRunner(
-        module,
-        trainer,
-        strategy._layers,
-        batch,
-        strategy._meshes,
-        strategy.precision_plugin,
-        mixed_precision_policy(flag),
-        boundary_dtype(flag),
-        strategy.root_device,
-        [name for name in _STEP_METHODS if is_overridden(name, module)],
-        strategy._vocab_parallel_loss,
-        outside_layers,
-        strategy._progress,
-    )
-    structure = strategy.structure
-    tp_plans = block_tensor_parallel_plans(structure)
-    rank_zero_info(f"Galvatron: measured selection: trying candidate plans for up to {strategy._trials.budget_s:g} s")
+    rank_zero_info(f"Galvatron: measured selection: trying candidate plans for up to {settings.budget_s:g} s")
     selection = select_by_measurement(
         auto,
-        runner,
-        strategy._trials,
-        cache=SelectionCache.of(strategy._search.profile_cache),
-        check=lambda plan: check_runtime_support(plan, structure, tp_plans),
+        _trial_runner(context, batch),
+        settings,
+        cache=SelectionCache.of(context.search.profile_cache),
+        check=context.check,
         report=rank_zero_info,
-        progress=strategy._progress,
+        progress=context.progress,
     )
     rank_zero_info(selection.report())
     return selection
+
+
+def _trial_runner(context: PlanningContext, batch: Any) -> TrialRunner:
+    """The trials' runner: the user's module and data, and how the strategy applies a plan."""
+    module = context.module
+    traced: list[OutsideLayers] = []
+
+    def outside_layers() -> OutsideLayers:  # traced once, for the first pipelined candidate (collective)
+        if not traced:
+            traced.append(context.trace_outside_layers())
+        return traced[0]
+
+    return TrialRunner(
+        module,
+        context.trainer,
+        context.layers,
+        batch,
+        context.meshes,
+        context.precision_plugin,
+        context.device,
+        overridden_step_methods(module),
+        context.vocab_parallel_loss,
+        outside_layers,
+        context.progress,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- running a trial
@@ -199,18 +188,14 @@ class TrialRunner:
     layers: str | Sequence[str] | None
     batch: Any  # a global batch of samples (global_batch_samples)
     meshes: MeshCache
-    precision_plugin: Any
-    mp_policy: MixedPrecisionPolicy
-    boundary_dtype: torch.dtype
+    precision_plugin: Any  # the strategy's: converts the copy, and its precision is the trial's
     device: torch.device
     entry_methods: Sequence[str]
     vocab_parallel_loss: bool
     outside_layers: Callable[[], OutsideLayers]  # collective; called only for pipelined candidates
     progress: Callable[[str], None] = lambda where: None  # tells the rank monitor where this rank is
-
-    def _place(self, model: nn.Module) -> None:
-        _materialize_distributed_module(model, self.device)
-        model.to(self.device)
+    # Start from rank 0's weights as training will (the strategy's argument): the trial's step is training's first.
+    broadcast_initial_weights: bool = True
 
     def run(
         self, plan: ParallelPlan, settings: TrialSettings, observe: bool = True, stop_above: float | None = None
@@ -271,86 +256,102 @@ class TrialRunner:
         structure = find_blocks(model, self.layers)
         blocks = structure.blocks  # by global index; a pipeline stage keeps only its own in the containers
         model = self.precision_plugin.convert_module(model)
-        applied = apply_plan(
+        applied = prepare(  # as the strategy applies a plan (rank 0's weights, precision, placement, hooks)
             model,
             structure,
             plan,
             self.meshes,
-            self.mp_policy,
+            precision_flag(self.precision_plugin),
+            self.device,
+            tp_plans=block_tensor_parallel_plans(structure),
+            broadcast_initial_weights=self.broadcast_initial_weights,
             entry_methods=self.entry_methods,
             parallel_loss=self._parallel_loss(plan),
-            boundary_dtype=self.boundary_dtype,
             outside_layers=outside,
-            tp_plans=block_tensor_parallel_plans(structure),
-            place=self._place,
         )
         optimizers = [o for o in _init_optimizers_and_lr_schedulers(model)[0] if o.param_groups]
-        for optimizer in optimizers:
-            optimizer.register_step_post_hook(lambda *_: applied.gradients.optimizer_stepped())
+        count_optimizer_steps(applied, optimizers)
         num_shards, shard = input_shard(plan, dist.get_rank())
         batch = move_data_to_device(_shard(self.batch, num_shards, shard), self.device)
         takes_index = is_param_in_hook_signature(model.training_step, "batch_idx", min_args=2)
         train_context = self.precision_plugin.train_step_context
-        step_context = parallel_cross_entropy if self._parallel_loss(plan) else nullcontext
+        runtime: RuntimeProfiler | None = None
 
         def user_step(micro_batch: Any) -> Any:
             with train_context():
                 return model.training_step(micro_batch, 0) if takes_index else model.training_step(micro_batch)
 
-        def step() -> None:
-            for optimizer in optimizers:
-                optimizer.zero_grad(set_to_none=True)
-            if applied.runner is None:
-                with step_context():
-                    loss = loss_of(user_step(batch))
-                    if loss is None:
-                        raise TrialUnavailable("training_step returned no loss")
-                    (loss / applied.input_shards).backward()
-            else:
-                scale = 1.0 / (applied.input_shards * plan.micro_batches)
-                with step_context(), applied.gradients.deferred():
-                    applied.runner.run(batch, user_step, loss_scale=scale, train=True)
-                applied.gradients.reduce()
+        def clip(optimizer: torch.optim.Optimizer) -> None:  # as Lightning clips (Precision._clip_gradients)
+            trainer = self.trainer
+            model.configure_gradient_clipping(
+                optimizer,
+                gradient_clip_val=trainer.gradient_clip_val,
+                gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+            )
+
+        def optimizer_started() -> None:
             if runtime is not None:
                 runtime.optimizer_started()
-            for optimizer in optimizers:
-                optimizer.step()
+
+        def step() -> None:
+            train_step(
+                applied,
+                optimizers,
+                batch,
+                user_step,
+                context=parallel_cross_entropy if self._parallel_loss(plan) else nullcontext,
+                after_backward=optimizer_started,
+                clip=clip,
+            )
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
 
-        runtime: RuntimeProfiler | None = None
         local = applied.partition.local_blocks if applied.partition is not None else range(len(blocks))
         cuda = self.device.type == "cuda"
         model.train()
-        for _ in range(settings.warmup_steps):
-            step()
-        if observe and not cuda:
-            runtime = RuntimeProfiler(plan, {i: blocks[i] for i in local}, optimizers, self.device)
-            runtime.start()
-        times = []
-        for _ in range(settings.timed_steps):
-            if runtime is not None:
-                runtime.step_started()
-            began = _now(self.device)
-            step()
-            times.append(float(reduce_over_ranks([_now(self.device) - began], dist.ReduceOp.MAX)[0]))
-            if stop_above is not None and times[-1] > stop_above:
-                break
-        observation = _finish(runtime)
-        runtime = None
-        stopped = len(times) < settings.timed_steps
-        peak = (
-            step_peak_bytes(step, model, optimizers, self.device) if settings.measure_memory and not stopped else None
-        )
-        if observe and cuda:
-            runtime = RuntimeProfiler(plan, {i: blocks[i] for i in local}, optimizers, self.device)
-            runtime.start()
-            for _ in range(2):
-                runtime.step_started()
+        with self._clipping_over(applied):
+            for _ in range(settings.warmup_steps):
                 step()
+            if observe and not cuda:
+                runtime = RuntimeProfiler(plan, {i: blocks[i] for i in local}, optimizers, self.device)
+                runtime.start()
+            times = []
+            for _ in range(settings.timed_steps):
+                if runtime is not None:
+                    runtime.step_started()
+                began = _now(self.device)
+                step()
+                times.append(float(reduce_over_ranks([_now(self.device) - began], dist.ReduceOp.MAX)[0]))
+                if stop_above is not None and times[-1] > stop_above:
+                    break
             observation = _finish(runtime)
+            runtime = None
+            stopped = len(times) < settings.timed_steps
+            measure = settings.measure_memory and not stopped
+            peak = step_peak_bytes(step, model, optimizers, self.device) if measure else None
+            if observe and cuda:
+                runtime = RuntimeProfiler(plan, {i: blocks[i] for i in local}, optimizers, self.device)
+                runtime.start()
+                for _ in range(2):
+                    runtime.step_started()
+                    step()
+                observation = _finish(runtime)
         applied.gradients.remove()
         return times, peak, observation, None
+
+    @contextmanager
+    def _clipping_over(self, applied: AppliedPlan) -> Iterator[None]:
+        """While a trial trains, the precision plugin that clips (the trainer's, the strategy's) clips by the norm
+        over the trial's plan; the strategy sets its own plan's when it applies it."""
+        plugin = self.trainer.precision_plugin
+        if not isinstance(plugin, GlobalNormClipping):
+            yield
+            return
+        saved, plugin.norm_scope = plugin.norm_scope, NormScope.of(applied)
+        try:
+            yield
+        finally:
+            plugin.norm_scope = saved
 
     def _parallel_loss(self, plan: ParallelPlan) -> bool:
         return self.vocab_parallel_loss and plan.vocab.tp > 1
@@ -428,7 +429,23 @@ class StepClock(Callback):
         self._starts: list[float] = []
         self.measured_s: float | None = None
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    @classmethod
+    def for_plan(cls, auto: AutoPlan, selection: Selection | None) -> StepClock:
+        """The clock of the plan that trains: the search's (its predicted step), or the trials' choice (its
+        calibrated prediction and its trial's steps, with the runner-up of the trials)."""
+        predicted = auto.search_result.estimate.step_time_s if auto.search_result is not None else None
+        trial_s = runner_up = None
+        if selection is not None:
+            chosen, other = selection.chosen, selection.runner_up
+            if chosen is not None:
+                predicted, trial_s = chosen.calibrated_step_s or chosen.predicted_step_s, chosen.step_s
+            runner_up = (other.name, other.plan, trial_steps(other)) if other is not None else None
+        return cls(predicted, trial_s, runner_up, rank_zero_info)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.step_started()
 
     def step_started(self) -> None:
@@ -458,8 +475,9 @@ class StepClock(Callback):
                 f"\nGalvatron: the runner-up of the trials, {name} ({plan_summary(plan)}), measured "
                 f"{statistics.median(steps) * 1e3:.1f} ms per step in its trial, less than this plan takes now "
                 "beyond the noise of either measurement (trials leave out "
-                "the training loop's own work -- logging, callbacks -- and a busy machine disturbs them; to "
-                "measure again, delete the cached selection or give trials= more timed steps)"
+                "the training loop's own work -- logging, callbacks -- and a busy machine disturbs them); with "
+                "replan=True (the default) training moves to it in memory once a window of steps confirms this and "
+                "enough steps remain; with replan=False, delete the cached selection or give trials= more timed steps"
             )
         return line
 
@@ -468,4 +486,4 @@ def _ratio(measured: float, predicted: float) -> str:
     return f"measured {measured / predicted:.2f}x" if predicted > 0 else "-"
 
 
-__all__ = ["StepClock", "TrialRunner", "choose_plan", "global_batch_samples", "no_trials_reason"]
+__all__ = ["StepClock", "TrialRunner", "global_batch_samples", "no_trials_reason", "select_in_trials"]

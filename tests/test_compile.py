@@ -12,8 +12,9 @@ import torch
 
 from lightning_galvatron import GalvatronStrategy
 from lightning_galvatron.plan import LayerStrategy as S
-from lightning_galvatron.plan import ParallelPlan, PlanError
-from lightning_galvatron.runtime.compile import check_compile_support, compile_options
+from lightning_galvatron.plan import ParallelPlan
+from lightning_galvatron.rules import compile_problem
+from lightning_galvatron.runtime.compile import compile_options
 from tests.helpers.hf_models import hf_llama
 from tests.helpers.training import assert_close_runs, run_distributed, run_single
 from tests.test_parity_data_parallel import FP32_TOL
@@ -68,7 +69,9 @@ def test_compile_arguments_are_checked_before_launch():
         GalvatronStrategy(compile={"modee": "max-autotune"})
     with pytest.raises(ValueError, match="compile must be True, False or a dict of torch.compile arguments"):
         GalvatronStrategy(compile="inductor")
-    check_compile_support(RECOMPUTED, compile_options({"backend": "inductor"}))
-    check_compile_support(PIPELINE, {"dynamic": None})  # no recomputation: dynamic shapes are fine
-    with pytest.raises(PlanError, match=r"compile=\{'dynamic': None\} with recomputation \(layers \[0, 1, 2, 3\]\)"):
-        check_compile_support(RECOMPUTED, compile_options({"dynamic": None}))
+    assert compile_problem(RECOMPUTED, compile_options({"backend": "inductor"})) is None
+    assert compile_problem(PIPELINE, {"dynamic": None}) is None  # no recomputation: dynamic shapes are fine
+    problem = compile_problem(RECOMPUTED, compile_options({"dynamic": None}))
+    assert problem is not None and problem.startswith(
+        "compile={'dynamic': None} with recomputation (layers [0, 1, 2, 3])"
+    )

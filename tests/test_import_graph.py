@@ -1,5 +1,5 @@
 """Dependencies run one way: no import cycle between the modules of lightning_galvatron, nor between its packages;
-and no source file grows past 600 lines.
+no source file grows past 600 lines; and no module reads a private attribute of a strategy (``strategy._name``).
 
 Imports are read with ``ast`` (nothing is imported), function-local ones included: a cycle dodged by importing
 inside a function is still a cycle a reader has to untangle. Imports under ``if TYPE_CHECKING:`` are left out
@@ -194,3 +194,46 @@ def test_no_source_file_over_600_lines():
     files = [str(path.relative_to(ROOT)) for path in MODULES.values()]
     too_long = _too_long(files)
     assert not too_long, f"split these by concept (at most {MAX_LINES} lines): {', '.join(too_long)}"
+
+
+# ---------------------------------------------------------------------------------------------- strategy boundary
+_STRATEGY_NAMES = frozenset({"strategy", "_strategy"})
+
+
+def _private_strategy_reads(source: str) -> list[str]:
+    """``strategy._name``, ``self._strategy._name``, ``trainer.strategy._name``, ...: a private attribute read through
+    a name or attribute called ``strategy`` (dunders aside), as ``line: expression``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        base = node.value
+        name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else None
+        if name in _STRATEGY_NAMES:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_strategy_check_sees_private_reads():
+    source = (
+        "strategy._plan_source\n"
+        "self._strategy._applied.gradients\n"
+        "trainer.strategy._progress('x')\n"
+        "strategy.plan, self._meshes, strategy.__class__, self.strategy.applied\n"
+    )
+    assert _private_strategy_reads(source) == [
+        "1: strategy._plan_source",
+        "2: self._strategy._applied",
+        "3: trainer.strategy._progress",
+    ]
+
+
+def test_no_module_reads_a_private_strategy_attribute():
+    """What another module needs of a strategy is public (``applied``, ``reapply_plan``, ...) or handed over (the
+    ``PlanningContext`` of ``plan="auto"``): the strategies can change their internals without breaking a reader."""
+    reads = {
+        str(path.relative_to(ROOT)): found
+        for path in MODULES.values()
+        if (found := _private_strategy_reads(path.read_text()))
+    }
+    assert not reads, f"private strategy attributes read outside the strategy: {reads}"

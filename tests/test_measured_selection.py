@@ -115,7 +115,6 @@ class _CountingGPT(GPTModule):
 def _trials_on_copies() -> dict:
     import lightning.pytorch as L
     from lightning.pytorch.plugins.precision import Precision
-    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
 
     from lightning_galvatron.model.discovery import find_blocks
@@ -140,8 +139,6 @@ def _trials_on_copies() -> dict:
         batch,
         MeshCache.shared("cpu"),
         Precision(),
-        MixedPrecisionPolicy(),
-        torch.float32,
         torch.device("cpu"),
         ["training_step"],
         False,

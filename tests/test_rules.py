@@ -7,7 +7,8 @@ and ``dry-run`` make one (block shapes, then an analytic profile). For every pla
 
 - ``evaluate`` warns exactly the rules' problems;
 - the runtime's pure check (:func:`~lightning_galvatron.runtime.apply.runtime_problems`, from the modules and the
-  tensor-parallel plans the glue resolves for them) objects at the same places (plan, vocab, which layers);
+  tensor-parallel plans the glue resolves for them) objects at the same places (plan, vocab, which layers): both are
+  :func:`~lightning_galvatron.rules.plan_problems`, over a profile's facts and over the live model's;
 - the search's space offers the plan (under options that do not prune it as unable to win) iff there is no
   problem.
 """
@@ -30,7 +31,7 @@ from lightning_galvatron.model.shapes import architecture_of_module
 from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans
 from lightning_galvatron.plan import DP_TYPES, SCHEDULES, SP_KINDS, LayerStrategy, ParallelPlan, divisors
 from lightning_galvatron.producers.analytic import analytic_profile
-from lightning_galvatron.rules import interleaved_rounds, plan_problems, schedule_problem
+from lightning_galvatron.rules import ProfileFacts, interleaved_rounds, plan_problems, schedule_problem
 from lightning_galvatron.runtime.apply import runtime_problems
 from lightning_galvatron.search import evaluate
 from lightning_galvatron.search.pipeline import in_flight_micro_batches, pipeline_step_time
@@ -212,6 +213,36 @@ def test_search_evaluate_and_runtime_agree_on_what_is_executable(case):
     refused = runtime_problems(plan, structure, tp_plans, seq_length=seq)
     assert {_where(p) for p in refused} == {_where(p) for p in problems}, (refused, problems)
     assert offered(plan, prof.model, per_node) == (not problems), problems
+
+
+def test_a_profile_and_the_live_model_break_the_same_rules_in_the_same_words():
+    """One check over two sources of facts: a plan breaking a rule of every kind (schedule, vocabulary, a block's
+    sizes, the sequence under Ulysses and Megatron-SP, compilation with recomputation) is refused for the profile made
+    from the modules and for the modules themselves with the same messages; only the sizes a degree must divide are
+    named by the live model's tensor-parallel plan, which a profile records as numbers."""
+    key, seq, options = ("gpt", 4, 2), 3, {"dynamic": None}
+    structure, _, tp_plans = model(key)
+    plan = ParallelPlan(
+        world_size=8,
+        pp=2,
+        schedule="1f1b",
+        micro_batches=1,  # 1F1B needs micro_batches >= pp
+        vocab=LayerStrategy(tp=2, sp="ulysses"),  # the embedding and head run on whole sequences
+        layers=(
+            LayerStrategy(tp=2, sp="ulysses"),  # 2 does not divide 3 positions
+            LayerStrategy(tp=4),  # 4 does not divide the 2 heads
+            LayerStrategy(),
+            LayerStrategy(tp=2, sp="megatron", recompute=True),  # 3 positions; recomputed under dynamic shapes
+        ),
+        global_batch_size=4,
+    )
+    profiled = plan_problems(plan, ProfileFacts(profile(key, seq, 4).model, compile_options=options))
+    live = runtime_problems(plan, structure, tp_plans, seq_length=seq, compile_options=options)
+    assert [_where(p) for p in live] == ["plan", "vocab", "layers[0]", "layers[1]", "layers[3]", "plan"], live
+    sizes = "layers[1]: Block cannot run tp=4, sp='none': degree 4 does not divide the 2 "
+    assert live[3].startswith(sizes) and profiled[3].startswith(sizes), (live[3], profiled[3])
+    assert live[:3] + live[4:] == profiled[:3] + profiled[4:]
+    assert live[1].startswith("vocab: sp='ulysses'") and "3 sequence positions" in live[2]
 
 
 # ---------------------------------------------------------------------------------------------- schedules

@@ -258,7 +258,7 @@ def test_evaluate_adds_up_and_checks_its_inputs():
         evaluate(profile, ParallelPlan.uniform(4, 3, global_batch_size=8))
     odd = ParallelPlan.uniform(6, 4, LayerStrategy(tp=3, sp="megatron"), pp=1, global_batch_size=4)
     assert any(
-        "TP degree 3 is not executable" in w for w in evaluate(profile, odd).warnings
+        "cannot run tp=3, sp='megatron': degree 3 does not divide" in w for w in evaluate(profile, odd).warnings
     )  # 3 does not divide 8 heads
     short = plan.replace(micro_batches=1, global_batch_size=4)
     assert any("micro_batches >= pp" in w for w in evaluate(profile, short).warnings)

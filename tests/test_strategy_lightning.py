@@ -92,7 +92,7 @@ def test_plan_for_another_world_size_is_refused(pools):
 
 def test_plans_the_runtime_cannot_execute_yet_are_refused(pools):
     vocab_sequence_parallel = ParallelPlan(world_size=2, layers=(S(),) * 4, vocab=S(tp=2, sp="ulysses"))
-    with pytest.raises(AssertionError, match=r"vocab sp='ulysses': the embedding and head run on whole sequences"):
+    with pytest.raises(AssertionError, match=r"vocab: sp='ulysses': the embedding and head run on whole sequences"):
         pools(2).run(run_distributed, vocab_sequence_parallel)
     wrong_depth = ParallelPlan(world_size=2, layers=(S(),) * 3)
     with pytest.raises(

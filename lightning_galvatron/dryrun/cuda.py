@@ -32,12 +32,13 @@ not). All of it lives in the rank's own process, which a simulated rank is.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -70,7 +71,7 @@ class SimulatedStream:
     def wait_event(self, event: Any) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> SimulatedEvent:
+    def record_event(self, event: SimulatedEvent | None = None) -> SimulatedEvent:
         event = event if event is not None else SimulatedEvent()
         event.record(self)
         return event
@@ -234,7 +235,8 @@ class SimulatedDevice:
                 return result
             # C++ compared the devices as the CPU sees them: redo what a GPU build decides.
             if result.device != target:
-                return torch.ops.aten._to_copy.default(result, device=target)
+                copied: torch.Tensor = torch.ops.aten._to_copy.default(result, device=target)
+                return copied
             if result is not t and t.device == target and result.dtype == t.dtype and not kwargs.get("copy"):
                 return t
             return result
@@ -337,10 +339,12 @@ class FakeCudaFactories(TorchDispatchMode):
     the mesh's device, which a CPU build cannot allocate."""
 
     def __init__(self, fake_mode: Any) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode.__init__ untyped
         self.fake_mode = fake_mode
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         device = kwargs.get("device")
         if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
@@ -360,10 +364,11 @@ def _cpu_build_sees_an_accelerator() -> dict[tuple[Any, str], Any]:
     fake_device = handlers.device
     FakeTensor, FakeTensorMode = fake_tensor.FakeTensor, fake_tensor.FakeTensorMode
     dispatch, mode_dispatch = FakeTensor.__torch_dispatch__, FakeTensorMode.__torch_dispatch__
-    wrapper_subclass, run_backward = torch.Tensor._make_wrapper_subclass, torch.autograd._engine_run_backward
+    wrapper_subclass, run_backward = torch.Tensor._make_wrapper_subclass, torch.autograd._engine_run_backward  # type: ignore[attr-defined]
 
     def device(args: Any) -> torch.device:
-        return _below(fake_device(args))
+        below: torch.device = _below(fake_device(args))
+        return below
 
     def torch_dispatch(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.prim.device.default:  # answered here outside a fake mode
@@ -432,7 +437,7 @@ def _register_accelerator() -> None:
     from torch.utils.backend_registration import _DummyBackendModule, _DummyDeviceGuard, _DummyPrivateUse1Hook
 
     if torch._C._get_privateuse1_backend_name() != _BELOW:
-        torch.utils.rename_privateuse1_backend(_BELOW)
+        torch.utils.rename_privateuse1_backend(_BELOW)  # type: ignore[attr-defined]  # torch: not re-exported
         torch._register_device_module(_BELOW, _DummyBackendModule())
         torch._C._acc.register_python_privateuseone_hook(_DummyPrivateUse1Hook())
         torch._C._acc.register_python_privateuseone_device_guard(_DummyDeviceGuard())
@@ -480,15 +485,15 @@ def _attribute(owner: Any, name: str) -> Any:
 class _MetaHandlers:
     """The fake tensors' ``prim.device`` handler as an attribute (what C++ code asks a tensor's device)."""
 
-    def __init__(self, table: dict) -> None:
+    def __init__(self, table: dict[OpOverload, Callable[[Sequence[object]], object]]) -> None:
         self._table = table
 
     @property
-    def device(self) -> Callable[[Any], torch.device]:
+    def device(self) -> Callable[[Sequence[object]], object]:
         return self._table[torch.ops.prim.device.default]
 
     @device.setter
-    def device(self, handler: Callable[[Any], torch.device]) -> None:
+    def device(self, handler: Callable[[Sequence[object]], object]) -> None:
         self._table[torch.ops.prim.device.default] = handler
 
 
@@ -499,7 +504,9 @@ class _NoDevice:
         pass
 
 
-_active: Any = _NoDevice()  # the device whose streams and events are in use (one simulated rank per process)
+_active: SimulatedDevice | _NoDevice = (
+    _NoDevice()
+)  # the device whose streams and events are in use (one simulated rank per process)
 
 
 @contextmanager

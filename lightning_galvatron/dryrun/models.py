@@ -156,4 +156,7 @@ def hf_causal_lm(config: Mapping[str, Any]) -> nn.Module:
     model_type = data.pop("model_type", None)
     if not model_type:
         raise ValueError("the config has no 'model_type'")
-    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **data))
+    model: nn.Module = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]  # untyped
+        transformers.AutoConfig.for_model(model_type, **data)
+    )
+    return model

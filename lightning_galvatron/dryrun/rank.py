@@ -12,14 +12,18 @@ runs, in its order:
    hooks, tensor/sequence parallelism, recomputation, FSDP2 and DDP gradient buckets, the pipeline stage,
    vocabulary parallelism;
 2. the optimizer from the module's ``configure_optimizers``;
-3. ``train``: one optimizer step as the strategy drives it -- with micro-batches or a pipeline, the
+3. ``train``: one optimizer step as the strategy drives it (:mod:`lightning_galvatron.runtime.step`, the step
+   training and the trials run too) -- with micro-batches or a pipeline, the
    runtime's runner and the real ``torch.distributed.pipelining`` schedule (its sends and receives
    return at once), the deferred DDP gradient reduction, the loss handed from the last stage; without,
    the user's ``training_step`` and backward with the loss scaled to the global-batch mean. Optional
    clipping by the global norm; then the optimizer step;
 4. ``validate``: one validation step (forward only, the schedule's ``eval``);
 5. ``checkpoint``: the sharded model and optimizer state dicts collected as a distributed checkpoint
-   save collects them, and this rank's part of the save planned (nothing is written).
+   save collects them, and this rank's part of the save planned (nothing is written, :mod:`.checkpoint`);
+6. with ``RankJob.load_index`` (another plan's save): that checkpoint loaded as the strategy loads one,
+   each read planned against its index (nothing is read). After the other phases: what a load asks for
+   does not depend on them.
 
 When memory is measured, the optimizer's states are created before the measured step (a step on zero
 gradients, outside the recording), so the peak is that of a step in steady training, not of the first.
@@ -39,14 +43,13 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.core.optimizer import _configure_optimizers
-from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.checkpoint import DefaultSavePlanner
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from lightning_galvatron.dryrun.checkpoint import plan_load, plan_save
 from lightning_galvatron.dryrun.cuda import FakeCudaFactories, fake_parameter_moves, simulated_gpu
 from lightning_galvatron.dryrun.memory import StepMemoryTracker
 from lightning_galvatron.dryrun.nccl_rules import register_simulated_nccl
@@ -55,10 +58,10 @@ from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.model.outside_layers import trace_outside_layers
 from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans
 from lightning_galvatron.precision import precision_plugin_for
-from lightning_galvatron.preparation import prepare
+from lightning_galvatron.preparation import overridden_step_methods, prepare
+from lightning_galvatron.runtime.apply import AppliedPlan
 from lightning_galvatron.runtime.mesh import Layout, MeshCache, local_tensor
-from lightning_galvatron.runtime.pipeline import loss_of
-from lightning_galvatron.strategy import _STEP_METHODS
+from lightning_galvatron.runtime.step import NormScope, from_last_stage, mean_loss, run_batch, train_step
 
 
 @dataclass
@@ -79,6 +82,7 @@ class RankJob:
     device: str = "cpu"  # "cuda": fake tensors on a simulated GPU per rank, NCCL's rules checked (dryrun.cuda)
     devices_per_node: int = 8  # with device="cuda": rank r holds cuda:(r % devices_per_node)
     device_memory: int | None = None  # with device="cuda": what the simulated GPU reports (default 80 GB)
+    load_index: Any = None  # DCP's index (Metadata) of another plan's save: loaded after the phases
 
 
 @dataclass
@@ -97,6 +101,8 @@ class RankResult:
     placeholders: int = 0
     violations: list[dict[str, Any]] = field(default_factory=list)  # NCCL's rules broken (nccl_rules.Violation)
     host_syncs: list[dict[str, Any]] = field(default_factory=list)  # nccl_rules.HostSync, on a simulated GPU
+    save_plan: Any = None  # with the checkpoint phase: this rank's DCP SavePlan (see dryrun.checkpoint.saved_index)
+    load_reads: int = 0  # with RankJob.load_index: the reads of the load planned on this rank
     error: str | None = None
 
     def to_dict(self, events: bool = False) -> dict[str, Any]:
@@ -112,6 +118,7 @@ class RankResult:
             "placeholder_reads": self.placeholders,
             "violations": self.violations,
             "host_syncs": self.host_syncs,
+            "load_reads": self.load_reads,
             "error": self.error,
         }
         if events and self.events is not None:
@@ -188,7 +195,7 @@ def _run(job: RankJob, rank: int, recording: Any, result: RankResult) -> None:
             meshes,
             job.precision,
             device,
-            entry_methods=[name for name in _STEP_METHODS if is_overridden(name, module)],
+            entry_methods=overridden_step_methods(module),
             outside_layers=outside,
             tp_plans=block_tensor_parallel_plans(structure),
         )
@@ -199,10 +206,7 @@ def _run(job: RankJob, rank: int, recording: Any, result: RankResult) -> None:
         recording.read_placeholders = True
         optimizer = first_optimizer(module)
         optimizer.register_step_post_hook(lambda *_: applied.gradients.optimizer_stepped())
-        plugin.pipeline_group = applied.pipeline_group  # as the strategy sets up clipping
-        partition = applied.partition
-        if partition is not None and partition.is_last and not partition.is_first:
-            plugin.norm_excluded = {id(p) for p in partition.tied}
+        plugin.norm_scope = NormScope.of(applied)  # as the strategy sets up clipping
         if job.measure_memory:
             recording.phase = "warm-up"
             _create_optimizer_states(optimizer)
@@ -224,7 +228,11 @@ def _run(job: RankJob, rank: int, recording: Any, result: RankResult) -> None:
         # Outside the fake mode too, for the shard offsets DTensor computes.
         with recording.active(), factories:
             recording.phase, recording.read_placeholders = "checkpoint", False
-            _plan_checkpoint(module, optimizer)
+            result.save_plan = plan_save(module, optimizer)
+    if job.load_index is not None:
+        with recording.active(), factories:
+            recording.phase, recording.read_placeholders = "load", False
+            result.load_reads = plan_load(module, optimizer, job.load_index, recording.rules)
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -264,66 +272,36 @@ def _create_optimizer_states(optimizer: torch.optim.Optimizer) -> None:
 
 # ---------------------------------------------------------------------------------------------- phases
 def _train_step(
-    module: Any, applied: Any, optimizer: torch.optim.Optimizer, batch: Any, plugin: Any, clip: float | None
+    module: Any, applied: AppliedPlan, optimizer: torch.optim.Optimizer, batch: Any, plugin: Any, clip: float | None
 ) -> None:
-    """One optimizer step as ``GalvatronStrategy`` drives it (``training_step``/``backward``/``_run_micro_batches``)."""
-    optimizer.zero_grad(set_to_none=True)
-    if applied.runner is None:
+    """One optimizer step as ``GalvatronStrategy`` trains it (the runtime's step), clipped by the global norm as the
+    strategy's precision plugin clips under ``Trainer(gradient_clip_val=clip)``."""
+
+    def step(micro_batch: Any) -> Any:
         with plugin.train_step_context():
-            loss = loss_of(module.training_step(batch, 0))
-        (loss / applied.input_shards).backward()
-    else:
-        plan = applied.plan
-        scale = 1.0 / (applied.input_shards * plan.micro_batches)
+            return module.training_step(micro_batch, 0)
 
-        def step(micro_batch: Any) -> Any:
-            with plugin.train_step_context():
-                return module.training_step(micro_batch, 0)
+    def clip_by_norm(stepped: torch.optim.Optimizer) -> None:
+        plugin.clip_gradients(stepped, clip, GradClipAlgorithmType.NORM)  # where LightningModule.clip_gradients ends
 
-        with applied.gradients.deferred():
-            outputs = applied.runner.run(batch, step, loss_scale=scale, train=True)
-        applied.gradients.reduce()
-        losses = [float(loss.detach()) for loss in map(loss_of, outputs) if loss is not None]
-        applied.runner.broadcast_from_last_stage((sum(losses) / len(losses) if losses else None, {}))
-    if clip is not None:
-        plugin.clip_grad_by_norm(optimizer, clip)
-    optimizer.step()
+    train_step(applied, [optimizer], batch, step, clip=clip_by_norm if clip is not None else None)
 
 
-def _validation_step(module: Any, applied: Any, batch: Any, plugin: Any) -> None:
+def _validation_step(module: Any, applied: AppliedPlan, batch: Any, plugin: Any) -> None:
+    """One validation step as the strategy runs it: forward only, the mean loss handed from the last stage."""
+
+    def step(micro_batch: Any) -> Any:
+        with plugin.val_step_context():
+            return module.validation_step(micro_batch, 0)
+
     module.eval()
     try:
         with torch.no_grad():
-            if applied.runner is None:
-                with plugin.val_step_context():
-                    module.validation_step(batch, 0)
-            else:
-
-                def step(micro_batch: Any) -> Any:
-                    with plugin.val_step_context():
-                        return module.validation_step(micro_batch, 0)
-
-                outputs = applied.runner.run(batch, step, loss_scale=1.0, train=False)
-                losses = [float(loss.detach()) for loss in map(loss_of, outputs) if loss is not None]
-                applied.runner.broadcast_from_last_stage((sum(losses) / len(losses) if losses else None, {}))
+            outputs = run_batch(applied, batch, step, train=False)
+            if applied.runner is not None:  # as the strategy's micro-batches report the loss
+                from_last_stage(applied, mean_loss(outputs))
     finally:
         module.train()
-
-
-def _plan_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """The sharded state dicts a distributed checkpoint save collects, and this rank's save plan.
-
-    DCP's own exchange of plans (object collectives on the default group, the same on every rank by
-    construction) needs the other ranks' plans, which a simulated rank does not have; it is left out.
-    """
-    options = StateDictOptions(full_state_dict=False, cpu_offload=True)
-    state = {
-        "state_dict": get_model_state_dict(module, options=options),
-        "optimizer_0": get_optimizer_state_dict(module, optimizer, options=options),
-    }
-    planner = DefaultSavePlanner()
-    planner.set_up_planner(state, storage_meta=None, is_coordinator=dist.get_rank() == 0)
-    planner.create_local_plan()
 
 
 # ---------------------------------------------------------------------------------------------- the report

@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from types import FrameType
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -107,7 +109,7 @@ class Event:
     stack: tuple[str, ...] = ()
 
     @property
-    def signature(self) -> tuple:
+    def signature(self) -> tuple[str, tuple[tuple[int, ...], ...], tuple[str, ...], int | None]:
         """What every member must agree on. All-to-all exchanges may be uneven: only the dtype must agree."""
         shapes = () if self.kind == "all_to_all" else self.shapes
         return (self.kind, shapes, self.dtypes, self.root)
@@ -135,7 +137,7 @@ def _stack(skip_files: Sequence[str], depth: int = 12) -> tuple[str, ...]:
     """The innermost ``depth`` frames of the caller outside ``skip_files``, innermost last (no source lines
     are read: this runs for every operation)."""
     kept: list[str] = []
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and len(kept) < depth:
         code = frame.f_code
         if not any(part in code.co_filename for part in skip_files):
@@ -164,7 +166,7 @@ class Recording(TorchDispatchMode):
     """
 
     def __init__(self, rank: int, world_size: int, keep_stacks: bool = True) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode.__init__ untyped
         self.rank, self.world_size = rank, world_size
         self.keep_stacks = keep_stacks
         self.phase = "setup"
@@ -177,6 +179,7 @@ class Recording(TorchDispatchMode):
     # ------------------------------------------------------------------ groups
     def _group(self, group: dist.ProcessGroup | None) -> tuple[str, tuple[int, ...]]:
         group = group if group is not None else dist.group.WORLD
+        assert group is not None  # the default group exists while a rank runs
         name = group.group_name
         if name not in self.members:
             self.members[name] = tuple(dist.get_process_group_ranks(group))
@@ -200,7 +203,13 @@ class Recording(TorchDispatchMode):
         )
 
     # ------------------------------------------------------------------ the dispatcher
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: Collection[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor lower to local ops and collectives, which come back here
         kwargs = kwargs or {}
@@ -217,7 +226,7 @@ class Recording(TorchDispatchMode):
                 args = _nonempty_all_to_all_input(args)
         return func(*args, **kwargs)
 
-    def _record(self, func: Any, args: tuple, kwargs: dict) -> None:
+    def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         op = func._schema.name.split("::")[-1]
         if op in _NOT_OPERATIONS:
             return
@@ -228,7 +237,7 @@ class Recording(TorchDispatchMode):
             if "ProcessGroup" in str(argument.type) and value is not None:
                 group = dist.ProcessGroup.unbox(value)
             elif argument.name == "group_name" and value is not None:
-                group = c10d._resolve_process_group(value)
+                group = c10d._resolve_process_group(value)  # type: ignore[attr-defined]  # torch: not re-exported
         if group is None and op not in _KINDS:
             return  # a helper of the collectives' autograd, not an operation
         compared = [values[_COMPARED_ARGUMENT[op]]] if op in _COMPARED_ARGUMENT else values.values()
@@ -250,7 +259,9 @@ class Recording(TorchDispatchMode):
     @contextmanager
     def active(self) -> Iterator[Recording]:
         """Record group creations and object collectives (patched for this process) and operations (this mode)."""
-        self.members.setdefault(dist.group.WORLD.group_name, tuple(range(self.world_size)))
+        world = dist.group.WORLD
+        assert world is not None  # the rank's process group is initialised
+        self.members.setdefault(world.group_name, tuple(range(self.world_size)))
         patched = {
             (c10d, "_new_group_with_tag"): self._wrap_new_group(c10d._new_group_with_tag),
             **{(module, name): fn for name, fn in self._object_collectives().items() for module in (dist, c10d)},
@@ -281,31 +292,49 @@ class Recording(TorchDispatchMode):
     def _object_collectives(self) -> dict[str, Any]:
         """Object collectives: recorded as one operation; each rank keeps (or receives) its own object."""
 
-        def group_rank(group: Any, rank: int | None) -> int | None:
-            return None if rank is None else dist.get_group_rank(group or dist.group.WORLD, rank)
+        def group_rank(group: dist.ProcessGroup | None, rank: int | None) -> int | None:
+            return (
+                None if rank is None else dist.get_group_rank(cast(dist.ProcessGroup, group or dist.group.WORLD), rank)
+            )
 
         def checked(kind: str, device: Any = None) -> None:
             if self.rules is not None:
                 self.rules.object_collective(kind, device)
 
-        def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+        def broadcast_object_list(
+            object_list: list[Any],
+            src: int | None = None,
+            group: dist.ProcessGroup | None = None,
+            device: torch.device | None = None,
+            group_src: int | None = None,
+        ) -> None:
             checked("broadcast_object_list", device)
             self._add("broadcast_object", group, root=group_src if group_src is not None else group_rank(group, src))
 
-        def all_gather_object(object_list, obj, group=None):
+        def all_gather_object(object_list: list[Any], obj: Any, group: dist.ProcessGroup | None = None) -> None:
             checked("all_gather_object")
             self._add("all_gather_object", group)
             object_list[:] = [obj] * len(object_list)
 
-        def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
+        def gather_object(
+            obj: Any,
+            object_gather_list: list[Any] | None = None,
+            dst: int | None = None,
+            group: dist.ProcessGroup | None = None,
+            group_dst: int | None = None,
+        ) -> None:
             checked("gather_object")
             self._add("gather_object", group, root=group_dst if group_dst is not None else group_rank(group, dst))
             if object_gather_list is not None:
                 object_gather_list[:] = [obj] * len(object_gather_list)
 
         def scatter_object_list(
-            scatter_object_output_list, scatter_object_input_list=None, src=None, group=None, group_src=None
-        ):
+            scatter_object_output_list: list[Any],
+            scatter_object_input_list: list[Any] | None = None,
+            src: int | None = None,
+            group: dist.ProcessGroup | None = None,
+            group_src: int | None = None,
+        ) -> None:
             checked("scatter_object_list")
             self._add("scatter_object", group, root=group_src if group_src is not None else group_rank(group, src))
             own = dist.get_rank(group or dist.group.WORLD)
@@ -319,7 +348,7 @@ class Recording(TorchDispatchMode):
         }
 
 
-def _nonempty_all_to_all_input(args: tuple) -> tuple:
+def _nonempty_all_to_all_input(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """An uneven all-to-all in which this rank sends nothing but receives: the fake backend fills what a rank
     receives from its own input (it has no peers) and refuses an empty one; give it one placeholder row."""
     output, source, group, output_splits, input_splits, *rest = args
@@ -479,6 +508,7 @@ def check_order(traces: Mapping[int, Sequence[Event]], world_size: int, limit: i
                 continue
             operations += 1
             if e.kind in ("send", "recv"):
+                assert e.root is not None  # a point-to-point operation names its peer
                 pair = (r, e.root) if e.kind == "send" else (e.root, r)
                 p2p[pair][e.kind].append((position, e))
                 continue

@@ -19,14 +19,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
+from torch.utils.hooks import RemovableHandle
 
 from lightning_galvatron.layout import ActivationLayout, Layout
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
-from lightning_galvatron.rules import pipeline_problem, schedule_problem, sequence_problem, vocab_problem
-from lightning_galvatron.runtime.compile import apply_compile, check_compile_support
+from lightning_galvatron.rules import plan_problems
+from lightning_galvatron.runtime.compile import apply_compile
 from lightning_galvatron.runtime.gradient_sync import GradientReducer
 from lightning_galvatron.runtime.mesh import MeshCache
+from lightning_galvatron.runtime.model_facts import LiveModelFacts
 from lightning_galvatron.runtime.pipeline import PipelineRunner, StagePartition
 from lightning_galvatron.runtime.recompute import apply_recompute
 from lightning_galvatron.runtime.relocate import BlockOutputs, MicroBatch, relocate_inputs, relocate_output
@@ -37,18 +40,16 @@ from lightning_galvatron.runtime.ulysses import apply_ulysses
 from lightning_galvatron.runtime.vocab_parallel import apply_vocab_parallel, find_vocabulary_layers
 
 
-class NotSupportedYet(PlanError):
-    """A valid plan that this version of the runtime cannot execute exactly."""
-
-
 def check_runtime_support(
     plan: ParallelPlan,
     structure: ModelStructure,
     tp_plans: Sequence[BlockTensorParallelPlan | str],
     seq_length: int | None = None,
+    compile_options: Mapping[str, Any] | None = None,
 ) -> None:
     """Refuse, with the reason, any plan the runtime would not execute exactly (the first of
-    :func:`runtime_problems`). The caller checks once, before the plan is printed or applied.
+    :func:`runtime_problems`). Callers check before the plan is printed; :func:`apply_plan` checks again, with the
+    ``torch.compile`` arguments, before anything is changed.
 
     ``tp_plans``: each block's tensor-parallel plan, or why it has none (resolved by the caller: see
     :func:`~lightning_galvatron.model.tensor_parallel_plans.block_tensor_parallel_plans`).
@@ -59,7 +60,7 @@ def check_runtime_support(
             f"the plan has {plan.num_layers} layer strategies but the model has {structure.num_blocks} blocks "
             f"({lists}); give one strategy per block"
         )
-    problems = runtime_problems(plan, structure, tp_plans, seq_length)
+    problems = runtime_problems(plan, structure, tp_plans, seq_length, compile_options)
     if problems:
         raise PlanError(problems[0])
 
@@ -69,53 +70,12 @@ def runtime_problems(
     structure: ModelStructure,
     tp_plans: Sequence[BlockTensorParallelPlan | str],
     seq_length: int | None = None,
+    compile_options: Mapping[str, Any] | None = None,
 ) -> list[str]:
-    """Why the runtime would refuse ``plan`` for this model, each with where (empty: it executes it exactly).
-
-    The rules of :mod:`lightning_galvatron.rules` with the model's facts: its block lists, whether it has a
-    token embedding to split by vocabulary, each block's tensor-parallel plan (``tp_plans``, or why it has none)
-    and, when given, the sequence length sequence-parallel degrees must divide. Pure: nothing is changed or
-    communicated.
-    """
-    out = [
-        p
-        for p in (
-            schedule_problem(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages),
-            pipeline_problem(plan.pp, [bl.path for bl in structure.block_lists]),
-        )
-        if p is not None
-    ]
-    problem = vocab_problem(plan.vocab, plan.vocab.tp == 1 or _has_token_embedding(structure))
-    if problem is not None:
-        out.append(f"vocab {problem}")
-    for index, (block, strategy, tp_plan) in enumerate(zip(structure.blocks, plan.layers, tp_plans)):
-        if strategy.tp == 1:
-            continue
-        if isinstance(tp_plan, str):
-            # Without a plan nothing says which sizes a degree must divide, nor (for Ulysses) that the block
-            # takes only per-position inputs: the profile offers no degree > 1 there, and the runtime agrees.
-            kind = f"tp={strategy.tp}" if strategy.sp != "ulysses" else f"Ulysses of degree {strategy.tp}"
-            out.append(
-                f"layers[{index}]: {type(block).__name__} has no tensor-parallel plan, so {kind} cannot run "
-                f"({tp_plan}); use tp=1 for it or register a plan with "
-                "lightning_galvatron.register_tensor_parallel_plan"
-            )
-            continue
-        reason = tp_plan.unsupported(strategy.tp, strategy.sp)
-        if reason is None and seq_length is not None:
-            reason = sequence_problem(strategy.tp, strategy.sp, seq_length)
-        if reason is not None:
-            where = f"layers[{index}] ({structure.block_names[index]})"
-            out.append(f"{where}: tp={strategy.tp}, sp={strategy.sp!r}: {reason}")
-    return out
-
-
-def _has_token_embedding(structure: ModelStructure) -> bool:
-    try:
-        find_vocabulary_layers(structure)
-    except PlanError:
-        return False
-    return True
+    """Why the runtime would refuse ``plan`` for this model, each with where (empty: it executes it exactly): the
+    one whole-plan check (:func:`~lightning_galvatron.rules.plan_problems`) over the live model's facts
+    (:class:`~lightning_galvatron.runtime.model_facts.LiveModelFacts`). Pure: nothing is changed or communicated."""
+    return plan_problems(plan, LiveModelFacts(structure, tp_plans, seq_length, compile_options))
 
 
 @dataclass
@@ -124,7 +84,7 @@ class AppliedPlan:
 
     plan: ParallelPlan
     input_shards: int  # data shards of the input layout: the loss of each is scaled by 1 / input_shards
-    hooks: list[Any] = field(default_factory=list)
+    hooks: list[RemovableHandle] = field(default_factory=list)
     gradients: GradientReducer = field(default_factory=GradientReducer)  # sums the ddp layers' gradients
     runner: PipelineRunner | None = None  # drives micro-batches / the pipeline; None for one micro-batch, pp=1
     pipeline_group: dist.ProcessGroup | None = None
@@ -167,8 +127,7 @@ def apply_plan(
     tp_plans = list(tp_plans) or ["no tensor-parallel plans were given"] * structure.num_blocks
     if len(tp_plans) != structure.num_blocks:
         raise ValueError(f"tp_plans has {len(tp_plans)} entries for {structure.num_blocks} blocks")
-    if compile_options is not None:
-        check_compile_support(plan, compile_options)
+    check_runtime_support(plan, structure, tp_plans, compile_options=compile_options)
     rank = dist.get_rank()
     stage = Layout.stage(plan)
     # Creating a mesh is collective over all ranks; a pipeline stage only uses its own blocks' layouts,
@@ -186,7 +145,7 @@ def apply_plan(
     _disable_nested_tensors(structure)
     vocabulary = find_vocabulary_layers(structure) if plan.vocab.tp > 1 else None
 
-    local_blocks = range(plan.num_layers)
+    local_blocks: Sequence[int] = range(plan.num_layers)
     if plan.pp > 1:
         if outside_layers is None:
             raise PlanError(
@@ -206,7 +165,8 @@ def apply_plan(
     outputs = BlockOutputs()
     for index in local_blocks:
         block, strategy = all_blocks[index], plan.layers[index]
-        tp_plan = tp_plans[index] if isinstance(tp_plans[index], BlockTensorParallelPlan) else None
+        given = tp_plans[index]
+        tp_plan = given if isinstance(given, BlockTensorParallelPlan) else None
         source = vocab_layout if index in starts else layouts[index - 1]
         if relocating:
             applied.hooks += relocate_inputs(
@@ -264,6 +224,7 @@ def apply_plan(
     tied_group = _tied_weights_group(plan, applied.partition, position)
     if tied_group is not None:
         partition = applied.partition
+        assert partition is not None  # only a pipeline stage has weights tied to another
         applied.gradients.add_shared(lambda: partition.tied, tied_group)
 
     if plan.pp > 1 or plan.micro_batches > 1:
@@ -272,7 +233,7 @@ def apply_plan(
             applied.partition,
             applied.pipeline_group,
             _device_of(model),
-            set_micro_batch_size=lambda size: setattr(micro_batch, "size", size),
+            set_micro_batch_size=micro_batch.start,
             input_shards=applied.input_shards,
             boundary_shape=lambda block, batch, seq: layouts[block].local_shape(position, batch, seq),
             hidden_width=outside_layers.hidden_widths.__getitem__ if outside_layers is not None else None,
@@ -317,7 +278,7 @@ def _device_of(model: nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-def _gradient_mesh(meshes: MeshCache, plan: ParallelPlan, strategy: LayerStrategy):
+def _gradient_mesh(meshes: MeshCache, plan: ParallelPlan, strategy: LayerStrategy) -> DeviceMesh:
     """The ranks over which a block's parameters are replicated (and its gradients summed).
 
     Ulysses keeps whole weights on every rank of the group, each seeing other sequence positions,

@@ -43,7 +43,7 @@ def clip_grad_norm_(
     norm_type = float(norm_type)
     norms = []
     for params in groups.values():
-        counted = [p.grad for p in params if id(p) not in norm_excluded]
+        counted = [p.grad for p in params if p.grad is not None and id(p) not in norm_excluded]
         if not counted:
             continue
         norm = torch.nn.utils.get_total_norm(counted, norm_type)

@@ -12,7 +12,8 @@ run's by position, so both runs must take the same compiled graph:
 
 * shapes are static by default (``dynamic=False``). With automatic dynamic shapes the re-run can pick a
   dynamic graph compiled since (for another block or batch size) that saves the same tensors in another
-  order -- silently wrong gradients (pytorch/pytorch#166926); plans that recompute refuse other settings;
+  order -- silently wrong gradients (pytorch/pytorch#166926); plans that recompute refuse other settings
+  (:func:`~lightning_galvatron.rules.compile_problem`);
 * in training a compiled block gets no KV cache (Hugging Face models pass one by default, even in
   training; the re-run cannot have one, see :mod:`lightning_galvatron.runtime.structure`). A training
   step's cache starts empty for the block, so it computes the same thing -- what Hugging Face's own
@@ -29,7 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_galvatron.plan import ParallelPlan, PlanError
 from lightning_galvatron.runtime.structure import without_kv_caches
 
 _COMPILE_ARGUMENTS = tuple(name for name in inspect.signature(torch.compile).parameters if name != "model")
@@ -54,22 +54,13 @@ def compile_options(value: bool | Mapping[str, Any] | None) -> dict[str, Any] | 
     )
 
 
-def check_compile_support(plan: ParallelPlan, options: Mapping[str, Any]) -> None:
-    """Refuse what compiled blocks would not run exactly (see the module docstring)."""
-    recomputed = [i for i, s in enumerate(plan.layers) if s.recompute]
-    if recomputed and options.get("dynamic") is not False:
-        raise PlanError(
-            f"compile={{'dynamic': {options.get('dynamic')!r}}} with recomputation (layers {recomputed}): a block's "
-            "recomputation could take another compiled graph than its forward pass and compute wrong gradients "
-            "(pytorch/pytorch#166926); leave 'dynamic' out (static shapes), or use a plan without recompute"
-        )
-
-
 def apply_compile(block: nn.Module, options: Mapping[str, Any]) -> None:
     """Compile ``block.forward`` in place; in training it runs without a KV cache."""
-    block.forward = torch.compile(block.forward, **options)  # type: ignore[method-assign]
+    block.forward = torch.compile(block.forward, **options)
     block.register_forward_pre_hook(_no_kv_cache_in_training, with_kwargs=True)
 
 
-def _no_kv_cache_in_training(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict[str, Any]] | None:
+def _no_kv_cache_in_training(
+    block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     return without_kv_caches(args, kwargs) if torch.is_grad_enabled() else None

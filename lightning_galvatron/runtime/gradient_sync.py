@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from lightning_galvatron.runtime.mesh import collective_device, local_tensor, values_travel
 
@@ -140,8 +141,10 @@ def match_parameter_layout(param: nn.Parameter) -> None:
     here work on the parameter's shards.
     """
     grad = param.grad
-    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
+    if isinstance(grad, DTensor):
+        assert isinstance(param, DTensor)  # a DTensor gradient is a DTensor parameter's
+        if tuple(grad.placements) != tuple(param.placements):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def _like(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
@@ -184,7 +187,7 @@ class GradientReducer:
     _launched: int = 0  # buckets launched in this backward, in order
     _callback_queued: bool = False
     _summed: bool = False  # gradients were summed and the optimizer has not stepped since
-    _hooks: list = field(default_factory=list)
+    _hooks: list[RemovableHandle] = field(default_factory=list)
     _shared: list[tuple[Callable[[], list[nn.Parameter]], dist.ProcessGroup]] = field(default_factory=list)
     _ready_now: set[int] = field(default_factory=set)  # parameters whose gradient is ready in this backward
     _ready_order: dict[int, None] | None = None  # ids of parameters in the order their gradients became ready
@@ -241,7 +244,9 @@ class GradientReducer:
     def _bucketize(self, params: list[nn.Parameter]) -> None:
         """Buckets over ``params`` in this order: a new one where the group, dtype or device changes or the size is
         reached (``first_bucket_bytes`` for the first)."""
-        self._buckets, current, size = [], [], 0
+        self._buckets = []
+        current: list[nn.Parameter] = []
+        size = 0
         for p in params:
             if current and (
                 self._group_of[id(p)] is not self._group_of[id(current[0])]

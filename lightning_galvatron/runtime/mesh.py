@@ -9,6 +9,7 @@ blocks sharing a layout share process groups.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,9 +75,9 @@ def values_travel(group: dist.ProcessGroup | None = None) -> bool:
 
 def reduce_over_ranks(
     values: torch.Tensor | Sequence[float],
-    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     group: dist.ProcessGroup | None = None,
-) -> list:
+) -> list[Any]:
     """Small host values (timings, counts, flags) reduced with ``op`` over ``group``'s ranks, as (nested) Python
     lists, so that every rank takes the same decision from them; unchanged where no process group runs (no tensor
     is made then: the model profiler also runs under ``FakeTensorMode``). Collective.

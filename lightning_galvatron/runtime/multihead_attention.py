@@ -13,11 +13,13 @@ strided-sharded.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -37,6 +39,7 @@ class ParallelMultiheadAttention(ParallelStyle):
     reduces_output = True  # the output projection's partial sums are reduced over the group
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, nn.MultiheadAttention)  # what this style splits
         reason = multihead_attention_unsupported(module)
         if reason is not None:
             raise ValueError(f"cannot split this nn.MultiheadAttention: {reason}")
@@ -51,7 +54,7 @@ class ParallelMultiheadAttention(ParallelStyle):
         _distribute_parameter(module.out_proj, "bias", device_mesh, Replicate())
 
         def projections() -> tuple[torch.Tensor, torch.Tensor | None]:
-            weight = module.in_proj_weight.to_local()  # [q_r; k_r; v_r] rows of this rank's heads
+            weight = cast(DTensor, module.in_proj_weight).to_local()  # [q_r; k_r; v_r] rows of this rank's heads
             if module.in_proj_bias is None:
                 return weight, None
             # The fused bias stays whole (as ColwiseFused's): this rank's slices, gradient summed over the group.
@@ -126,16 +129,16 @@ class ParallelMultiheadAttention(ParallelStyle):
             dropout = module.dropout if module.training else 0.0
             out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout, is_causal)
             out = out.transpose(1, 2).reshape(batch, tgt_len, local_width)
-            out = _ReduceFromGroup.apply(F.linear(out, module.out_proj.weight.to_local()), group)
+            out = _ReduceFromGroup.apply(F.linear(out, cast(DTensor, module.out_proj.weight).to_local()), group)
             if module.out_proj.bias is not None:
-                out = out + module.out_proj.bias.to_local()
+                out = out + cast(DTensor, module.out_proj.bias).to_local()
             return (out if module.batch_first else out.transpose(0, 1)), None
 
         module.forward = forward  # type: ignore[method-assign]
         return module
 
 
-def multihead_attention_unsupported(module: nn.Module) -> str | None:
+def multihead_attention_unsupported(module: nn.MultiheadAttention) -> str | None:
     """Why :class:`ParallelMultiheadAttention` cannot split ``module``, or ``None``."""
     if not module._qkv_same_embed_dim:
         return "separate q/k/v weights (kdim or vdim != embed_dim) are not supported"

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_galvatron.plan import ParallelPlan, PlanError
@@ -73,7 +74,8 @@ class _ChunkModule(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------- the runner
-StepFn = Callable[[Any], Any]
+StepFn = Callable[[Any], Any]  # the user's step: a micro-batch -> its output
+_Schedule = PipelineScheduleSingle | PipelineScheduleMulti
 
 
 class PipelineRunner:
@@ -111,7 +113,7 @@ class PipelineRunner:
         self.device = device
         self._set_micro_batch_size = set_micro_batch_size
         self._input_shards = input_shards
-        self._schedules: dict[tuple[int, bool, int, int], Any] = {}
+        self._schedules: dict[tuple[int, bool, int, int], tuple[_Schedule, _ScaledLoss]] = {}
         self._step: StepFn | None = None
         self._micro_batches: list[Any] = []
         self._next: dict[int, int] = {}
@@ -159,6 +161,7 @@ class PipelineRunner:
         return outputs
 
     def _run_schedule(self, loss_scale: float, train: bool) -> None:
+        assert self.partition is not None  # run() schedules only a pipeline stage
         m = len(self._micro_batches)
         schedule = self._schedule(
             m, train, loss_scale, _leading_size(self._micro_batches[0]), _sequence_length(self._micro_batches[0])
@@ -172,7 +175,7 @@ class PipelineRunner:
         else:
             schedule.eval(*args, return_outputs=False, **kwargs)
 
-    def _schedule(self, m: int, train: bool, loss_scale: float, local_batch: int, seq: int) -> Any:
+    def _schedule(self, m: int, train: bool, loss_scale: float, local_batch: int, seq: int) -> _Schedule:
         """One schedule per (micro-batches, mode, shape), with the stages' tensor shapes given up front.
 
         Given shapes, ``PipelineStage`` needs no trial forward pass to discover them (which would run the
@@ -180,13 +183,14 @@ class PipelineRunner:
         """
         key = (m, train, local_batch, seq)
         if key not in self._schedules:
-            assert self.partition is not None and self._boundary_shape is not None and self._hidden_width is not None
+            boundary_shape, hidden_width = self._boundary_shape, self._hidden_width
+            assert self.partition is not None and boundary_shape is not None and hidden_width is not None
             num_chunks = self.plan.pp * self.plan.virtual_stages
             batch = local_batch * self._input_shards
             dtype = self.partition.boundary_dtype
 
             def activation(block: int) -> torch.Tensor:
-                shape = (*self._boundary_shape(block, batch, seq), self._hidden_width(block))
+                shape = (*boundary_shape(block, batch, seq), hidden_width(block))
                 return torch.empty(shape, dtype=dtype, device="meta", requires_grad=train)  # received -> grad sent back
 
             stages = []
@@ -221,7 +225,7 @@ class PipelineRunner:
         return schedule
 
     def _run_chunk(self, chunk: Chunk, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        assert self._step is not None
+        assert self._step is not None and self.partition is not None
         index = self._next[chunk.index]
         self._next[chunk.index] = index + 1
         micro_batch = self._micro_batches[index]
@@ -255,8 +259,8 @@ class _ScaledLoss:
 def loss_of(out: Any) -> torch.Tensor | None:
     if isinstance(out, torch.Tensor):
         return out
-    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
-        return out["loss"]
+    if isinstance(out, dict) and isinstance(loss := out.get("loss"), torch.Tensor):
+        return loss
     return None
 
 
@@ -290,7 +294,7 @@ def join_micro_batches(outputs: list[Any]) -> Any:
     spec = flat[0][1]
     if any(str(s) != str(spec) for _, s in flat[1:]):
         return outputs
-    joined = []
+    joined: list[Any] = []  # leaves of the user's outputs
     for leaves in zip(*(leaves for leaves, _ in flat)):
         first = leaves[0]
         if isinstance(first, torch.Tensor):

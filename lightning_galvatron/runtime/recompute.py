@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
+from torch.distributed._composable.checkpoint_activation import checkpoint
 
 from lightning_galvatron.runtime.structure import without_kv_caches
 
@@ -37,5 +37,7 @@ def is_recomputing(block: nn.Module) -> bool:
     return state is not None and not state.enable_hook
 
 
-def _no_kv_cache_with_gradients(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict[str, Any]] | None:
+def _no_kv_cache_with_gradients(
+    block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     return without_kv_caches(args, kwargs) if torch.is_grad_enabled() else None

@@ -24,7 +24,7 @@ import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -234,11 +234,18 @@ class _AbsentBlock:
         )
 
 
+class _GatedContainer(Protocol):
+    """What the gated methods read of a block container."""
+
+    _modules: dict[str, nn.Module]
+    galvatron_length: int  # its length before other stages' blocks were removed
+
+
 def _gated_class(cls: type, gate: _Gate) -> type:
-    def __iter__(self):
+    def __iter__(self: _GatedContainer) -> Iterator[_BlockCall]:
         return iter(gate.calls(list(self._modules.values())))
 
-    def __getitem__(self, index):
+    def __getitem__(self: _GatedContainer, index: int | slice) -> nn.Module | _AbsentBlock | list[_BlockCall]:
         if isinstance(index, slice):
             return gate.calls(list(self._modules.values())[index])
         key = str(index % self.galvatron_length)  # keys are the global positions
@@ -307,7 +314,8 @@ class StagePartition:
         index_of: dict[int, int] = {}
         index = 0
         for block_list in structure.block_lists:
-            block_list.container.galvatron_length = len(block_list.container)  # before blocks are removed
+            # (before blocks are removed; Module.__setattr__ is typed for tensors and modules only)
+            block_list.container.galvatron_length = len(block_list.container)  # type: ignore[assignment]
             for key, block in list(block_list.container._modules.items()):
                 if index in local:
                     index_of[id(block)] = index

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from lightning_galvatron.plan import PlanError
 #: Block inputs that hold one entry per sequence position, and the dimension of the positions: under Ulysses
 #: each rank keeps its positions' part, as of the hidden states (Hugging Face names: rotary ``(cos, sin)``,
 #: position ids, cache positions).
-HF_POSITION_INPUTS: Mapping[str, int] = {"position_embeddings": -2, "position_ids": -1, "cache_position": -1}
+HF_POSITION_INPUTS: Mapping[str | int, int] = {"position_embeddings": -2, "position_ids": -1, "cache_position": -1}
 
 
 # ---------------------------------------------------------------------------------------------- blocks
@@ -39,7 +39,7 @@ class BlockList:
     """One container of same-class blocks and where it sits in the model."""
 
     path: str
-    container: nn.Module
+    container: nn.ModuleList | nn.Sequential
 
     @property
     def blocks(self) -> list[nn.Module]:
@@ -78,9 +78,10 @@ class ModelStructure:
         return [(name, p) for name, p in self.root.named_parameters() if id(p) not in in_blocks]
 
 
-def model_class(module: nn.Module) -> type:
+def model_class(module: nn.Module) -> type[nn.Module]:
     """The user's class of a module, looking through the classes FSDP2 inserts when it shards one."""
-    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
+    user_class = next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
+    return cast("type[nn.Module]", user_class)  # the first class that is not FSDP2's is the module's own
 
 
 # -------------------------------------------------------------------------------------------- layers outside the blocks
@@ -98,7 +99,7 @@ class OutsideLayers:
     hidden_widths: tuple[int, ...] = ()
 
 
-def hidden_states_of(args: tuple, kwargs: Mapping[str, Any]) -> tuple[int | str, torch.Tensor]:
+def hidden_states_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int | str, torch.Tensor]:
     """Where a block's hidden states are among its inputs, and the tensor: the first positional tensor, else
     ``hidden_states=`` (the rule every part of the runtime uses)."""
     for i, a in enumerate(args):
@@ -109,7 +110,9 @@ def hidden_states_of(args: tuple, kwargs: Mapping[str, Any]) -> tuple[int | str,
     raise PlanError("a block was called without a hidden-states tensor (a first positional tensor or hidden_states=)")
 
 
-def with_hidden_states(args: tuple, kwargs: Mapping[str, Any], hidden: torch.Tensor) -> tuple[tuple, dict]:
+def with_hidden_states(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], hidden: torch.Tensor
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A block call's inputs with ``hidden`` in place of its hidden states (found by :func:`hidden_states_of`)."""
     where, _ = hidden_states_of(args, kwargs)
     if isinstance(where, int):
@@ -148,7 +151,7 @@ def is_kv_cache(value: Any) -> bool:
     )
 
 
-def without_kv_caches(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def without_kv_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args`` and ``kwargs`` of a block call with every KV cache replaced by ``None``."""
     return (
         tuple(None if is_kv_cache(a) else a for a in args),

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -130,13 +131,18 @@ class BlockTensorParallelPlan:
 class _CopyToGroup(torch.autograd.Function):
     """Identity forward; sums the input gradient over the tensor-parallel group in backward."""
 
+    if TYPE_CHECKING:  # torch leaves ``Function.apply`` untyped
+
+        @classmethod
+        def apply(cls, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor: ...
+
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return x
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -145,14 +151,19 @@ class _CopyToGroup(torch.autograd.Function):
 class _ReduceFromGroup(torch.autograd.Function):
     """Sums partial outputs over the tensor-parallel group; identity backward."""
 
+    if TYPE_CHECKING:  # torch leaves ``Function.apply`` untyped
+
+        @classmethod
+        def apply(cls, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor: ...
+
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         x = x.contiguous()
         dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -179,7 +190,8 @@ def _replicated_input(x: torch.Tensor) -> torch.Tensor:
 def fused_rows(sections: Sequence[int], split: Sequence[bool], tp: int, tp_rank: int) -> list[int]:
     """Output features of a fused projection that rank ``tp_rank`` of ``tp`` computes: its part of every
     split section (contiguous heads), every feature of the sections kept whole."""
-    rows, offset = [], 0
+    rows: list[int] = []
+    offset = 0
     for size, divided in zip(sections, split):
         if divided:
             if size % tp:
@@ -213,7 +225,9 @@ class ColwiseFused(ParallelStyle):
         tp, tp_rank = device_mesh.size(), device_mesh.get_local_rank()
         out_dim = 1 if self.conv1d else 0
         strided = all(self.split) and len(set(self.sections)) == 1
-        rows = torch.tensor(fused_rows(self.sections, self.split, tp, tp_rank), device=module.weight.device)
+        rows = torch.tensor(
+            fused_rows(self.sections, self.split, tp, tp_rank), device=cast(torch.Tensor, module.weight).device
+        )
         if strided:
             parts = len(self.sections)
             placement = Shard(out_dim) if parts == 1 else _StridedShard(out_dim, split_factor=parts)
@@ -223,17 +237,17 @@ class ColwiseFused(ParallelStyle):
 
         def local_weight() -> torch.Tensor:
             if strided:
-                return module.weight.to_local()
-            return _CopyToGroup.apply(module.weight, group).index_select(out_dim, rows)
+                return cast(DTensor, module.weight).to_local()
+            return _CopyToGroup.apply(cast(torch.Tensor, module.weight), group).index_select(out_dim, rows)
 
         def local_bias() -> torch.Tensor | None:
             if module.bias is None:
                 return None
             if strided and len(self.sections) == 1:
-                return module.bias.to_local()
+                return cast(DTensor, module.bias).to_local()
             # A fused bias stays whole (FSDP2 cannot shard a strided dimension): this rank's features, the
             # gradient summed over the group.
-            return _CopyToGroup.apply(module.bias, group).index_select(0, rows)
+            return _CopyToGroup.apply(cast(torch.Tensor, module.bias), group).index_select(0, rows)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             x = _CopyToGroup.apply(_replicated_input(x), group)
@@ -241,7 +255,7 @@ class ColwiseFused(ParallelStyle):
                 return _conv1d_forward(x, local_weight(), local_bias())
             return F.linear(x, local_weight(), local_bias())
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
         return module
 
 
@@ -265,7 +279,7 @@ class SplitPerHead(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name in [name for name, p in module._parameters.items() if p is not None]:
             _distribute_parameter(module, name, device_mesh, Shard(0))
-        _read_own_parameters_as(module, lambda p: p.to_local())
+        _read_own_parameters_as(module, lambda p: cast(DTensor, p).to_local())
         return module
 
 
@@ -278,12 +292,12 @@ def _read_own_parameters_as(module: nn.Module, view: Callable[[torch.Tensor], to
         held = {name: p for name, p in module._parameters.items() if p is not None}
         try:
             for name, p in held.items():
-                module._parameters[name] = view(p)
+                module._parameters[name] = view(p)  # type: ignore[assignment]  # a plain tensor, for this call
             return forward(*args, **kwargs)
         finally:
             module._parameters.update(held)
 
-    module.forward = viewed  # type: ignore[method-assign]
+    module.forward = viewed
 
 
 class RowwiseFused(ParallelStyle):
@@ -307,14 +321,14 @@ class RowwiseFused(ParallelStyle):
         _distribute_parameter(module, "bias", device_mesh, Replicate())
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            weight = module.weight.to_local()
+            weight = cast(DTensor, module.weight).to_local()
             partial = _conv1d_forward(x, weight, None) if self.conv1d else F.linear(x, weight)
             if module.bias is None:
                 bias = None
             elif self.sequence_parallel:  # each rank adds it to its own positions: the gradient is summed
-                bias = _CopyToGroup.apply(module.bias.to_local(), group)
+                bias = _CopyToGroup.apply(cast(DTensor, module.bias).to_local(), group)
             else:
-                bias = module.bias.to_local()
+                bias = cast(DTensor, module.bias).to_local()
             out = (
                 reduce_scatter_sequence(partial, device_mesh)
                 if self.sequence_parallel
@@ -322,7 +336,7 @@ class RowwiseFused(ParallelStyle):
             )
             return out + bias if bias is not None else out
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
         return module
 
 
@@ -345,7 +359,9 @@ class GatherSequence(ParallelStyle):
     computes on the whole sequence. The hidden states are its first tensor argument or ``hidden_states=``."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def hook(
+            mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
             index = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), None)
             if index is not None:
                 args = (*args[:index], gather_sequence(args[index], device_mesh), *args[index + 1 :])
@@ -374,7 +390,9 @@ class SliceHeads(ParallelStyle):
         group = device_mesh.get_group()
         tp, tp_rank = device_mesh.size(), device_mesh.get_local_rank()
 
-        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def hook(
+            mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
             kwargs = dict(kwargs)
             for name, local in self.inputs.items():
                 value = kwargs.get(name)
@@ -420,12 +438,13 @@ class ColwiseEmbedding(ParallelStyle):
     up its heads' columns."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, nn.Embedding)  # what this style splits
         _distribute_parameter(module, "weight", device_mesh, Shard(1))
 
         def forward(indices: torch.Tensor) -> torch.Tensor:
             return F.embedding(
                 indices,
-                module.weight.to_local(),
+                cast(DTensor, module.weight).to_local(),
                 module.padding_idx,
                 module.max_norm,
                 module.norm_type,
@@ -433,7 +452,7 @@ class ColwiseEmbedding(ParallelStyle):
                 module.sparse,
             )
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward  # type: ignore[method-assign, assignment]
         return module
 
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,8 +44,13 @@ from lightning_galvatron.runtime.tensor_parallel import _CopyToGroup
 class _AllToAll(torch.autograd.Function):
     """Chunk ``i`` of dim 0 goes to rank ``i``; the inverse (its own backward) is the same exchange."""
 
+    if TYPE_CHECKING:  # torch leaves ``Function.apply`` untyped
+
+        @classmethod
+        def apply(cls, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor: ...
+
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         x = x.contiguous()
         out = torch.empty_like(x)
@@ -53,7 +58,7 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
         out = torch.empty_like(grad)
         dist.all_to_all_single(out, grad, group=ctx.group)
@@ -104,7 +109,13 @@ class _UlyssesAttention(TorchFunctionMode):
         self.memory_lengths = memory_lengths
         self.calls = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Collection[type],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
         kwargs = dict(kwargs or {})
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
@@ -159,7 +170,7 @@ def _signature(block: nn.Module) -> inspect.Signature | None:
         return None
 
 
-def _cut(value: Any, dim: int, local: int, g: int, rank: int, name: Any) -> Any:
+def _cut(value: Any, dim: int, local: int, g: int, rank: int, name: str | int) -> Any:
     """This rank's positions of a per-position input (tensors, or tuples of them like ``(cos, sin)``)."""
     if isinstance(value, (tuple, list)):
         return type(value)(_cut(v, dim, local, g, rank, name) for v in value)
@@ -191,8 +202,9 @@ def apply_ulysses(
     signature = _signature(block)
     g, rank = dist.get_world_size(group), dist.get_rank(group)
 
-    def ulysses_forward(*args, **kwargs):
+    def ulysses_forward(*args: Any, **kwargs: Any) -> Any:
         hidden = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
+        assert hidden is not None  # a block's first positional tensor, else its hidden_states=
         local, width = hidden.shape[1], hidden.shape[-1]
         if local < 2:
             raise RuntimeError(
@@ -235,7 +247,7 @@ def apply_ulysses(
             )
         return out
 
-    block.forward = ulysses_forward  # type: ignore[method-assign]
+    block.forward = ulysses_forward
 
 
 def _argument_names(signature: inspect.Signature | None, count: int) -> list[str | None]:

@@ -13,15 +13,22 @@ the head's parameter is pointed back at the embedding's; so are other modules ho
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.overrides import TorchFunctionMode
 
 from lightning_galvatron.plan import PlanError
@@ -82,7 +89,7 @@ def apply_vocab_parallel(
     """
     split: dict[int, nn.Parameter] = {}  # id of a parameter before splitting -> the split one
 
-    def parallelize(module: nn.Module, style) -> None:
+    def parallelize(module: nn.Module, style: ParallelStyle) -> None:
         before = dict(module.named_parameters(recurse=False))
         parallelize_module(module, tp_mesh, style)
         for name, param in before.items():
@@ -110,7 +117,13 @@ def apply_vocab_parallel(
 class _LossAsLocalTensor(TorchFunctionMode):
     """Hand the (replicated) loss of a vocabulary-parallel cross-entropy back as a plain tensor."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Collection[type],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         if func in (F.cross_entropy, F.nll_loss) and isinstance(out, DTensor):
             return out.to_local()  # replicated: the local value is the loss; backward re-wraps the gradient

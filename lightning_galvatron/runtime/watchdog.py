@@ -33,10 +33,15 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import Store
+
+T = TypeVar("T")
 
 EXIT_CODE = 75  # what every rank of a job the watchdog ended exits with
 _PREFIX = "lightning_galvatron/monitor"
@@ -126,7 +131,7 @@ class RankMonitor:
     _generation = 0  # monitors made in this process so far: the same on every rank, so it names the run
 
     def __init__(
-        self, rank: int, world_size: int, settings: WatchdogSettings, store: Any, run: int | None = None
+        self, rank: int, world_size: int, settings: WatchdogSettings, store: Store, run: int | None = None
     ) -> None:
         """``run`` names the job's run in the store (default: how many monitors this process has made, which every
         rank counts alike)."""
@@ -163,7 +168,7 @@ class RankMonitor:
         import torch.distributed as dist
 
         try:
-            store = dist.TCPStore(
+            store = dist.TCPStore(  # type: ignore[attr-defined]  # torch re-exports it implicitly
                 host,
                 int(port),
                 is_master=False,
@@ -278,12 +283,14 @@ class RankMonitor:
         return {
             r
             for r, beat in before.items()
-            if self._seen[r].record.beat == beat and self._seen[r].record.state == "running"
+            if (record := self._seen[r].record) is not None and record.beat == beat and record.state == "running"
         }
 
     def failure_report(self, exception: BaseException) -> str | None:
         """A message naming the ranks that died, if that is why this rank failed; else ``None``."""
-        dead = {r for r in self.dead_ranks() if self._seen[r].record.state != "failed"}  # failed ones said why
+        dead = {  # failed ones said why
+            r for r in self.dead_ranks() if (record := self._seen[r].record) is not None and record.state != "failed"
+        }
         if not dead:
             return None
         lines = []
@@ -337,7 +344,7 @@ class RankMonitor:
         )
         self._on_store(lambda store: store.set(self._key(self.rank), record.encode()))
 
-    def _on_store(self, operation: Any) -> Any:
+    def _on_store(self, operation: Callable[[Store], T]) -> T:
         """``operation(store)``, one thread at a time; once the store's host is gone, fail at once (every
         attempt on a dead connection makes c10d print a stack trace)."""
         if self._store_gone is not None:
@@ -356,7 +363,7 @@ class RankMonitor:
     def _read_all(self) -> None:
         keys = [self._key(r) for r in range(self.world_size)]
 
-        def read(store: Any) -> dict[str, bytes]:
+        def read(store: Store) -> dict[str, bytes]:
             present = keys if store.check(keys) else [k for k in keys if store.check([k])]
             return dict(zip(present, store.multi_get(present))) if present else {}
 
@@ -507,7 +514,7 @@ class RankMonitor:
         record = self._seen[rank].record
         return record is not None and (record.state != "running" or _process_gone(record, self._host))
 
-    def _wait_until(self, deadline: float, done: Any) -> None:
+    def _wait_until(self, deadline: float, done: Callable[[], bool]) -> None:
         """Poll the others' records until ``done()`` or the deadline (a store error ends it: the store is gone)."""
         while time.monotonic() < deadline:
             self._read_all()

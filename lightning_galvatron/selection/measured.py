@@ -5,8 +5,8 @@ After the search (:func:`~lightning_galvatron.autoplan.plan_automatically`), in 
 1. rank 0 takes the search's best plan, the best plan of each other kind and the uniform plans that fit
    (:func:`~lightning_galvatron.search.candidates.diverse_candidates`) and tells every rank;
 2. every rank runs each candidate for a few steps on a copy of the model (``runner``, a
-   :class:`lightning_galvatron.trials.TrialRunner`), in
-   order, while rank 0 expects the next trial to end within the time budget;
+   :class:`~lightning_galvatron.selection.settings.CandidateRunner`: :class:`lightning_galvatron.trials.TrialRunner`
+   under the strategy), in order, while rank 0 expects the next trial to end within the time budget;
 3. rank 0 calibrates the cost model from what the runtime profiler saw in the trials
    (:func:`~lightning_galvatron.search.calibration.fit_calibration`) and searches again with it; a new plan is
    tried too, time permitting;
@@ -31,16 +31,23 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from lightning_galvatron.plan import ParallelPlan
-from lightning_galvatron.search.calibration import Calibration
+from lightning_galvatron.profiles import Profile
+from lightning_galvatron.search import evaluate, search
+from lightning_galvatron.search.calibration import Calibration, Observation, fit_calibration
+from lightning_galvatron.search.candidates import diverse_candidates, executed, unmeasured
+from lightning_galvatron.search.overheads import profile_calibration
 from lightning_galvatron.search.report import plan_summary, text_table
 from lightning_galvatron.selection.resolution import simplest_within_resolution
-from lightning_galvatron.selection.settings import Measurement, TrialSettings, preserved_rng
+from lightning_galvatron.selection.settings import CandidateRunner, Measurement, TrialSettings, preserved_rng
 from lightning_galvatron.units import format_bytes
+
+if TYPE_CHECKING:
+    from lightning_galvatron.autoplan import AutoPlan
 
 SELECTION_FORMAT = "lightning_galvatron.selection"
 SELECTION_VERSION = 1
@@ -90,7 +97,7 @@ class Selection:
     from_cache: bool = False
     cache_file: str | None = None
     #: What the runtime profiler saw in the trials (rank 0 only; not cached): what the calibration was fitted to.
-    observations: tuple[Any, ...] = ()
+    observations: tuple[Observation, ...] = ()
 
     @property
     def chosen(self) -> TrialRecord | None:
@@ -236,7 +243,7 @@ def unfit_selection(selection: Selection, searched: ParallelPlan, check: Callabl
     return None
 
 
-def selection_key(profile: Any, search_arguments: Mapping[str, Any], settings: TrialSettings) -> str:
+def selection_key(profile: Profile, search_arguments: Mapping[str, Any], settings: TrialSettings) -> str:
     """What a selection depends on: the profile's content, the search's arguments, the trial settings."""
     arguments = dict(search_arguments)
     calibration = arguments.get("calibration")
@@ -253,8 +260,8 @@ def selection_key(profile: Any, search_arguments: Mapping[str, Any], settings: T
 
 # ---------------------------------------------------------------------------------------------- the selection
 def select_by_measurement(
-    auto: Any,
-    runner: Any,
+    auto: AutoPlan,
+    runner: CandidateRunner,
     settings: TrialSettings,
     *,
     cache: SelectionCache | None,
@@ -262,8 +269,8 @@ def select_by_measurement(
     report: Callable[[str], None],
     progress: Callable[[str], None] = lambda where: None,
 ) -> Selection:
-    """Try the candidates of ``auto`` (an :class:`~lightning_galvatron.autoplan.AutoPlan`) and choose by
-    measurement. Collective: every rank calls it and gets the same selection.
+    """Try the candidates of what ``plan="auto"`` searched and choose by measurement. Collective: every rank calls
+    it and gets the same selection.
 
     Args:
         check: raises for a plan the runtime cannot execute on this model (such candidates are left out).
@@ -271,8 +278,8 @@ def select_by_measurement(
     """
     started = time.perf_counter()
     rank = dist.get_rank()
-    key = selection_key(auto.profile, auto.search_arguments, settings) if rank == 0 else None
-    found = [None]
+    key = selection_key(auto.profile, auto.search_arguments, settings) if rank == 0 else ""  # rank 0's cache
+    found: list[Any] = [None]
     if rank == 0 and cache is not None:
         cached = cache.load(key)
         problem = None if cached is None else unfit_selection(cached, auto.plan, check)
@@ -295,9 +302,15 @@ def select_by_measurement(
     return selection
 
 
-def _select(auto, runner, settings, check, report, progress, started) -> Selection:
-    from lightning_galvatron.search.candidates import diverse_candidates
-
+def _select(
+    auto: AutoPlan,
+    runner: CandidateRunner,
+    settings: TrialSettings,
+    check: Callable[[ParallelPlan], None],
+    report: Callable[[str], None],
+    progress: Callable[[str], None],
+    started: float,
+) -> Selection:
     rank = dist.get_rank()
     budget = auto.memory_budget_bytes
     proposals: list[Any] = [None]
@@ -317,7 +330,7 @@ def _select(auto, runner, settings, check, report, progress, started) -> Selecti
     candidates = [(name, ParallelPlan.from_dict(plan), step, peak) for name, plan, step, peak in proposals[0]]
 
     records: list[TrialRecord] = []
-    observations: list[Any] = []
+    observations: list[Observation] = []
 
     def trial(index: int, name: str, plan: ParallelPlan, predicted_step: float, predicted_peak: float) -> None:
         progress(f"setup: trial {index} ({name})")
@@ -387,7 +400,15 @@ def close_call(records: list[TrialRecord], budget: int) -> list[TrialRecord]:
     return [fastest, priced] if priced.predicted_step_s <= CLOSE_CALL * fastest.predicted_step_s else []
 
 
-def _confirm_close_calls(records, runner, settings, budget, started, report, progress) -> None:
+def _confirm_close_calls(
+    records: list[TrialRecord],
+    runner: CandidateRunner,
+    settings: TrialSettings,
+    budget: int,
+    started: float,
+    report: Callable[[str], None],
+    progress: Callable[[str], None],
+) -> None:
     """For a :func:`close_call`, try both plans once more (time permitting) with :data:`CONFIRM_STEPS` times the
     timed steps and keep the median of each one's steps of both trials: a disturbance of one trial cannot decide
     alone, and plans a few percent apart need more steps than a step's noise on a shared machine (on 2 CPU
@@ -448,14 +469,15 @@ def _within_budget(started: float, budget_s: float) -> bool:
     return time.perf_counter() - started < budget_s
 
 
-def _calibrate_and_search(auto, observations, records, started, settings):
-    """Rank 0: the calibration from the trials, and the plan the calibrated search picks if it is new and
-    there is time to try it."""
-    from lightning_galvatron.search import search
-    from lightning_galvatron.search.calibration import fit_calibration
-    from lightning_galvatron.search.candidates import executed, unmeasured
-    from lightning_galvatron.search.overheads import profile_calibration
-
+def _calibrate_and_search(
+    auto: AutoPlan,
+    observations: list[Observation],
+    records: list[TrialRecord],
+    started: float,
+    settings: TrialSettings,
+) -> tuple[Calibration | None, tuple[str, dict[str, Any], float, float] | None, str]:
+    """Rank 0: the calibration from the trials, the plan the calibrated search picks if it is new and there is time
+    to try it (name, plan as a dict, uncalibrated step time and peak), and a note for the report."""
     arguments = dict(auto.search_arguments)
     if not observations:
         return None, None, ""
@@ -483,8 +505,6 @@ def _calibrate_and_search(auto, observations, records, started, settings):
     if not _within_budget(started, settings.budget_s):
         return calibration, None, f"the calibrated search picks {plan_summary(result.plan)}, not tried: no time left"
     plan = result.plan
-    from lightning_galvatron.search.estimate import evaluate
-
     uncalibrated = evaluate(auto.profile, plan, optimizer=arguments["optimizer"], precision=arguments["precision"])
     return (
         calibration,
@@ -493,10 +513,15 @@ def _calibrate_and_search(auto, observations, records, started, settings):
     )
 
 
-def _decide(auto, records, calibration, budget, note, seconds) -> Selection:
+def _decide(
+    auto: AutoPlan,
+    records: list[TrialRecord],
+    calibration: Calibration | None,
+    budget: int,
+    note: str,
+    seconds: float,
+) -> Selection:
     """Rank 0: the fastest measured plan that fits; else the least memory measured; else the search's plan."""
-    from lightning_galvatron.search.estimate import evaluate
-
     if calibration is not None:
         arguments = auto.search_arguments
         priced = []

@@ -1,5 +1,6 @@
-"""What measured selection may spend (``GalvatronStrategy(trials=...)``), what a trial measured, and the random
-state kept around the trials. Lightning-free (the trials themselves run in :mod:`lightning_galvatron.trials`)."""
+"""What measured selection may spend (``GalvatronStrategy(trials=...)``), what runs a trial and what it measured, and
+the random state kept around the trials. Lightning-free (the trials themselves run in
+:mod:`lightning_galvatron.trials`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import random
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from lightning_galvatron.plan import ParallelPlan
+    from lightning_galvatron.search.calibration import Observation
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,20 @@ class Measurement:
     steps: tuple[float, ...] = ()  # every timed step (each the slowest rank's)
 
 
+class CandidateRunner(Protocol):
+    """What measured selection needs of the side that trains candidates (:class:`lightning_galvatron.trials.TrialRunner`
+    under the strategy): the device, and a trial of one plan."""
+
+    device: torch.device
+
+    def run(
+        self, plan: ParallelPlan, settings: TrialSettings, observe: bool = True, stop_above: float | None = None
+    ) -> tuple[Measurement, list[Observation]]:
+        """Train ``plan`` for a few steps (collective: every rank, the same plans in the same order); its measurement
+        (the same on every rank) and, on rank 0 when ``observe``, what the runtime profiler saw on every rank."""
+        ...
+
+
 class TrialUnavailable(RuntimeError):
     """Trials cannot run for this module or data (the message says why); the search's plan is used."""
 
@@ -104,4 +123,4 @@ def preserved_rng(device: torch.device) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-__all__ = ["Measurement", "TrialSettings", "TrialUnavailable", "preserved_rng"]
+__all__ = ["CandidateRunner", "Measurement", "TrialSettings", "TrialUnavailable", "preserved_rng"]

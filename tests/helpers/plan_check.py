@@ -57,7 +57,7 @@ from lightning_galvatron.runtime.vocab_parallel import find_vocabulary_layers
 def describe_rank(strategy: Any) -> dict[str, Any]:
     """This rank's parameters (global shape, local size, sharded mesh dimensions and their ranks, DDP group) and
     blocks (recomputed, Ulysses group), read from the parallelised model."""
-    module, applied = strategy.lightning_module, strategy._applied
+    module, applied = strategy.lightning_module, strategy.applied
     for sub in module.modules():  # ZeRO-2 blocks stay unsharded after a forward without backward (validation)
         if isinstance(sub, FSDPModule):
             sub.reshard()
