@@ -388,8 +388,7 @@ def close_call(records: list[TrialRecord], budget: int) -> list[TrialRecord]:
     """The fastest fitting plan and the one to measure again beside it, or ``[]``: the runner-up where it measured
     within :data:`CLOSE_CALL` of the fastest; else the plan the cost model priced closest to the fastest, where
     that is within :data:`CLOSE_CALL` of the fastest's price -- the measurement contradicts the model, and one
-    disturbed trial can do that (DDP over 2 micro-batches measured 139 ms in its trial, 1.33x a mixed plan the
-    model priced alike, and trains at 108-112 ms)."""
+    disturbed trial can do that (docs/performance.md has a trial a third slower than the plan then trained)."""
     measured = sorted((t for t in records if t.fits(budget) and not t.stopped_early), key=lambda t: t.step_s)
     if len(measured) < 2:
         return []
@@ -411,11 +410,9 @@ def _confirm_close_calls(
 ) -> None:
     """For a :func:`close_call`, try both plans once more (time permitting) with :data:`CONFIRM_STEPS` times the
     timed steps and keep the median of each one's steps of both trials: a disturbance of one trial cannot decide
-    alone, and plans a few percent apart need more steps than a step's noise on a shared machine (on 2 CPU
-    processes 3 steps of the same plan spread over 10-20%). Repeated while the close call names a plan not measured
-    again yet: the second trials reorder the plans, and a plan tried once must not win because the two it trailed
-    were measured again and came out slower (an interleaved pipeline won so at 116 ms over DDP over 2 micro-batches,
-    113 then 124 ms, and trained at 137 ms)."""
+    alone, and plans a few percent apart need more steps than a step's noise on a shared machine. Repeated while the
+    close call names a plan not measured again yet: the second trials reorder the plans, and a plan tried once must
+    not win because the two it trailed were measured again and came out slower (docs/performance.md)."""
     confirmed: set[int] = set()  # indices into records: each plan is measured again at most once
     longer = dataclasses.replace(settings, timed_steps=CONFIRM_STEPS * settings.timed_steps)
     while True:

@@ -48,10 +48,8 @@ def simplest_within_resolution(fastest: TrialRecord, fitting: list[TrialRecord])
     (its median within :data:`RESOLUTION` standard errors of the difference of the two medians, and within
     :data:`TIE` of the fastest's); ``fastest`` when none is simpler.
 
-    A user gets DDP or a uniform plan without any search, so extra machinery must win by measurement: on 2 CPU
-    processes a mixed plan measured 0.3% ahead of DDP over 2 micro-batches (100.7 against 101.0 ms) and trained 7%
-    behind it, and an interleaved pipeline picked on trials 1-5% ahead of DDP over 2 micro-batches trained 8%
-    behind it."""
+    A user gets DDP or a uniform plan without any search, so extra machinery must win by measurement: plans a few
+    percent ahead in their trials have trained several percent behind the simpler plan (docs/performance.md)."""
 
     def indistinguishable(t: TrialRecord) -> bool:
         if t is fastest:

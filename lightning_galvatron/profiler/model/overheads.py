@@ -161,9 +161,9 @@ def _time_call(profiler: _BlockProfiler, block: nn.Module, batch: int, seq_split
     """Seconds of forward and backward of ``block`` on ``batch`` samples (:func:`_median_seconds` of its calls).
 
     Not three calls: where processes share cores, three fit in one scheduler slice, in which a rank may not run at
-    all (the same plain block measured 5.5 and 11.4 ms in two profiles of one machine). Not the quiet end of many
-    (``setup.quiet_seconds``, right for the blocks' compute at each size): that is the call that had a core to
-    itself, 3.3 ms where training's block calls took 7.5 ms with every rank busy; the median measured 6.8 and 6.9 ms.
+    all (two profiles of one machine then differ twofold). Not the quiet end of many (``setup.quiet_seconds``, right
+    for the blocks' compute at each size): that is the call that had a core to itself, well below what training's
+    block calls take with every rank busy; the median matches training (docs/performance.md).
     """
 
     def once() -> float:
@@ -198,8 +198,8 @@ def _optimizer_probes(world: int, device: torch.device, mesh) -> list[tuple[int,
     """AdamW (as ``torch.optim`` defaults it: the foreach path) over plain tensors and over DTensors sharded on
     ``mesh``, at two sizes per rank: ``(tensors, local elements, dtensor, seconds)``, each the median of its steps
     (:func:`_median_seconds`; the quiet end of three steps, the step that had a core to itself, priced the
-    optimizer of 4 processes on 2 cores at half of what training measured, and a DTensor's step at 138 or 370 us in
-    two profiles where training measured 190)."""
+    optimizer of processes sharing cores at about half of what training measured, and varied twofold between
+    profiles: docs/performance.md)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     out = []

@@ -28,10 +28,9 @@ MIN_REPEATS, MAX_REPEATS = 3, 20
 #: Aim for this much timed work per point (seconds): tiny blocks get more repetitions.
 TARGET_POINT_S = 0.05
 #: The quantile of a point's repeated timings that the profile keeps. Not the median: where processes share
-#: cores, the noise (another process holding this one's core) only ever adds time. Profiling the benchmark GPT
-#: four times on 4 processes over 2 cores, the median of a block's forward at batch 4 moved between 2.3 and
-#: 5.2 ms; the 10th percentile between 2.3 and 2.7 ms, and training measured 2.2 ms. On a GPU the repeats
-#: barely differ, and either is the same.
+#: cores, the noise (another process holding this one's core) only ever adds time, and the median moves with it
+#: while the low quantile stays near what training measures (docs/performance.md, "Measurements behind the
+#: profiler's and the selection's rules"). On a GPU the repeats barely differ, and either is the same.
 TIMING_QUANTILE = 0.1
 
 
