@@ -137,7 +137,9 @@ def train_plan(
 
     model_config = ModelConfig(**config)
     probe, recorder = StepProbe(warmup=1, timed=steps, memory=measure_memory), Losses()
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # the launch's processes (torchrun's, or the tests' pool's)
+    # The launch's processes: torchrun's (from its environment), or a pool's whose process group is already up (an
+    # earlier Trainer in the same worker may have cleared WORLD_SIZE from the environment).
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     strategy = GalvatronStrategy(
         plan=plan if plan == "auto" else ParallelPlan.from_dict(plan),
         trials=False,
