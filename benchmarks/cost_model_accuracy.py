@@ -11,7 +11,7 @@ Four predictions of step time per plan:
 * ``uncalibrated``: the cost model as the search uses it from the profile alone;
 * ``calibrated``: the same model calibrated (``lightning_galvatron.search.calibration``) from what the
   runtime profiler measured on three *probe* plans -- one block of every kind, at two micro-batch sizes,
-  and a pipeline (``lightning_galvatron.calibrate.probe_plans``); no evaluated plan is a probe;
+  and a pipeline (``lightning_galvatron.cli.calibrate.probe_plans``); no evaluated plan is a probe;
 * ``held out``: calibrated from the runtime profiler's measurements of every *other* plan and the probes
   (leave one out: a plan's own measurements never price it) -- what a strategy that has run other plans
   on this machine predicts for a new one;
@@ -51,7 +51,7 @@ import harness
 from harness import RESULTS, BenchModel, fit_from_runs, interleaved, mape, measure_run, mib, spearman, worker_pool
 
 from lightning_galvatron import GalvatronStrategy
-from lightning_galvatron.calibrate import probe_plans
+from lightning_galvatron.cli.calibrate import probe_plans
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiles import Profile

@@ -3,7 +3,7 @@
 Every measurement trains the example GPT (``examples/gpt.py``) with a real ``lightning.Trainer`` on
 the ranks of a pool of forked gloo workers (``benchmarks/pool.py``: the workers keep their process
 group between runs, so a run costs the Trainer's setup, not a launch). The calibration probes and their
-runtime profiling are the library's (:mod:`lightning_galvatron.calibrate`). What a run measures, per rank:
+runtime profiling are the library's (:mod:`lightning_galvatron.cli.calibrate`). What a run measures, per rank:
 
 Step time
     the wall-clock time between the starts of consecutive training steps (``on_train_batch_start``):
@@ -66,7 +66,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks.pool import WorkerPool
 from examples.gpt import ArithmeticText, GPTModule
-from lightning_galvatron.calibrate import CalibrationProbe
+from lightning_galvatron.cli.calibrate import CalibrationProbe
 
 RESULTS = REPO / "benchmarks" / "results"
 

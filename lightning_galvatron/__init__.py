@@ -27,11 +27,11 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # Imported on first use: they need Lightning or torch.distributed, which the offline parts do without.
     if name == "GalvatronStrategy":
-        from lightning_galvatron.strategy import GalvatronStrategy
+        from lightning_galvatron.strategy.trainer_strategy import GalvatronStrategy
 
         return GalvatronStrategy
     if name == "GalvatronFabricStrategy":
-        from lightning_galvatron.fabric import GalvatronFabricStrategy
+        from lightning_galvatron.strategy.fabric_strategy import GalvatronFabricStrategy
 
         return GalvatronFabricStrategy
     if name == "dry_run":

@@ -65,7 +65,7 @@ class _CallAfterImport(importlib.abc.MetaPathFinder):
 
 def register_lightning() -> type | None:
     register_fabric()
-    importing = sys.modules.get("lightning_galvatron.strategy")
+    importing = sys.modules.get("lightning_galvatron.strategy.trainer_strategy")
     if importing is not None and not hasattr(importing, "GalvatronStrategy"):
         return None  # the strategy module is importing Lightning right now; it registers itself when done
     from lightning.pytorch.strategies import StrategyRegistry
@@ -74,7 +74,7 @@ def register_lightning() -> type | None:
         if "galvatron" not in StrategyRegistry:
             StrategyRegistry.register("galvatron", _trainer_strategy, description=_DESCRIPTION)
         return None
-    from lightning_galvatron.strategy import GalvatronStrategy
+    from lightning_galvatron.strategy.trainer_strategy import GalvatronStrategy
 
     GalvatronStrategy.register_strategies(StrategyRegistry)
     return GalvatronStrategy
@@ -82,7 +82,7 @@ def register_lightning() -> type | None:
 
 def register_fabric() -> None:
     """``Fabric(strategy="galvatron")``: Fabric has a registry of its own (``lightning.fabric.strategies``)."""
-    importing = sys.modules.get("lightning_galvatron.fabric")
+    importing = sys.modules.get("lightning_galvatron.strategy.fabric_strategy")
     if importing is not None and not hasattr(importing, "GalvatronFabricStrategy"):
         return  # the Fabric strategy's module is importing Lightning right now; it registers itself when done
     from lightning.fabric.strategies import STRATEGY_REGISTRY
@@ -91,16 +91,16 @@ def register_fabric() -> None:
         if "galvatron" not in STRATEGY_REGISTRY:
             STRATEGY_REGISTRY.register("galvatron", _fabric_strategy, description=_DESCRIPTION)
         return
-    from lightning_galvatron.fabric import GalvatronFabricStrategy
+    from lightning_galvatron.strategy.fabric_strategy import GalvatronFabricStrategy
 
     GalvatronFabricStrategy.register_strategies(STRATEGY_REGISTRY)
 
 
 def _module_still_importing() -> bool:
-    """Whether a module of this package imported Lightning and is still executing (``import lightning_galvatron.data``
-    as the first import): importing the strategies now would read its names before they exist. The name then gets a
-    factory that imports the strategy when a Trainer or Fabric asks for it (the strategy module registers its class
-    over it as it finishes importing)."""
+    """Whether a module of this package imported Lightning and is still executing
+    (``import lightning_galvatron.strategy.data`` as the first import): importing the strategies now would read its
+    names before they exist. The name then gets a factory that imports the strategy when a Trainer or Fabric asks for
+    it (the strategy module registers its class over it as it finishes importing)."""
     return any(
         getattr(getattr(module, "__spec__", None), "_initializing", False)
         for name, module in list(sys.modules.items())
@@ -109,13 +109,13 @@ def _module_still_importing() -> bool:
 
 
 def _trainer_strategy(**kwargs: Any) -> Any:
-    from lightning_galvatron.strategy import GalvatronStrategy
+    from lightning_galvatron.strategy.trainer_strategy import GalvatronStrategy
 
     return GalvatronStrategy(**kwargs)
 
 
 def _fabric_strategy(**kwargs: Any) -> Any:
-    from lightning_galvatron.fabric import GalvatronFabricStrategy
+    from lightning_galvatron.strategy.fabric_strategy import GalvatronFabricStrategy
 
     return GalvatronFabricStrategy(**kwargs)
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from lightning_galvatron import GalvatronStrategy
-from lightning_galvatron.checkpoint import CheckpointError, consolidate, load_checkpoint
-from lightning_galvatron.cli import main
+from lightning_galvatron.cli.app import main
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan, PlanError
 from lightning_galvatron.profiles import Profile, ProfileError
 from lightning_galvatron.search.calibration import Calibration
+from lightning_galvatron.strategy.checkpoint import CheckpointError, consolidate, load_checkpoint
 from tests.helpers.training import run_distributed
 from tests.search_profiles import A100_PROFILE
 

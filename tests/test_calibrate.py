@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from examples.gpt import GPTModule
-from lightning_galvatron.calibrate import probe_plans
-from lightning_galvatron.cli import main
+from lightning_galvatron.cli.app import main
+from lightning_galvatron.cli.calibrate import probe_plans
 from lightning_galvatron.model.shapes import architecture_of_module
 from lightning_galvatron.producers.analytic import analytic_profile
 from lightning_galvatron.search import evaluate

@@ -32,11 +32,11 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-import lightning_galvatron.checkpoint_files as files
+import lightning_galvatron.strategy.checkpoint_files as files
 from lightning_galvatron import GalvatronStrategy
-from lightning_galvatron.checkpoint import CheckpointError, check_sharded_checkpoint, load_checkpoint
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
+from lightning_galvatron.strategy.checkpoint import CheckpointError, check_sharded_checkpoint, load_checkpoint
 from tests.helpers.pool import WorkerDied
 from tests.helpers.training import _LossRecorder, dataset, gather_full_state, tiny_gpt
 
@@ -99,7 +99,9 @@ def _kill_at(phase: str, call: int, killer: int, pids: list[int], alone: bool = 
 
     patches: list[Any] = []
     if phase == "before the save":
-        patches.append(mock.patch("lightning_galvatron.strategy.save_sharded", before(files.save_sharded)))
+        patches.append(
+            mock.patch("lightning_galvatron.strategy.trainer_strategy.save_sharded", before(files.save_sharded))
+        )
     elif phase == "while the shards are written":
         real_write_item, real_write_data = filesystem._write_item, filesystem.FileSystemWriter.write_data
         written = [0]

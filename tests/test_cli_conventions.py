@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_galvatron import __version__, reference_profiles
-from lightning_galvatron.cli import main
+from lightning_galvatron.cli.app import main
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiles import Profile

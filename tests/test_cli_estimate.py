@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_galvatron.cli import main
+from lightning_galvatron.cli.app import main
 from lightning_galvatron.producers.analytic import analytic_profile, architecture_from_hf_config
 from lightning_galvatron.profiles import Profile
 from lightning_galvatron.search import search

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_galvatron.cli import build_parser, main
-from lightning_galvatron.profiler.command import _resolve_inputs, load_class
+from lightning_galvatron.cli.app import build_parser, main
+from lightning_galvatron.cli.profile import _resolve_inputs
+from lightning_galvatron.model.sources import load_class
 from lightning_galvatron.profiles import Profile
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lightning_galvatron.cli import main
+from lightning_galvatron.cli.app import main
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiles import Profile
 from tests.search_profiles import A100_PROFILE, GALVATRON_DIR, REFERENCE_PLAN

@@ -13,7 +13,7 @@ import torch
 from lightning_galvatron import GalvatronStrategy
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
-from lightning_galvatron.rules import compile_problem
+from lightning_galvatron.plan.rules import compile_problem
 from lightning_galvatron.runtime.compile import compile_options
 from tests.helpers.hf_models import hf_llama
 from tests.helpers.training import assert_close_runs, run_distributed, run_single

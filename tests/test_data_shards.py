@@ -30,9 +30,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from examples.gpt import ArithmeticText
 from lightning_galvatron import GalvatronStrategy
-from lightning_galvatron.data import join_batches, rows_of
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan, PlanError
+from lightning_galvatron.strategy.data import join_batches, rows_of
 from tests.helpers.hf_models import HFCausalLM
 from tests.helpers.training import SEQ
 

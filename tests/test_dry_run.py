@@ -261,7 +261,8 @@ def test_1024_rank_plan_applies_on_sampled_ranks() -> None:
 
 def test_plans_the_search_emits_for_64_devices_are_proven() -> None:
     """The search's plans for Llama-2-7B on 64 A100s over a matrix of budgets and limits, each proven on every rank."""
-    from lightning_galvatron.estimator import architecture_from_config_file, estimate_cluster
+    from lightning_galvatron.model.sources import architecture_from_config_file
+    from lightning_galvatron.search.cluster_estimate import estimate_cluster
 
     architecture = architecture_from_config_file(DATA / "llama2-7b-config.json")
     matrix = [("16GB", {}), ("12GB", {"disable": ["zero3"]})]
@@ -280,7 +281,7 @@ def test_plans_the_search_emits_for_64_devices_are_proven() -> None:
 
 # ---------------------------------------------------------------------------------------------- the command
 def test_dry_run_command_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from lightning_galvatron.cli import main
+    from lightning_galvatron.cli.app import main
 
     plan = ParallelPlan(
         world_size=8,
@@ -319,7 +320,7 @@ def test_dry_run_command_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
 
 
 def test_dry_run_command_searches_a_plan(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from lightning_galvatron.cli import main
+    from lightning_galvatron.cli.app import main
 
     config = tmp_path / "narrow-llama.json"
     config.write_text(json.dumps({**NARROW_LLAMA, "num_hidden_layers": 4}))

@@ -185,6 +185,22 @@ def test_the_automatic_plan_says_its_trials_are_skipped() -> None:
     assert any("measured selection" in note and "skipped" in note for note in report.notes)
 
 
+def test_a_memory_size_with_its_unit_sizes_the_simulated_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``memory_per_device="36GB"`` from Python (the command converts its flag itself) is the GPUs' size in bytes."""
+    import lightning_galvatron.dryrun.run as run
+
+    jobs = []
+
+    def capture(job, chosen, workers):
+        jobs.append(job)
+        raise KeyboardInterrupt  # stop before any rank runs
+
+    monkeypatch.setattr(run, "run_ranks", capture)
+    with pytest.raises(KeyboardInterrupt):
+        simulate(ParallelPlan.uniform(8, 4, S()), ranks=[0], phases=("train",), memory_per_device="36GB")
+    assert jobs[0].device_memory == 36 * 10**9
+
+
 def test_the_relocation_agrees_once_per_forward_not_per_block() -> None:
     """Four tensor-parallel blocks gather the samples of the embedding's two data shards: the ranks agree that they
     hold the same inputs once per micro-batch's forward (a host synchronisation each), not once per block."""
@@ -244,7 +260,7 @@ def test_the_command_fails_a_step_over_max_host_syncs_naming_where(
     import json
 
     import examples.gpt as example
-    from lightning_galvatron.cli import main
+    from lightning_galvatron.cli.app import main
 
     # tensor-parallel blocks gather the samples of the embedding's two data shards: the ranks agree on it per forward
     plan = ParallelPlan(world_size=2, layers=(S(tp=2),) * 4, vocab=S(), global_batch_size=4)

@@ -50,8 +50,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from examples.fabric_gpt import train
 from lightning_galvatron import GalvatronFabricStrategy
-from lightning_galvatron.checkpoint import load_model_state
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
+from lightning_galvatron.strategy.checkpoint import load_model_state
 from tests.helpers.training import SEQ, assert_parameters_moved_alike, dataset, gather_full_state
 from tests.test_parity_data_parallel import FP32_TOL
 

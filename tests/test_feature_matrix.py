@@ -24,9 +24,9 @@ batches and ``batch_indices``. A combination the runtime refuses by design (:dat
 under a pipeline) must be refused in ``setup``, before any batch, by its message, on every rank.
 
 Found by this matrix (and fixed): steps that read ``self.lr_schedulers()`` failed in setup (profiling, trials, the
-pipeline's trace ran them before the optimizers existed: ``lightning_galvatron/setup_steps.py``), and ``plan="auto"``
-chose DDP over 2 micro-batches for these token-mean losses, which then trained differently from DDP (``token_means``
-search option).
+pipeline's trace ran them before the optimizers existed: ``lightning_galvatron/strategy/setup_steps.py``), and
+``plan="auto"`` chose DDP over 2 micro-batches for these token-mean losses, which then trained differently from DDP
+(``token_means`` search option).
 """
 
 from __future__ import annotations

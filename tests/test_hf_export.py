@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from lightning_galvatron.cli import main
+from lightning_galvatron.cli.app import main
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from tests.helpers.hf_models import hf_gpt2

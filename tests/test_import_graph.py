@@ -237,3 +237,70 @@ def test_no_module_reads_a_private_strategy_attribute():
         if (found := _private_strategy_reads(path.read_text()))
     }
     assert not reads, f"private strategy attributes read outside the strategy: {reads}"
+
+
+# ---------------------------------------------------------------------------------------------- Lightning boundary
+#: Every module that imports Lightning (``lightning``, ``pytorch_lightning``) itself: the strategies and what only they
+#: run, the commands that read LightningCLI configs or launch Fabric, the dry run's model and rank (which build a
+#: LightningModule and run the strategy's precision plugin), and the registration hook. A new name here is a decision.
+LIGHTNING_MODULES = frozenset(
+    f"{PACKAGE}.{name}"
+    for name in (
+        "_registry",
+        "cli.calibrate",
+        "cli.profile",
+        "dryrun.models",
+        "dryrun.rank",
+        "strategy.auto_setup",
+        "strategy.data",
+        "strategy.fabric_strategy",
+        "strategy.metrics",
+        "strategy.micro_batches",
+        "strategy.monitor",
+        "strategy.precision",
+        "strategy.preparation",
+        "strategy.replan",
+        "strategy.setup_steps",
+        "strategy.step_logs",
+        "strategy.trainer_strategy",
+        "strategy.trials",
+    )
+)
+#: The packages above the boundary: they may import Lightning, or a module that does. Below it (the plan, the
+#: search, profiles, the profiler, the model's discovery, the runtime, measured selection) nothing reaches Lightning,
+#: so the offline tools and the runtime work without it and a Lightning change touches only these packages.
+ABOVE_THE_BOUNDARY = frozenset(f"{PACKAGE}.{name}" for name in ("cli", "dryrun", "strategy", "_registry"))
+
+
+def _imports_lightning(source: str) -> bool:
+    for node in _import_nodes(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        if node.__class__ is ast.ImportFrom and node.level:
+            continue
+        if any(name.split(".")[0] in ("lightning", "pytorch_lightning") for name in names):
+            return True
+    return False
+
+
+def test_only_the_named_modules_import_lightning():
+    importing = {module for module, path in MODULES.items() if _imports_lightning(path.read_text())}
+    assert importing == LIGHTNING_MODULES, (
+        f"import Lightning without being named: {sorted(importing - LIGHTNING_MODULES)}; "
+        f"named but no longer import it: {sorted(LIGHTNING_MODULES - importing)}"
+    )
+
+
+def test_nothing_below_the_boundary_reaches_lightning():
+    """Transitively, through the package's own imports (function-local ones included)."""
+    graph = _module_graph()
+    reaching = set(LIGHTNING_MODULES)
+    changed = True
+    while changed:
+        changed = False
+        for module, targets in graph.items():
+            if module not in reaching and targets & reaching:
+                reaching.add(module)
+                changed = True
+    below = {m for m in reaching if _node(m) not in ABOVE_THE_BOUNDARY and m != PACKAGE}
+    paths = {m: sorted(graph[m] & reaching) for m in sorted(below)}
+    assert not below, f"below the Lightning boundary but reaching Lightning through: {paths}"

@@ -6,7 +6,9 @@ import itertools
 
 import pytest
 
-from lightning_galvatron.layout import (
+from lightning_galvatron.plan import LayerStrategy as S
+from lightning_galvatron.plan import ParallelPlan
+from lightning_galvatron.plan.layout import (
     ActivationForm,
     ActivationLayout,
     Layout,
@@ -16,8 +18,6 @@ from lightning_galvatron.layout import (
     ranks_per_node,
     stage_neighbours_share_node,
 )
-from lightning_galvatron.plan import LayerStrategy as S
-from lightning_galvatron.plan import ParallelPlan
 
 
 def _layouts(max_world: int = 12):

@@ -20,11 +20,11 @@ from torchmetrics import MetricCollection, SumMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
 from lightning_galvatron import GalvatronStrategy
-from lightning_galvatron.metrics import OneRankPerDataShard, StepMetrics
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.runtime.stage import PipelineUsageError
-from lightning_galvatron.step_logs import LoggedMetric, recording_logs
+from lightning_galvatron.strategy.metrics import OneRankPerDataShard, StepMetrics
+from lightning_galvatron.strategy.step_logs import LoggedMetric, recording_logs
 from tests.helpers.hf_models import HFCausalLM
 from tests.helpers.training import _evaluation_data, _trainer, dataset
 

@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 from examples.gpt import GPTModule
 from lightning_galvatron import GalvatronStrategy
-from lightning_galvatron.display import setup_report
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiles import Profile
@@ -20,6 +19,7 @@ from lightning_galvatron.search import evaluate, search
 from lightning_galvatron.search.candidates import Candidate, diverse_candidates, plan_kind, trial_order
 from lightning_galvatron.selection import TrialSettings
 from lightning_galvatron.selection.resolution import TIE, complexity, measurably_faster
+from lightning_galvatron.strategy.display import setup_report
 from tests.helpers.training import TINY_GPT, dataset, run_distributed
 
 pytestmark = pytest.mark.timeout(600)
@@ -122,7 +122,7 @@ def _trials_on_copies() -> dict:
     from lightning_galvatron.runtime.mesh import MeshCache
     from lightning_galvatron.search.report import plan_summary
     from lightning_galvatron.selection import preserved_rng
-    from lightning_galvatron.trials import TrialRunner, global_batch_samples
+    from lightning_galvatron.strategy.trials import TrialRunner, global_batch_samples
 
     torch.manual_seed(1234)
     module = _CountingGPT(**{**TINY_GPT, **DROPOUT})
@@ -387,8 +387,8 @@ def test_close_calls_are_measured_again_until_the_fastest_two_were(pools):
 
 
 def test_the_runner_up_is_named_only_when_its_trial_was_measurably_faster_than_training(monkeypatch):
-    from lightning_galvatron import trials
-    from lightning_galvatron.trials import StepClock
+    from lightning_galvatron.strategy import trials
+    from lightning_galvatron.strategy.trials import StepClock
 
     noisy = [0.100, 0.092, 0.108, 0.097, 0.104]
     plan = ParallelPlan.uniform(2, 4, S(), micro_batches=2)
@@ -420,7 +420,7 @@ def test_the_runner_up_is_named_only_when_its_trial_was_measurably_faster_than_t
 def test_the_report_names_a_plan_measurement_chose_as_searched_not_given(source, header):
     """When the trials pick another candidate than the search's own, the plan is still searched (it read
     "given: searched, chosen by measurement" on a CPU where the trials overturned the search)."""
-    from lightning_galvatron.prediction import Prediction
+    from lightning_galvatron.strategy.prediction import Prediction
 
     plan = ParallelPlan.uniform(1, 2, S(recompute=True), micro_batches=2, global_batch_size=8)
     prediction = Prediction(plan, source, memory_budget_bytes=2**30, missing="not priced here")

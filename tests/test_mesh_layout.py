@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lightning_galvatron.layout import Layout
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
+from lightning_galvatron.plan.layout import Layout
 from lightning_galvatron.runtime.apply import input_shard
 
 

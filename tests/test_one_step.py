@@ -6,7 +6,7 @@ to clipping) with ``gradient_clip_val`` low enough that clipping bites (by norm;
 dry run does not clip by), the parameters after one optimizer step are the same whether the step ran
 
 (a) in ``Trainer.fit`` under ``GalvatronStrategy``,
-(b) in a trial (:class:`~lightning_galvatron.trials.TrialRunner`, with the Trainer's ``gradient_clip_val``),
+(b) in a trial (:class:`~lightning_galvatron.strategy.trials.TrialRunner`, with the Trainer's ``gradient_clip_val``),
 (c) on a simulated rank of the dry run with real tensors (:func:`lightning_galvatron.dryrun.rank._run`; here on the
     pool's real gloo group and with the model's own weights instead of zeros, so that its values mean something).
 """
@@ -67,11 +67,11 @@ def _trial_step(plan: ParallelPlan, tie_weights: bool, algorithm: str) -> dict[s
 
     from lightning_galvatron.model.discovery import find_blocks
     from lightning_galvatron.model.outside_layers import trace_outside_layers
-    from lightning_galvatron.precision import GalvatronFullPrecision
-    from lightning_galvatron.preparation import overridden_step_methods
     from lightning_galvatron.runtime.mesh import MeshCache
     from lightning_galvatron.selection import TrialSettings
-    from lightning_galvatron.trials import TrialRunner
+    from lightning_galvatron.strategy.precision import GalvatronFullPrecision
+    from lightning_galvatron.strategy.preparation import overridden_step_methods
+    from lightning_galvatron.strategy.trials import TrialRunner
 
     module, batch = _model(tie_weights), _global_batch()
     trainer = L.Trainer(  # what the trial reads of the Trainer: gradient_clip_val and the precision plugin

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_galvatron.checkpoint import consolidate
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
+from lightning_galvatron.strategy.checkpoint import consolidate
 from tests.helpers.hf_models import hf_gpt2
 from tests.helpers.training import (
     assert_close_runs,

@@ -25,8 +25,8 @@ from examples.gpt import ArithmeticText, GPTModule
 from lightning_galvatron import GalvatronStrategy
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
-from lightning_galvatron.plan_switch import regrouped
-from lightning_galvatron.replan import (
+from lightning_galvatron.strategy.plan_switch import regrouped
+from lightning_galvatron.strategy.replan import (
     PAYBACK_STEPS,
     WARMUP_STEPS,
     WINDOW_STEPS,

@@ -8,7 +8,7 @@ and ``dry-run`` make one (block shapes, then an analytic profile). For every pla
 - ``evaluate`` warns exactly the rules' problems;
 - the runtime's pure check (:func:`~lightning_galvatron.runtime.apply.runtime_problems`, from the modules and the
   tensor-parallel plans the glue resolves for them) objects at the same places (plan, vocab, which layers): both are
-  :func:`~lightning_galvatron.rules.plan_problems`, over a profile's facts and over the live model's;
+  :func:`~lightning_galvatron.plan.rules.plan_problems`, over a profile's facts and over the live model's;
 - the search's space offers the plan (under options that do not prune it as unable to win) iff there is no
   problem.
 """
@@ -30,11 +30,12 @@ from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.model.shapes import architecture_of_module
 from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans
 from lightning_galvatron.plan import DP_TYPES, SCHEDULES, SP_KINDS, LayerStrategy, ParallelPlan, divisors
+from lightning_galvatron.plan.rules import interleaved_rounds, plan_problems, schedule_problem
 from lightning_galvatron.producers.analytic import analytic_profile
-from lightning_galvatron.rules import ProfileFacts, interleaved_rounds, plan_problems, schedule_problem
 from lightning_galvatron.runtime.apply import runtime_problems
 from lightning_galvatron.search import evaluate
 from lightning_galvatron.search.pipeline import in_flight_micro_batches, pipeline_step_time
+from lightning_galvatron.search.profile_facts import ProfileFacts
 from lightning_galvatron.search.space import (
     PipelineConfig,
     SearchOptions,
@@ -207,7 +208,7 @@ def test_search_evaluate_and_runtime_agree_on_what_is_executable(case):
     key, seq, per_node, plan = case
     structure, _, tp_plans = model(key)
     prof = profile(key, seq, per_node)
-    problems = plan_problems(plan, prof.model)
+    problems = plan_problems(plan, ProfileFacts(prof.model))
     event("executable" if not problems else "refused for " + ", ".join(sorted({_where(p) for p in problems})))
     assert list(evaluate(prof, plan).warnings) == problems
     refused = runtime_problems(plan, structure, tp_plans, seq_length=seq)

@@ -174,14 +174,15 @@ def test_offline_parts_do_not_load_lightning():
 
 
 _FIRST_IMPORT = """
-import lightning_galvatron.data
+import lightning_galvatron.strategy.data
 import lightning as L
 trainer = L.Trainer(strategy="galvatron", accelerator="cpu", devices=1, logger=False, precision="16-true")
 """
 
 
 def test_a_lightning_module_of_the_package_imported_first_still_registers_the_strategies():
-    """``import lightning_galvatron.data`` alone imported Lightning, whose registration hook imported the strategies,
+    """``import lightning_galvatron.strategy.data`` alone imported Lightning, whose registration hook imported the
+    strategies,
     which read names of the half-imported ``data`` module (a circular ImportError). The Trainer's precision check
     speaks our message, so the strategy's class and its connector patch are in place when the Trainer asks."""
     out = subprocess.run(
@@ -245,7 +246,7 @@ def test_lightning_cli_yaml_class_path_needs_no_import(tmp_path):
         timeout=240,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "strategy: lightning_galvatron.strategy GalvatronStrategy" in out.stdout
+    assert "strategy: lightning_galvatron.strategy.trainer_strategy GalvatronStrategy" in out.stdout
 
 
 def _train_from_empty_init(plan: ParallelPlan) -> tuple[bool, list[float]]:

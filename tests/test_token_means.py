@@ -139,7 +139,7 @@ def test_the_search_for_token_means_offers_only_plans_with_one_ddp_rank_per_micr
     """``plan="auto"`` searches with ``token_means`` when the batch has labels -100 (it chose DDP over 2 micro-batches
     for a Llama, whose losses then differed from DDP's by 1.6e-2): the plan, the baselines and every trial candidate
     have ``micro_batches = pp x vocab tp``; without it, some do not."""
-    from lightning_galvatron.rules import token_mean_problem
+    from lightning_galvatron.plan.rules import token_mean_problem
     from lightning_galvatron.search import search
     from lightning_galvatron.search.candidates import diverse_candidates
     from tests.test_search_cost import tiny_profile

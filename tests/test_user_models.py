@@ -17,15 +17,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_galvatron.autoplan import AutomaticPlanFailed, SearchSettings, _agree_on_failure
 from lightning_galvatron.model.discovery import BlockDiscoveryError, find_blocks
 from lightning_galvatron.model.families._common import NarrowedInput
 from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans, tensor_parallel_plan_or_reason
-from lightning_galvatron.model_setup import whole_model_plan
 from lightning_galvatron.plan import LayerStrategy as S
 from lightning_galvatron.plan import ParallelPlan
 from lightning_galvatron.profiler.model import profile_model
 from lightning_galvatron.runtime.tensor_parallel import ColwiseFused
+from lightning_galvatron.strategy.autoplan import AutomaticPlanFailed, SearchSettings, _agree_on_failure
+from lightning_galvatron.strategy.model_setup import whole_model_plan
 from tests.helpers.training import RunResult, assert_close_runs, dataset, refused_as_expected, run_cases, run_single
 from tests.helpers.user_models import (
     NanoBlock,
@@ -377,7 +377,7 @@ def test_a_failure_on_one_rank_is_reported_on_every_rank_and_the_floor_says_why(
 
 
 def _automatic_plan_without_pipelines(cache: str) -> tuple:
-    from lightning_galvatron.autoplan import plan_automatically
+    from lightning_galvatron.strategy.autoplan import plan_automatically
     from tests.helpers.training import tiny_gpt
 
     model, samples = tiny_gpt(), dataset(4)

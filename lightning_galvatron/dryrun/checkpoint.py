@@ -5,7 +5,7 @@ through the code the strategy runs; nothing is written or read.
   and the optimizer's, sharded, strided shards whole) and this rank's save plan. :func:`saved_index` combines every
   rank's plan as DCP's coordinator does -- refusing shards that overlap or leave part of a tensor out -- into the
   index (``.metadata``) the save would write.
-* ``load`` (:func:`plan_load`): :func:`~lightning_galvatron.checkpoint.load_sharded_states`, what
+* ``load`` (:func:`plan_load`): :func:`~lightning_galvatron.strategy.checkpoint.load_sharded_states`, what
   ``Trainer.fit(ckpt_path=...)`` runs for a sharded checkpoint, from another plan's index, each rank's reads planned
   against it instead of made: the entries, shapes and dtypes this plan asks for must be those the other plan saved
   (DCP refuses a missing entry or another shape), every read must fall inside its holder, and on a simulated GPU
@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, SavePlan
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from lightning_galvatron.checkpoint import MODEL_KEY, load_sharded_states, whole_strided_tensors
 from lightning_galvatron.runtime.mesh import local_tensor
+from lightning_galvatron.strategy.checkpoint import MODEL_KEY, load_sharded_states, whole_strided_tensors
 
 
 def plan_save(module: nn.Module, optimizer: torch.optim.Optimizer) -> SavePlan:

@@ -12,8 +12,9 @@ import multiprocessing as mp
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from multiprocessing.connection import wait
-from typing import Any
+from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkProcess
+from typing import Any, cast
 
 from lightning_galvatron.dryrun.rank import RankJob, RankResult, simulate_rank
 
@@ -35,7 +36,8 @@ def resolve_ranks(ranks: str | int | Iterable[int], plan: Any) -> list[int]:
         return sample_ranks(plan)
     if ranks == "all":
         return list(range(plan.world_size))
-    chosen = [ranks] if isinstance(ranks, int) else list(ranks)
+    # Any other string is no list of ranks: its characters fail the range check below (a TypeError; "" a ValueError).
+    chosen = [ranks] if isinstance(ranks, int) else list(cast("Iterable[int]", ranks))
     bad = [r for r in chosen if not 0 <= r < plan.world_size]
     if bad or not chosen:
         raise ValueError(f"ranks {bad or chosen} are not ranks of a world of {plan.world_size}")
@@ -53,7 +55,7 @@ def run_ranks(
     workers = max(1, min(workers or os.cpu_count() or 1, len(ranks)))
     ctx = mp.get_context("fork")
     pending = list(ranks)
-    running: dict[Any, tuple[int, Any, float]] = {}
+    running: dict[Connection[Any, RankResult], tuple[int, ForkProcess, float]] = {}
     results: dict[int, RankResult] = {}
     while pending or running:
         while pending and len(running) < workers:
@@ -64,6 +66,7 @@ def run_ranks(
             child.close()
             running[parent] = (rank, process, time.monotonic())
         for conn in wait(list(running), timeout=1.0):
+            assert isinstance(conn, Connection)  # wait returns some of the pipes it was given
             rank, process, _ = running.pop(conn)
             try:
                 results[rank] = conn.recv()
@@ -84,7 +87,7 @@ def run_ranks(
     return [results[r] for r in ranks]
 
 
-def _child(job: RankJob, rank: int, conn: Any) -> None:
+def _child(job: RankJob, rank: int, conn: Connection[RankResult, Any]) -> None:
     try:
         conn.send(simulate_rank(job, rank))
     finally:

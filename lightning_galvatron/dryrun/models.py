@@ -89,7 +89,7 @@ class ModelSource:
     def from_hf_config(
         cls, config: str | Path | Mapping[str, Any], layers: str | Sequence[str] | None = None
     ) -> ModelSource:
-        from lightning_galvatron.estimator import architecture_from_config_file
+        from lightning_galvatron.model.sources import architecture_from_config_file
         from lightning_galvatron.producers.analytic import architecture_from_hf_config
 
         if isinstance(config, Mapping):
@@ -117,8 +117,7 @@ class ModelSource:
     def from_class(
         cls, path: str, init_args: Mapping[str, Any] | None = None, layers: str | Sequence[str] | None = None
     ) -> ModelSource:
-        from lightning_galvatron.estimator import architecture_from_class
-        from lightning_galvatron.profiler.command import load_class
+        from lightning_galvatron.model.sources import architecture_from_class, load_class
 
         module_cls = load_class(path)
         args = dict(init_args or {})

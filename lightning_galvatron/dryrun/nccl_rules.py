@@ -30,6 +30,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -166,7 +167,7 @@ class NcclRules:
         """A host synchronisation made through ``torch.cuda`` (``synchronize``, an event's or stream's)."""
         self._sync(what)
 
-    def observe(self, func: Any, args: tuple, kwargs: dict) -> None:
+    def observe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Host synchronisations among the ops a rank dispatches: reads of values and copies to the host."""
         if func is torch.ops.aten._local_scalar_dense.default:
             if args[0].device.type == "cuda":
@@ -219,9 +220,9 @@ def _caller_stack(depth: int = 12) -> tuple[str, ...]:
     return _stack((*_SKIPPED_FRAMES, *_OWN_FRAMES), depth)
 
 
-def _site_frame() -> Any:
+def _site_frame() -> FrameType | None:
     """The innermost Python frame outside torch and this package's dry-run machinery (the caller's line)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if not any(part in name for part in (*_TORCH_FRAMES, *_OWN_FRAMES)):

@@ -35,6 +35,7 @@ import logging
 import time
 import traceback
 import warnings
+from collections.abc import Collection
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,11 +58,11 @@ from lightning_galvatron.dryrun.trace import Recording
 from lightning_galvatron.model.discovery import find_blocks
 from lightning_galvatron.model.outside_layers import trace_outside_layers
 from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans
-from lightning_galvatron.precision import precision_plugin_for
-from lightning_galvatron.preparation import overridden_step_methods, prepare
 from lightning_galvatron.runtime.apply import AppliedPlan
 from lightning_galvatron.runtime.mesh import Layout, MeshCache, local_tensor
 from lightning_galvatron.runtime.step import NormScope, from_last_stage, mean_loss, run_batch, train_step
+from lightning_galvatron.strategy.precision import GlobalNormClipping, precision_plugin_for
+from lightning_galvatron.strategy.preparation import overridden_step_methods, prepare
 
 
 @dataclass
@@ -174,6 +175,7 @@ def _run(job: RankJob, rank: int, recording: Any, result: RankResult) -> None:
         structure = find_blocks(module, job.layers)
         blocks, names = structure.blocks, structure.block_names  # a pipeline stage removes other stages' blocks
         plugin = precision_plugin_for(job.precision, job.device)
+        assert isinstance(plugin, GlobalNormClipping)  # every plugin the strategy uses clips over the plan
         module = plugin.convert_module(module)
         with fake:
             _materialize(module, job.real_tensors)
@@ -216,10 +218,10 @@ def _run(job: RankJob, rank: int, recording: Any, result: RankResult) -> None:
         batch = move_data_to_device(job.make_batch(local_batch, job.seq_length), device)  # batch_to_device
         if "train" in job.phases:
             recording.phase = "train"
-            tracker = StepMemoryTracker(module, optimizer) if job.measure_memory else nullcontext()
-            with tracker:
+            tracker = StepMemoryTracker(module, optimizer) if job.measure_memory else None
+            with tracker if tracker is not None else nullcontext():
                 _train_step(module, applied, optimizer, batch, plugin, job.gradient_clip_val)
-            if job.measure_memory:
+            if tracker is not None:
                 result.memory = tracker.peak()
         if "validate" in job.phases:
             recording.phase = "validate"
@@ -250,7 +252,8 @@ def _materialize(module: nn.Module, real: bool = False) -> None:
     if fake_mode is not None:
         # Its memo of converted tensors refers to them weakly, and a weakly referenced fake parameter cannot be
         # moved to a (simulated) GPU, which swaps it: a plain dict (a rank's process is short-lived).
-        fake_mode.fake_tensor_converter.meta_converter.tensor_memo = {}
+        # ignore: torch declares the memo a WeakValueDictionary; a plain dict is the point here.
+        fake_mode.fake_tensor_converter.meta_converter.tensor_memo = {}  # type: ignore[assignment]
 
 
 def first_optimizer(module: Any) -> torch.optim.Optimizer:
@@ -258,7 +261,8 @@ def first_optimizer(module: Any) -> torch.optim.Optimizer:
     optimizers, _, _ = _configure_optimizers(module.configure_optimizers())
     if not optimizers:
         raise ValueError(f"{type(module).__name__}.configure_optimizers returned no optimizer")
-    return optimizers[0]
+    first: torch.optim.Optimizer = optimizers[0]
+    return first
 
 
 def _create_optimizer_states(optimizer: torch.optim.Optimizer) -> None:
@@ -307,10 +311,10 @@ def _validation_step(module: Any, applied: AppliedPlan, batch: Any, plugin: Any)
 # ---------------------------------------------------------------------------------------------- the report
 def _holdings(
     module: nn.Module, blocks: list[nn.Module], names: list[str], plan: Any, applied: Any
-) -> tuple[list[dict], list[dict]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The blocks this rank holds (strategy, parameters with local and global shapes) and the layers outside them."""
 
-    def params(owner: nn.Module, ids_to_skip: set[int] = frozenset()) -> list[dict[str, Any]]:
+    def params(owner: nn.Module, ids_to_skip: Collection[int] = frozenset()) -> list[dict[str, Any]]:
         out = []
         for name, p in owner.named_parameters():
             if id(p) in ids_to_skip:

@@ -15,8 +15,8 @@ from lightning_galvatron.dryrun.driver import resolve_ranks, run_ranks
 from lightning_galvatron.dryrun.models import ModelSource, token_batch
 from lightning_galvatron.dryrun.rank import RankJob, RankResult, first_optimizer
 from lightning_galvatron.dryrun.trace import PLACEHOLDER_NOTE, OrderCheck, check_order
-from lightning_galvatron.plan import ParallelPlan, PlanError, load_plan
-from lightning_galvatron.units import format_bytes
+from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError, load_plan
+from lightning_galvatron.units import format_bytes, parse_bytes
 
 
 @dataclass
@@ -152,7 +152,7 @@ class DryRunReport:
                     f"{elements / 1e6:.1f} M",
                     str(len(r.groups)),
                     format_bytes(m["total"]) if m else "-",
-                    format_bytes(states) if m else "-",
+                    format_bytes(states) if states is not None else "-",
                     format_bytes(m["activations"]) if m else "-",
                     format_bytes(m["temporaries"]) if m else "-",
                     format_bytes(predicted["total"]) if predicted else "-",
@@ -175,7 +175,7 @@ class DryRunReport:
 
 def dry_run(
     model: ModelSource | nn.Module,
-    plan: ParallelPlan | str | dict | Any,
+    plan: ParallelPlan | str | dict[str, Any] | Any,
     *,
     world_size: int | None = None,
     ranks: str | int | Iterable[int] = "sample",
@@ -227,10 +227,11 @@ def dry_run(
             is loaded into this plan after the phases, as ``Trainer.fit(ckpt_path=...)`` resumes (the reads planned
             against its index, :mod:`.checkpoint`).
     """
-    from lightning_galvatron.autoplan import optimizer_kind
     from lightning_galvatron.model.discovery import find_blocks
+    from lightning_galvatron.model.sources import seq_length_of
     from lightning_galvatron.model.tensor_parallel_plans import block_tensor_parallel_plans
     from lightning_galvatron.runtime.apply import check_runtime_support
+    from lightning_galvatron.strategy.autoplan import optimizer_kind
 
     started = time.perf_counter()
     if device not in ("cpu", "cuda"):
@@ -252,9 +253,7 @@ def dry_run(
         architecture = source.architecture()
         if architecture is None:
             raise ValueError(f"the cost model cannot read the shape of {source.label}; pass a plan and a full profile")
-    seq = (
-        seq_length or (architecture.default_seq_length if architecture is not None else None) or _seq_length_of(module)
-    )
+    seq = seq_length or (architecture.default_seq_length if architecture is not None else None) or seq_length_of(module)
     if not seq and architecture is None:  # the model's own default (a config's max_position_embeddings)
         shape = source.architecture()
         seq = shape.default_seq_length if shape is not None else None
@@ -263,8 +262,9 @@ def dry_run(
     if plan == "auto":
         if world_size is None or hardware is None:
             raise ValueError('plan="auto" needs world_size and a hardware profile to search with')
-        from lightning_galvatron.estimator import estimate_cluster
+        from lightning_galvatron.search.cluster_estimate import estimate_cluster
 
+        assert architecture is not None  # read (or refused) above for plan="auto"
         found = estimate_cluster(
             architecture,
             world_size,
@@ -306,7 +306,7 @@ def dry_run(
         real_tensors=real_tensors,
         device=device,
         devices_per_node=devices_per_node or 8,
-        device_memory=memory_per_device,
+        device_memory=None if memory_per_device is None else parse_bytes(memory_per_device),
         load_index=load_from.checkpoint_index() if load_from is not None else None,
     )
     results = run_ranks(job, chosen, workers)
@@ -358,7 +358,7 @@ def _describe_gpu_checks(ranks: Sequence[RankResult]) -> list[str]:
             continue
         span = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
         lines.append(f"host synchronisations per {phase} step (a GPU waits for each): {span} per rank")
-        seen = {}
+        seen: dict[tuple[str, tuple[str, ...]], HostSync] = {}
         for r in ranks:
             for s in r.host_syncs:
                 if s["phase"] == phase:
@@ -379,10 +379,10 @@ def shortened_plan(plan: ParallelPlan) -> ParallelPlan:
     as many blocks proves it for every length of the runs -- at a fraction of the cost: what the full-world
     proofs of long models use (with a narrow copy of the model: the order does not depend on tensor sizes).
     """
-    layers: list = []
+    layers: list[LayerStrategy] = []
     partition: list[int] = []
     for chunk in range(plan.pp * plan.virtual_stages):
-        kept: list = []
+        kept: list[LayerStrategy] = []
         for index in plan.chunk_layers(chunk):
             if not kept or kept[-1] != plan.layers[index]:
                 kept.append(plan.layers[index])
@@ -419,12 +419,6 @@ def _predict(
     else:
         return None
     return evaluate(priced, plan, precision=precision, optimizer=optimizer)
-
-
-def _seq_length_of(module: nn.Module) -> int | None:
-    from lightning_galvatron.estimator import _seq_length_of as seq_of
-
-    return seq_of(module)
 
 
 def _numel(shape: Sequence[int]) -> int:

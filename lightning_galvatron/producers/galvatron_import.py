@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_galvatron.jsonfile import read_json_object
-from lightning_galvatron.layout import ranks_per_node
+from lightning_galvatron.plan.layout import ranks_per_node
 from lightning_galvatron.profiles import (
     CollectiveFit,
     DegreeTable,

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightning_galvatron.layout import Layout, p2p_ranks_per_node, ranks_per_node
 from lightning_galvatron.plan import divisors
+from lightning_galvatron.plan.layout import Layout, p2p_ranks_per_node, ranks_per_node
 from lightning_galvatron.profiles import COLLECTIVE_KINDS, CollectiveFit, HardwareProfile, bus_volume
 from lightning_galvatron.runtime.mesh import MeshCache, reduce_over_ranks
 

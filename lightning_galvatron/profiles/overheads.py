@@ -4,7 +4,7 @@ The model half of a profile prices compute, the hardware half communication; nei
 hooks, DTensor's dispatch under tensor parallelism, a recomputed block's checkpoint, the optimizer's
 per-tensor work, a pipeline schedule's own work or the DDP reduction a backward leaves exposed add. On small
 models and CPUs that is most of a step, and it differs between strategies. The profiler times it directly
-(:mod:`lightning_galvatron.profiler.overheads`): one block of each type, forward and backward, under each kind of
+(:mod:`lightning_galvatron.profiler.model.overheads`): one block of each type, forward and backward, under each kind of
 strategy, the optimizer step over plain tensors and DTensors, steps of real pipeline schedules over copies of a
 block, and copies of a block without and with DDP's gradient reduction; the search turns the probes into a
 calibration (:mod:`lightning_galvatron.search.overheads`).

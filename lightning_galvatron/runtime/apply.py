@@ -23,9 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
 from torch.utils.hooks import RemovableHandle
 
-from lightning_galvatron.layout import ActivationLayout, Layout
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
-from lightning_galvatron.rules import plan_problems
+from lightning_galvatron.plan.layout import ActivationLayout, Layout
+from lightning_galvatron.plan.rules import plan_problems
 from lightning_galvatron.runtime.compile import apply_compile
 from lightning_galvatron.runtime.gradient_sync import GradientReducer
 from lightning_galvatron.runtime.mesh import MeshCache
@@ -73,7 +73,7 @@ def runtime_problems(
     compile_options: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Why the runtime would refuse ``plan`` for this model, each with where (empty: it executes it exactly): the
-    one whole-plan check (:func:`~lightning_galvatron.rules.plan_problems`) over the live model's facts
+    one whole-plan check (:func:`~lightning_galvatron.plan.rules.plan_problems`) over the live model's facts
     (:class:`~lightning_galvatron.runtime.model_facts.LiveModelFacts`). Pure: nothing is changed or communicated."""
     return plan_problems(plan, LiveModelFacts(structure, tp_plans, seq_length, compile_options))
 

@@ -13,7 +13,7 @@ run's by position, so both runs must take the same compiled graph:
 * shapes are static by default (``dynamic=False``). With automatic dynamic shapes the re-run can pick a
   dynamic graph compiled since (for another block or batch size) that saves the same tensors in another
   order -- silently wrong gradients (pytorch/pytorch#166926); plans that recompute refuse other settings
-  (:func:`~lightning_galvatron.rules.compile_problem`);
+  (:func:`~lightning_galvatron.plan.rules.compile_problem`);
 * in training a compiled block gets no KV cache (Hugging Face models pass one by default, even in
   training; the re-run cannot have one, see :mod:`lightning_galvatron.runtime.structure`). A training
   step's cache starts empty for the block, so it computes the same thing -- what Hugging Face's own

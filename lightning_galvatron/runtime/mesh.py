@@ -1,7 +1,7 @@
 """Device meshes that realise rank layouts.
 
 The arithmetic of a layout (degrees, strides, coordinates, groups) lives in
-:mod:`lightning_galvatron.layout`; :class:`MeshCache` only turns a :class:`~lightning_galvatron.layout.Layout`
+:mod:`lightning_galvatron.plan.layout`; :class:`MeshCache` only turns a :class:`~lightning_galvatron.plan.layout.Layout`
 into one ``DeviceMesh`` with dimensions ``("pp", "dp", "tp")``, collectively and only once, so that
 blocks sharing a layout share process groups.
 """
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_galvatron.layout import Layout
+from lightning_galvatron.plan.layout import Layout
 
 MESH_DIMS = ("pp", "dp", "tp")
 

@@ -1,9 +1,9 @@
-"""The live model as the rules see it: :class:`~lightning_galvatron.rules.ModelFacts` from the modules.
+"""The live model as the rules see it: :class:`~lightning_galvatron.plan.rules.ModelFacts` from the modules.
 
 What a profile records, the modules answer directly: the block lists by path, whether a token embedding is there to
 split by vocabulary, and each block's tensor-parallel plan (or why it has none), whose
 :meth:`~lightning_galvatron.runtime.tensor_parallel.BlockTensorParallelPlan.unsupported` is the block's half of the
-rules. :func:`~lightning_galvatron.rules.plan_problems` checks a plan against these facts as it checks a profile's.
+rules. :func:`~lightning_galvatron.plan.rules.plan_problems` checks a plan against these facts as it checks a profile's.
 """
 
 from __future__ import annotations

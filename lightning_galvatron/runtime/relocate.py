@@ -1,7 +1,7 @@
 """Relocation: move activations between blocks whose layouts differ.
 
 Between blocks, an activation ``X`` of shape ``[batch, seq, ...]`` (one micro-batch of a stage) is a
-set of plain local tensors: in an :class:`~lightning_galvatron.layout.ActivationLayout` with ``dp``
+set of plain local tensors: in an :class:`~lightning_galvatron.plan.layout.ActivationLayout` with ``dp``
 data shards and a group of ``tp`` ranks, rank ``r`` holds the batch rows of its dp shard and -- when the block shards
 the sequence (Megatron-SP, Ulysses) -- only its group rank's part of the sequence; otherwise the
 ``tp`` ranks of a group hold identical copies.
@@ -43,8 +43,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_galvatron.layout import ActivationLayout, Region
 from lightning_galvatron.plan import PlanError
+from lightning_galvatron.plan.layout import ActivationLayout, Region
 from lightning_galvatron.runtime.mesh import reduce_over_ranks, values_travel
 from lightning_galvatron.runtime.recompute import is_recomputing
 from lightning_galvatron.runtime.structure import model_class

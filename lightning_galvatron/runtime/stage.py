@@ -1,7 +1,7 @@
 """Pipeline stages: which blocks and layers a rank keeps, and how the user's step is cut at them.
 
 The plan cuts the blocks into ``pp * virtual_stages`` chunks; chunk ``c`` runs on pipeline stage
-``c % pp`` (:func:`~lightning_galvatron.layout.rank_chunks`). Each rank keeps only its chunks' blocks
+``c % pp`` (:func:`~lightning_galvatron.plan.layout.rank_chunks`). Each rank keeps only its chunks' blocks
 (the others are removed from their container *by key*, so the remaining parameter names do not
 change), the layers before the blocks only on the first stage and those after only on the last.
 
@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import ParallelPlan, PlanError
+from lightning_galvatron.plan.layout import rank_chunks
 from lightning_galvatron.runtime.structure import (
     ModelStructure,
     OutsideLayers,

@@ -2,8 +2,9 @@
 
 Measured selection chooses a plan by timing its step, and the dry run proves the collective order of its step; both
 hold only while their step is the one that trains. So the step has one owner, free of Lightning's Trainer (it takes
-the user's step as a callable): the strategy's micro-batches (:mod:`lightning_galvatron.micro_batches`) add
-Lightning's hooks and logs around :func:`run_batch`; a trial (:mod:`lightning_galvatron.trials`) and a simulated rank
+the user's step as a callable): the strategy's micro-batches (:mod:`lightning_galvatron.strategy.micro_batches`) add
+Lightning's hooks and logs around :func:`run_batch`; a trial (:mod:`lightning_galvatron.strategy.trials`) and a
+simulated rank
 (:mod:`lightning_galvatron.dryrun.rank`) run :func:`train_step`, which adds what Lightning's loop does around it
 (zeroing, clipping, the optimizer step).
 

@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_galvatron.rules import degree_problem
+from lightning_galvatron.plan.rules import degree_problem
 from lightning_galvatron.runtime.structure import HF_POSITION_INPUTS
 
 # ---------------------------------------------------------------------------------------------- block plans
@@ -113,9 +113,9 @@ class BlockTensorParallelPlan:
     def unsupported(self, tp: int, sp: str) -> str | None:
         """Why ``(tp, sp)`` cannot run exactly on this block, or ``None`` if it can.
 
-        The block's half of the rules of :mod:`lightning_galvatron.rules`: which styles it has and which sizes
-        they split; the arithmetic is :func:`~lightning_galvatron.rules.degree_problem`. The sequence a
-        sequence-parallel degree must divide is the data's (:func:`~lightning_galvatron.rules.sequence_problem`).
+        The block's half of the rules of :mod:`lightning_galvatron.plan.rules`: which styles it has and which sizes
+        they split; the arithmetic is :func:`~lightning_galvatron.plan.rules.degree_problem`. The sequence a
+        sequence-parallel degree must divide is the data's (:func:`~lightning_galvatron.plan.rules.sequence_problem`).
         """
         if sp == "ulysses" and not self.ulysses:
             return self.why_not_ulysses

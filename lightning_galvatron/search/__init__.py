@@ -4,7 +4,7 @@ Entry points: :func:`search` (the best plan for a cluster and memory budget; its
 :class:`SearchOptions`) and :func:`evaluate` (predicted time and memory of any plan). Profiles are
 :class:`lightning_galvatron.profiles.Profile`.
 
-Modules: ``options`` (the knobs), ``space`` (candidates, asking :mod:`lightning_galvatron.rules`), ``cost``
+Modules: ``options`` (the knobs), ``space`` (candidates, asking :mod:`lightning_galvatron.plan.rules`), ``cost``
 (time and memory), ``coefficients`` and ``calibration`` (the calibrated cost model and its fit), ``overheads``
 (the calibration a profile's measured per-call overheads give, and which calibration prices a plan), ``dp``
 (the block DP), ``pipeline`` (schedules and partitions), ``solver`` (one batch size, with the notation),

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from lightning_galvatron.plan import SCHEDULES, LayerStrategy, ParallelPlan, PlanError
+from lightning_galvatron.plan.rules import token_mean_problem
 from lightning_galvatron.profiles import Profile
-from lightning_galvatron.rules import token_mean_problem
 from lightning_galvatron.search.engine import SearchResult, search
 from lightning_galvatron.search.estimate import Estimate, evaluate
 

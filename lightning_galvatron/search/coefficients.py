@@ -12,7 +12,7 @@ A :class:`Calibration` says what a machine adds, in terms the search can use; it
 (:func:`~lightning_galvatron.search.calibration.fit_calibration`) from observations -- what
 :class:`~lightning_galvatron.profiler.runtime.RuntimeProfiler` measured on each rank over a few training
 steps of one or more plans (e.g. a probe plan with one block of each kind of strategy, at two micro-batch
-sizes; :mod:`lightning_galvatron.calibrate`), or, for the per-call terms and the optimizer only, from the probes
+sizes; :mod:`lightning_galvatron.cli.calibrate`), or, for the per-call terms and the optimizer only, from the probes
 the profiler measured with the profile (:mod:`lightning_galvatron.search.overheads`, what prices plans when no
 calibration is given). Per block call (forward and backward of one micro-batch)::
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from lightning_galvatron.layout import p2p_ranks_per_node, ranks_per_node
+from lightning_galvatron.plan.layout import p2p_ranks_per_node, ranks_per_node
 from lightning_galvatron.profiles import LayerTypeProfile, LinearFit, Profile, bus_volume
 from lightning_galvatron.search.coefficients import Calibration, block_features, load_calibration, vocab_time
 from lightning_galvatron.search.space import Layout, StrategyArrays

@@ -32,13 +32,14 @@ from typing import Any
 import numpy as np
 
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, divisors, even_partition
+from lightning_galvatron.plan.rules import token_mean_problem, vocab_problem
 from lightning_galvatron.profiles import Profile, load_profile
-from lightning_galvatron.rules import layer_problem, token_mean_problem, vocab_problem
 from lightning_galvatron.search.cost import CostModel, Precision, StageContext
 from lightning_galvatron.search.estimate import Estimate, evaluate
 from lightning_galvatron.search.options import SearchOptions
 from lightning_galvatron.search.overheads import applicable_calibration
 from lightning_galvatron.search.pipeline import pipeline_step_time, rank_blocks
+from lightning_galvatron.search.profile_facts import layer_problem
 from lightning_galvatron.search.solver import Choice, FixedBatchSolver, NoAssignment
 from lightning_galvatron.search.space import PipelineConfig, pipeline_configs, pipeline_degrees
 from lightning_galvatron.search.working import RESERVE_LEVELS, reserve_level, working_memory_bytes

@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, PlanError
+from lightning_galvatron.plan.layout import rank_chunks
+from lightning_galvatron.plan.rules import plan_problems
 from lightning_galvatron.profiles import LayerTypeProfile, Profile, load_profile
-from lightning_galvatron.rules import plan_problems
 from lightning_galvatron.search.coefficients import Calibration
 from lightning_galvatron.search.cost import (
     CostModel,
@@ -22,6 +22,7 @@ from lightning_galvatron.search.cost import (
 )
 from lightning_galvatron.search.overheads import applicable_calibration
 from lightning_galvatron.search.pipeline import in_flight_micro_batches, p2p_transfers, pipeline_step_time, step_span
+from lightning_galvatron.search.profile_facts import ProfileFacts
 from lightning_galvatron.search.space import StrategyArrays, layout_of
 from lightning_galvatron.search.working import plan_working_memory_bytes
 from lightning_galvatron.units import parse_bytes
@@ -172,7 +173,7 @@ def evaluate(
         raise PlanError("the plan does not fix its global batch size: pass global_batch_size")
     plan.check_batch_size(B)
     budget = None if memory_budget_bytes is None else parse_bytes(memory_budget_bytes)
-    warnings = plan_problems(plan, model)  # what the runtime would refuse: still priced, as a what-if
+    warnings = plan_problems(plan, ProfileFacts(model))  # what the runtime would refuse: still priced, as a what-if
     W, pp, m, v = plan.world_size, plan.pp, plan.micro_batches, plan.virtual_stages
     span = step_span(pp, m, v)
     hw = profile.hardware

@@ -26,9 +26,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import even_partition
-from lightning_galvatron.rules import interleaved_rounds
+from lightning_galvatron.plan.layout import rank_chunks
+from lightning_galvatron.plan.rules import interleaved_rounds
 
 
 def in_flight_micro_batches(schedule: str, pp: int, micro_batches: int, stage: int, virtual_stages: int = 1) -> float:
@@ -190,7 +190,7 @@ def refine_partition(
 
 
 def rank_blocks(sizes: Sequence[int], pp: int, rank: int) -> tuple[list[int], list[bool]]:
-    """The blocks of pipeline rank ``rank`` (its chunks, :func:`~lightning_galvatron.layout.rank_chunks`, of
+    """The blocks of pipeline rank ``rank`` (its chunks, :func:`~lightning_galvatron.plan.layout.rank_chunks`, of
     ``sizes`` blocks each), and whether each starts a chunk (activations arrive by point-to-point there: no
     relocation)."""
     starts = np.concatenate([[0], np.cumsum(sizes)])

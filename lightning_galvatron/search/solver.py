@@ -37,8 +37,8 @@ from functools import partial
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import LayerStrategy, ParallelPlan, even_partition
+from lightning_galvatron.plan.layout import rank_chunks
 from lightning_galvatron.search.cost import (
     CostModel,
     LayerCosts,

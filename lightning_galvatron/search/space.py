@@ -8,7 +8,7 @@ sequence parallelism, or Ulysses), the data-parallel degree ``d = n/g`` takes th
 
 A candidate is offered if and only if it is a valid plan (the global batch divides by
 ``d * micro_batches`` for every block, chunks hold at least one block) and no rule of
-:mod:`lightning_galvatron.rules` objects (degrees, sequence splits, styles a layer type has,
+:mod:`lightning_galvatron.plan.rules` objects (degrees, sequence splits, styles a layer type has,
 schedules ``torch.distributed.pipelining`` accepts, pipelines over one block list) -- unless the
 user's options leave it out or it is pruned because it cannot help: ZeRO at ``d = 1`` (identical to
 DDP), strided layouts where every group stays inside one node (identical costs), GPipe with
@@ -24,18 +24,18 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from lightning_galvatron.layout import ActivationForm, activation_form
 from lightning_galvatron.plan import DP_TYPES, LayerStrategy, divisors
-from lightning_galvatron.profiles import LayerTypeProfile, VocabProfile
-from lightning_galvatron.rules import (
-    layer_problem,
+from lightning_galvatron.plan.layout import ActivationForm, activation_form
+from lightning_galvatron.plan.rules import (
     pipeline_problem,
     schedule_problem,
     token_mean_problem,
     vocab_problem,
 )
+from lightning_galvatron.profiles import LayerTypeProfile, VocabProfile
 from lightning_galvatron.search.options import SearchOptions
 from lightning_galvatron.search.pipeline import step_span
+from lightning_galvatron.search.profile_facts import layer_problem
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def vocab_candidates(
     """Strategies for the embedding and head: data parallelism, or vocabulary parallelism of any degree
     (the runtime shards a vocabulary the degree does not divide unevenly). With ``options.token_means``, only the
     degrees that give each of the shape's ``micro_batches`` one DDP rank's samples
-    (:func:`~lightning_galvatron.rules.token_mean_problem`).
+    (:func:`~lightning_galvatron.plan.rules.token_mean_problem`).
 
     The embedding and head always run on whole sequences (``sp="none"``): the user's ``training_step``
     computes the loss from them, so the runtime cannot split their sequence. ``seq_length`` is kept for
@@ -188,7 +188,8 @@ DP_CODE = {t: i for i, t in enumerate(DP_TYPES)}
 
 
 #: How activations between blocks are laid out (group size, replicated or split, rank order): blocks with the
-#: same layout hand activations over as they are; others need a relocation. Owned by :mod:`lightning_galvatron.layout`.
+#: same layout hand activations over as they are; others need a relocation. Owned by
+#: :mod:`lightning_galvatron.plan.layout`.
 Layout = ActivationForm
 
 

@@ -2,7 +2,7 @@
 
 :mod:`.measured` chooses and caches, :mod:`.memory` measures a step's peak memory, :mod:`.settings` holds what the
 trials may spend, what runs them (``CandidateRunner``) and what they measured. The trials run in
-:mod:`lightning_galvatron.trials` (the Lightning side); the candidates come from
+:mod:`lightning_galvatron.strategy.trials` (the Lightning side); the candidates come from
 :mod:`lightning_galvatron.search.candidates`.
 """
 

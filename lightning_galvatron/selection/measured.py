@@ -1,11 +1,12 @@
 """Measured selection: the cost model proposes, short real runs decide.
 
-After the search (:func:`~lightning_galvatron.autoplan.plan_automatically`), in ``setup``:
+After the search (:func:`~lightning_galvatron.strategy.autoplan.plan_automatically`), in ``setup``:
 
 1. rank 0 takes the search's best plan, the best plan of each other kind and the uniform plans that fit
    (:func:`~lightning_galvatron.search.candidates.diverse_candidates`) and tells every rank;
 2. every rank runs each candidate for a few steps on a copy of the model (``runner``, a
-   :class:`~lightning_galvatron.selection.settings.CandidateRunner`: :class:`lightning_galvatron.trials.TrialRunner`
+   :class:`~lightning_galvatron.selection.settings.CandidateRunner`:
+   :class:`lightning_galvatron.strategy.trials.TrialRunner`
    under the strategy), in order, while rank 0 expects the next trial to end within the time budget;
 3. rank 0 calibrates the cost model from what the runtime profiler saw in the trials
    (:func:`~lightning_galvatron.search.calibration.fit_calibration`) and searches again with it; a new plan is
@@ -47,7 +48,7 @@ from lightning_galvatron.selection.settings import CandidateRunner, Measurement,
 from lightning_galvatron.units import format_bytes
 
 if TYPE_CHECKING:
-    from lightning_galvatron.autoplan import AutoPlan
+    from lightning_galvatron.strategy.autoplan import AutoPlan
 
 SELECTION_FORMAT = "lightning_galvatron.selection"
 SELECTION_VERSION = 1
@@ -73,6 +74,12 @@ class TrialRecord:
         """Measured, and its measured peak within ``budget`` (a trial stopped early was not measured: assumed to
         fit, as it is chosen only where nothing measured is faster)."""
         return self.step_s is not None and (self.peak_bytes is None or self.peak_bytes <= budget)
+
+    @property
+    def measured_step_s(self) -> float:
+        """``step_s`` of a trial known to have been measured (filtered by :meth:`fits` or ``step_s is not None``)."""
+        assert self.step_s is not None, f"the trial of {self.name} measured no step time"
+        return self.step_s
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -107,7 +114,7 @@ class Selection:
     def runner_up(self) -> TrialRecord | None:
         """The fastest measured plan that fits, other than the chosen one."""
         others = [t for t in self.trials if t.plan != self.plan and t.fits(self.memory_budget_bytes)]
-        return min(others, key=lambda t: t.step_s) if others else None
+        return min(others, key=lambda t: t.measured_step_s) if others else None
 
     def report(self) -> str:
         source = (
@@ -155,8 +162,8 @@ class Selection:
             searched = next((t for t in self.trials if t.name == "searched" and t.step_s is not None), None)
             versus = ""
             if searched is not None and searched is not chosen:
-                versus = f", {searched.step_s / chosen.step_s:.2f}x the search's plan as measured"
-            lines.append(f"chosen: {chosen.name}, {chosen.step_s * 1e3:.1f} ms per step measured{versus}")
+                versus = f", {searched.measured_step_s / chosen.measured_step_s:.2f}x the search's plan as measured"
+            lines.append(f"chosen: {chosen.name}, {chosen.measured_step_s * 1e3:.1f} ms per step measured{versus}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,12 +198,12 @@ class Selection:
 class SelectionCache:
     """Selections on disk next to the profiles: ``<profile cache>/selections/<key>.json``, written atomically."""
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.root = Path(directory).expanduser()  # the profile cache's
         self.directory = self.root / "selections"
 
     @classmethod
-    def of(cls, profile_cache: bool | str | os.PathLike | None) -> SelectionCache | None:
+    def of(cls, profile_cache: bool | str | os.PathLike[str] | None) -> SelectionCache | None:
         """The cache that goes with the strategy's ``profile_cache`` (none when profiles are not cached)."""
         from lightning_galvatron.profiler.cache import default_cache_dir
 
@@ -283,7 +290,7 @@ def select_by_measurement(
     if rank == 0 and cache is not None:
         cached = cache.load(key)
         problem = None if cached is None else unfit_selection(cached, auto.plan, check)
-        if problem is not None:
+        if cached is not None and problem is not None:
             warnings.warn(
                 f"ignoring the cached selection {cached.cache_file}: {problem}; measuring again and overwriting it",
                 stacklevel=2,
@@ -315,11 +322,12 @@ def _select(
     budget = auto.memory_budget_bytes
     proposals: list[Any] = [None]
     if rank == 0:
-        candidates = diverse_candidates(
+        assert auto.search_result is not None, "rank 0's AutoPlan carries the search's result"
+        proposed = diverse_candidates(
             auto.profile, auto.search_result, auto.search_arguments, max_candidates=settings.max_candidates
         )
         executable = []
-        for c in candidates:
+        for c in proposed:
             try:
                 check(c.plan)
             except ValueError:
@@ -327,14 +335,17 @@ def _select(
             executable.append((c.name, c.plan.to_dict(), c.estimate.step_time_s, c.estimate.peak_memory_bytes))
         proposals = [executable]
     dist.broadcast_object_list(proposals, src=0)
-    candidates = [(name, ParallelPlan.from_dict(plan), step, peak) for name, plan, step, peak in proposals[0]]
+    # (name, plan, predicted step time, predicted peak) of each candidate, the same on every rank.
+    candidates: list[tuple[str, ParallelPlan, float, float]] = [
+        (name, ParallelPlan.from_dict(plan), step, peak) for name, plan, step, peak in proposals[0]
+    ]
 
     records: list[TrialRecord] = []
     observations: list[Observation] = []
 
     def trial(index: int, name: str, plan: ParallelPlan, predicted_step: float, predicted_peak: float) -> None:
         progress(f"setup: trial {index} ({name})")
-        fastest = min((t.step_s for t in records if t.fits(budget)), default=None)
+        fastest = min((t.measured_step_s for t in records if t.fits(budget)), default=None)
         stop_above = None if fastest is None else SLOWER_THAN_FASTEST * fastest
         measurement, seen = runner.run(plan, settings, stop_above=stop_above)
         # A trial stopped early is fitted too: its one step after the warm-up prices it 0-20% high, but without
@@ -389,11 +400,11 @@ def close_call(records: list[TrialRecord], budget: int) -> list[TrialRecord]:
     within :data:`CLOSE_CALL` of the fastest; else the plan the cost model priced closest to the fastest, where
     that is within :data:`CLOSE_CALL` of the fastest's price -- the measurement contradicts the model, and one
     disturbed trial can do that (docs/performance.md has a trial a third slower than the plan then trained)."""
-    measured = sorted((t for t in records if t.fits(budget) and not t.stopped_early), key=lambda t: t.step_s)
+    measured = sorted((t for t in records if t.fits(budget) and not t.stopped_early), key=lambda t: t.measured_step_s)
     if len(measured) < 2:
         return []
     fastest, others = measured[0], measured[1:]
-    if others[0].step_s <= CLOSE_CALL * fastest.step_s:
+    if others[0].measured_step_s <= CLOSE_CALL * fastest.measured_step_s:
         return [fastest, others[0]]
     priced = min(others, key=lambda t: t.predicted_step_s)
     return [fastest, priced] if priced.predicted_step_s <= CLOSE_CALL * fastest.predicted_step_s else []
@@ -538,13 +549,14 @@ def _decide(
     fitting = [t for t in records if t.fits(budget)]
     measured = [t for t in records if t.step_s is not None]
     if fitting:
-        fastest = min(fitting, key=lambda t: t.step_s)
+        fastest = min(fitting, key=lambda t: t.measured_step_s)
         chosen = simplest_within_resolution(fastest, fitting)
         plan = chosen.plan
         if chosen is not fastest:
             note = (note + "; " if note else "") + (
-                f"{fastest.name} measured {fastest.step_s * 1e3:.1f} ms per step, {chosen.name} "
-                f"{chosen.step_s * 1e3:.1f} ms: closer than the trials can tell apart, so the simpler plan is trained"
+                f"{fastest.name} measured {fastest.measured_step_s * 1e3:.1f} ms per step, "
+                f"{chosen.name} {chosen.measured_step_s * 1e3:.1f} ms: "
+                "closer than the trials can tell apart, so the simpler plan is trained"
             )
     elif measured:
         least = min(measured, key=lambda t: t.peak_bytes if t.peak_bytes is not None else float("inf"))

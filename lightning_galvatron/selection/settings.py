@@ -1,6 +1,6 @@
 """What measured selection may spend (``GalvatronStrategy(trials=...)``), what runs a trial and what it measured, and
 the random state kept around the trials. Lightning-free (the trials themselves run in
-:mod:`lightning_galvatron.trials`)."""
+:mod:`lightning_galvatron.strategy.trials`)."""
 
 from __future__ import annotations
 
@@ -89,8 +89,9 @@ class Measurement:
 
 
 class CandidateRunner(Protocol):
-    """What measured selection needs of the side that trains candidates (:class:`lightning_galvatron.trials.TrialRunner`
-    under the strategy): the device, and a trial of one plan."""
+    """What measured selection needs of the side that trains candidates
+    (:class:`lightning_galvatron.strategy.trials.TrialRunner` under the strategy): the device, and a trial of one
+    plan."""
 
     device: torch.device
 

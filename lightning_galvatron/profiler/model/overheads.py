@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_galvatron.layout import rank_chunks
 from lightning_galvatron.plan import LayerStrategy
+from lightning_galvatron.plan.layout import rank_chunks
 from lightning_galvatron.profiler.model.blocks import _backward, _BlockProfiler
 from lightning_galvatron.profiler.model.degrees import _Styles
 from lightning_galvatron.profiler.model.setup import _synchronize, agreed_repeats
@@ -76,9 +76,9 @@ def measure_overheads(
     :data:`REDUCTION_BYTES`); seconds are the slowest rank's. Collective."""
     from torch.distributed._composable import checkpoint
 
-    from lightning_galvatron.precision import mixed_precision_policy
     from lightning_galvatron.runtime.gradient_sync import GradientReducer
     from lightning_galvatron.runtime.mesh import Layout, MeshCache
+    from lightning_galvatron.runtime.precision import mixed_precision_policy
     from lightning_galvatron.runtime.sharding import apply_data_parallel
 
     started = time.perf_counter()
