@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ from torch.utils.data import BatchSampler, DataLoader
 
 from lightning_galvatron.plan import ParallelPlan, PlanError
 from lightning_galvatron.runtime.apply import input_shard, input_shard_group
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
 from lightning_galvatron.runtime.mesh import MeshCache
 from lightning_galvatron.runtime.relocate import tensor_digest
 from lightning_galvatron.runtime.structure import is_kv_cache
@@ -101,7 +104,7 @@ def rebatch(dataloader: object, batch_size: int) -> object:
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
 
 
-def first_dataloader(trainer: Any) -> Any:
+def first_dataloader(trainer: Trainer) -> Any:
     """The DataLoader of the stage being set up (its first one), to take an example batch from."""
     loop = {
         TrainerFn.FITTING: trainer.fit_loop,

@@ -16,7 +16,7 @@ parallelism, nothing split, recomputed or pipelined. A given plan, or ``layers=`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -41,6 +41,9 @@ from lightning_galvatron.strategy.autoplan import (
 from lightning_galvatron.strategy.data import example_batch, first_dataloader
 from lightning_galvatron.strategy.prediction import Prediction
 from lightning_galvatron.units import format_bytes
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
 
 __all__ = [
     "WholeModel",
@@ -74,14 +77,14 @@ def find_structure(module: nn.Module, layers: Any, plan_source: Any) -> ModelStr
         return WholeModel(module, (), why=str(error))
 
 
-def block_plans(structure: ModelStructure, step: str, trainer: Any) -> list[BlockTensorParallelPlan | str]:
+def block_plans(structure: ModelStructure, step: str, trainer: Trainer) -> list[BlockTensorParallelPlan | str]:
     """Each block's tensor-parallel plan, or why it has none. A plan guessed from layer names is proven on the
     block first; where the block takes more than its hidden states, on the inputs of a real call, observed by running
     ``step`` on the first batch of the trainer's loader (taken only then)."""
     return block_tensor_parallel_plans(structure, step, lambda: example_batch(first_dataloader(trainer)))
 
 
-def traced_outside_layers(module: nn.Module, structure: ModelStructure, step: str, trainer: Any) -> OutsideLayers:
+def traced_outside_layers(module: nn.Module, structure: ModelStructure, step: str, trainer: Trainer) -> OutsideLayers:
     """Pipelines: which layers outside the blocks ``step`` runs before them and which after, observed once on the
     first batch of the trainer's loader (registration order does not tell); the same answer, or the same error, on
     every rank."""

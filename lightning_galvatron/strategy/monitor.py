@@ -89,7 +89,7 @@ class GalvatronMonitor(Callback):
                 pl_module.log(f"galvatron/{name}", value, on_step=True, on_epoch=False, batch_size=1)
 
 
-def _loggers_write_now(trainer: Any) -> bool:
+def _loggers_write_now(trainer: L.Trainer) -> bool:
     """Whether Lightning writes this step's logged values to the loggers (every ``log_every_n_steps`` steps)."""
     connector = getattr(trainer, "_logger_connector", None)
     return bool(getattr(connector, "should_update_logs", True))
@@ -182,7 +182,7 @@ def save_plan_files(directory: Path, plan: Any, profile: Any, write: bool) -> li
     return files
 
 
-def output_dir(trainer: Any) -> Path:
+def output_dir(trainer: L.Trainer) -> Path:
     """Where the plan and profile are saved: the logger's directory. Call on every rank (it broadcasts)."""
     path = Path(trainer.log_dir or trainer.default_root_dir)
     if trainer.global_rank == 0:

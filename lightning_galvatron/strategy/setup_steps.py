@@ -13,15 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
 
 @contextmanager
-def configured_optimizers_in_place(strategy: Any, trainer: Any) -> Iterator[None]:
+def configured_optimizers_in_place(strategy: Any, trainer: Trainer) -> Iterator[None]:
     """While fitting, ``strategy.optimizers`` and ``lr_scheduler_configs`` (what ``self.optimizers()`` and
     ``self.lr_schedulers()`` read) hold what the module's ``configure_optimizers`` returns; emptied after.
 

@@ -263,7 +263,7 @@ class GalvatronStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ setup: resolve and apply the plan
     @override
-    def setup(self, trainer: Any) -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if self._add_monitor and not any(isinstance(c, GalvatronMonitor) for c in trainer.callbacks):
@@ -289,7 +289,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         """The plan's application placed the model (``preparation.place_on_device``); moving it again would drop its
         gradient hooks."""
 
-    def _parallelise(self, trainer: Any) -> None:
+    def _parallelise(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self._meshes is not None
         module = self.lightning_module
         started = time.perf_counter()
@@ -369,7 +369,7 @@ class GalvatronStrategy(ModelParallelStrategy):
         assert self._applied is not None
         self.precision_plugin.norm_scope = NormScope.of(self._applied)  # clipping over this plan's meshes and stages
 
-    def _trace_outside_layers(self, trainer: Any) -> OutsideLayers:
+    def _trace_outside_layers(self, trainer: pl.Trainer) -> OutsideLayers:
         assert self.structure is not None
         self._progress("setup: tracing the step for the pipeline")
         return traced_outside_layers(self.lightning_module, self.structure, _STEP_OF[trainer.state.fn], trainer)

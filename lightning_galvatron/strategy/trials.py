@@ -185,7 +185,7 @@ class TrialRunner:
     """What a trial needs from the strategy: the user's module and data, and how the strategy applies a plan."""
 
     module: nn.Module  # the user's LightningModule: copied, never changed
-    trainer: Any
+    trainer: L.Trainer
     layers: str | Sequence[str] | None
     batch: Any  # a global batch of samples (global_batch_samples)
     meshes: MeshCache
