@@ -18,6 +18,7 @@ work each side does, which the load of other jobs on a shared machine moves far 
 
     python benchmarks/same_plan.py [--rounds 4] [--worlds 2 4] [--families gpt2 llama bert]
     python benchmarks/same_plan.py --quick      # one round, fewer steps
+    python benchmarks/same_plan.py --report-from results/same_plan.json   # the saved run's table, again
 """
 
 from __future__ import annotations
@@ -149,8 +150,27 @@ def summarise(runs: dict) -> dict:
                 "per_round": ratios,
                 "step_s": steps,
                 "cpu_ratio": statistics.median(cpu) if cpu else None,
+                "phase_ratios": _phase_ratios(sides),
             }
     return out
+
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _phase_ratios(sides: dict) -> dict[str, float]:
+    """Per phase of the step (the harness's ``PhaseClock``, averaged over the ranks): Galvatron's time over
+    PyTorch's, median over the rounds (above 1: Galvatron slower in that phase) -- where a step ratio's gap lies."""
+    ratios: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    for g, p in zip(sides["galvatron"], sides["pytorch"]):
+        g_phases, p_phases = (r.get("info", {}).get("phases_per_rank") for r in (g, p))
+        if "error" in g or "error" in p or not g_phases or not p_phases:
+            continue
+        for phase in PHASES:
+            ours, theirs = (statistics.mean(rank[phase] for rank in ranks) for ranks in (g_phases, p_phases))
+            if theirs > 0:
+                ratios[phase].append(ours / theirs)
+    return {phase: statistics.median(values) for phase, values in ratios.items() if values}
 
 
 def report(results: dict, families: list[str], args: Any) -> str:
@@ -159,13 +179,15 @@ def report(results: dict, families: list[str], args: Any) -> str:
         print(
             f"Same plan, GalvatronStrategy vs PyTorch: PyTorch's step time / Galvatron's (above 1: Galvatron faster), "
             f"median of {args.rounds} interleaved round(s); {args.warmup_steps} warm-up and {args.timed_steps} timed "
-            "steps per run; CPU: the same ratio of CPU seconds per step summed over the ranks"
+            "steps per run; CPU: the same ratio of CPU seconds per step summed over the ranks; forw/back/opti: "
+            "Galvatron's time in that phase over PyTorch's (above 1: Galvatron slower there)"
         )
         print(f"model: {FamilyModel(family='<family>').describe()}")
         for world, result in results.items():
             print(f"\n{world} CPU processes")
             columns = f"{'family':7s} {'plan':6s} {'PyTorch strategy':34s}"
-            print(f"  {columns} {'Galvatron':>10s} {'PyTorch':>9s} {'ratio':>6s} {'CPU':>6s}  per round")
+            phases = " ".join(f"{phase[:4]:>5s}" for phase in PHASES)
+            print(f"  {columns} {'Galvatron':>10s} {'PyTorch':>9s} {'ratio':>6s} {'CPU':>6s}  {phases}  per round")
             for family in families:
                 for plan, against in PAIRS.items():
                     row = result["summary"][family][plan]
@@ -175,7 +197,12 @@ def report(results: dict, families: list[str], args: Any) -> str:
                     ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "-"
                     cpu = f"{row['cpu_ratio']:.2f}x" if row.get("cpu_ratio") is not None else "-"
                     rounds = ", ".join(f"{x:.2f}" for x in row["per_round"])
-                    print(f"  {family:7s} {plan:6s} {against:34s} {gal:>10s} {tor:>9s} {ratio:>6s} {cpu:>6s}  {rounds}")
+                    by_phase = row.get("phase_ratios", {})
+                    phases = " ".join(f"{by_phase[p]:5.2f}" if p in by_phase else f"{'-':>5s}" for p in PHASES)
+                    print(
+                        f"  {family:7s} {plan:6s} {against:34s} {gal:>10s} {tor:>9s} {ratio:>6s} {cpu:>6s}  {phases}  "
+                        f"{rounds}"
+                    )
     return text.getvalue()
 
 
@@ -188,7 +215,15 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--timed-steps", type=int, default=6)
     parser.add_argument("--output", default=None, help="default: results/same_plan.json (same_plan_quick.json)")
+    parser.add_argument("--report-from", default=None, help="print the table of a saved JSON again (no run)")
     args = parser.parse_args()
+    if args.report_from:
+        saved = json.loads(Path(args.report_from).read_text())
+        for key in ("rounds", "warmup_steps", "timed_steps"):
+            setattr(args, key, saved[key])
+        worlds = {world: {**result, "summary": summarise(result["runs"])} for world, result in saved["worlds"].items()}
+        print(report(worlds, [f for f in FAMILIES if f in next(iter(worlds.values()))["runs"]], args))
+        return
     if args.quick:
         args.rounds, args.warmup_steps, args.timed_steps = 1, 1, 4
     output = Path(args.output or RESULTS / ("same_plan_quick.json" if args.quick else "same_plan.json"))
