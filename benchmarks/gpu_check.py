@@ -219,11 +219,10 @@ def memory_section(
     """Train every case for a few steps and compare its measured peak with the cost model's."""
     import gc
 
-    import lightning.pytorch as L
     import torch
     import torch.distributed as dist
 
-    from benchmarks.harness import StepProbe
+    from benchmarks.harness import StepProbe, probe_trainer
     from examples.gpt import GPTModule
     from lightning_galvatron import GalvatronStrategy
     from lightning_galvatron.profiles import Profile
@@ -243,20 +242,8 @@ def memory_section(
         probe = StepProbe(warmup=1, timed=1, memory=True)
         torch.manual_seed(0)
         module = GPTModule(**config.module_kwargs())
-        trainer = L.Trainer(
-            accelerator=accelerator,
-            devices=1,
-            strategy=GalvatronStrategy(plan=plan, save_plan=False),
-            precision=case.precision,
-            max_steps=probe.total_steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            callbacks=[probe],
-            default_root_dir=tempfile.gettempdir(),
+        trainer = probe_trainer(
+            GalvatronStrategy(plan=plan, save_plan=False), 1, probe, accelerator, precision=case.precision
         )
         started = time.perf_counter()
         trainer.fit(module, random_tokens(config, probe.total_steps))

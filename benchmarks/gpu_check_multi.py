@@ -123,7 +123,7 @@ def train_plan(
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from benchmarks.harness import StepProbe
+    from benchmarks.harness import StepProbe, probe_trainer
     from examples.gpt import GPTModule
     from lightning_galvatron import GalvatronStrategy
     from lightning_galvatron.plan import ParallelPlan
@@ -147,21 +147,7 @@ def train_plan(
         save_plan=False,
         process_group_backend="nccl" if accelerator == "gpu" else "gloo",
     )
-    trainer = L.Trainer(
-        accelerator=accelerator,
-        devices=world,
-        strategy=strategy,
-        precision=PRECISION,
-        max_steps=probe.total_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[probe, recorder],
-        default_root_dir=work_dir,
-    )
+    trainer = probe_trainer(strategy, world, probe, accelerator, recorder, precision=PRECISION, root_dir=work_dir)
     torch.manual_seed(0)
     module = GPTModule(**model_config.module_kwargs(), bias=False)  # a key bias's gradient is rounding noise
     initial = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()} if reference else None

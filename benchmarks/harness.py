@@ -302,13 +302,22 @@ class RunMeasurement:
         return out
 
 
-def _trainer(strategy: Any, world_size: int, probe: StepProbe, accelerator: str, *extra: L.Callback) -> L.Trainer:
+def probe_trainer(
+    strategy: Any,
+    world_size: int,
+    probe: StepProbe,
+    accelerator: str,
+    *extra: L.Callback,
+    precision: str = "32-true",
+    root_dir: str | None = None,
+) -> L.Trainer:
+    """A Trainer that runs the probe's steps and nothing else (no validation, logging, checkpoints or bars)."""
     return L.Trainer(
-        default_root_dir=tempfile.gettempdir(),
+        default_root_dir=root_dir or tempfile.gettempdir(),
         accelerator=accelerator,
         devices=world_size,
         strategy=strategy,
-        precision="32-true",
+        precision=precision,
         max_steps=probe.total_steps,
         logger=False,
         enable_checkpointing=False,
@@ -342,7 +351,7 @@ def measure_run(
     # The runtime profiler of the library's calibration workflow, on the same timed steps.
     runtime = CalibrationProbe(warmup, timed) if runtime_profile else None
     strategy = make_strategy()
-    trainer = _trainer(strategy, world, probe, accelerator, *([runtime] if runtime is not None else []))
+    trainer = probe_trainer(strategy, world, probe, accelerator, *([runtime] if runtime is not None else []))
     gc.collect()
     started = time.perf_counter()
     trainer.fit(module, make_loader(model, world))
