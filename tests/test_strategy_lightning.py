@@ -182,9 +182,8 @@ trainer = L.Trainer(strategy="galvatron", accelerator="cpu", devices=1, logger=F
 
 def test_a_lightning_module_of_the_package_imported_first_still_registers_the_strategies():
     """``import lightning_galvatron.strategy.data`` alone imported Lightning, whose registration hook imported the
-    strategies,
-    which read names of the half-imported ``data`` module (a circular ImportError). The Trainer's precision check
-    speaks our message, so the strategy's class and its connector patch are in place when the Trainer asks."""
+    strategies, which read names of the half-imported ``data`` module (a circular ImportError). The Trainer's precision
+    check speaks our message, so the strategy's class and its connector patch are in place when the Trainer asks."""
     out = subprocess.run(
         [sys.executable, "-c", _FIRST_IMPORT], capture_output=True, text=True, cwd=REPO, timeout=300, check=False
     )

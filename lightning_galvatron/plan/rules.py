@@ -7,10 +7,9 @@ errors before anything is changed (:func:`~lightning_galvatron.runtime.apply.che
 
 A whole plan is checked once, by :func:`plan_problems`, over the :class:`ModelFacts` a model gives: a profile
 (:class:`~lightning_galvatron.search.profile_facts.ProfileFacts`) or the live modules
-(:class:`~lightning_galvatron.runtime.model_facts.LiveModelFacts`,
-whose blocks answer from their tensor-parallel plans). Both sides therefore object to the same plans at the same
-places, in one message format; where the live model knows more (the names of the sizes a plan splits, why a
-block has no style), its reasons say more.
+(:class:`~lightning_galvatron.runtime.model_facts.LiveModelFacts`, whose blocks answer from their tensor-parallel
+plans). Both sides therefore object to the same plans at the same places, in one message format; where the live model
+knows more (the names of the sizes a plan splits, why a block has no style), its reasons say more.
 
 Reasons are phrases without the location (``layers[3]``, ``vocab``): :func:`plan_problems` says where. Only plan
 validity (degrees that divide the stage, batch divisibility, chunks per block) is not here: a

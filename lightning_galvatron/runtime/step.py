@@ -4,9 +4,8 @@ Measured selection chooses a plan by timing its step, and the dry run proves the
 hold only while their step is the one that trains. So the step has one owner, free of Lightning's Trainer (it takes
 the user's step as a callable): the strategy's micro-batches (:mod:`lightning_galvatron.strategy.micro_batches`) add
 Lightning's hooks and logs around :func:`run_batch`; a trial (:mod:`lightning_galvatron.strategy.trials`) and a
-simulated rank
-(:mod:`lightning_galvatron.dryrun.rank`) run :func:`train_step`, which adds what Lightning's loop does around it
-(zeroing, clipping, the optimizer step).
+simulated rank (:mod:`lightning_galvatron.dryrun.rank`) run :func:`train_step`, which adds what Lightning's loop does
+around it (zeroing, clipping, the optimizer step).
 
 - **The batch** (:func:`run_batch`): with one micro-batch and no pipeline, the user's step and backward; otherwise
   the plan's runner over the micro-batches (and the pipeline schedule), data-parallel gradients summed once after the

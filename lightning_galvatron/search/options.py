@@ -62,8 +62,7 @@ class SearchOptions:
         baselines: price the uniform baselines (pure DDP, ZeRO-3, TP, the best uniform 3D plan) too.
         token_means: leave out plans whose losses would not each hold one DDP rank's samples
             (:func:`~lightning_galvatron.plan.rules.token_mean_problem`): ``plan="auto"`` sets it for batches with
-            labels
-            ``-100``.
+            labels ``-100``.
         calibration: price plans with the cost model calibrated from measured steps
             (:class:`~lightning_galvatron.search.coefficients.Calibration`, its dict or JSON file).
     """

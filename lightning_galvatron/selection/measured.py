@@ -6,8 +6,8 @@ After the search (:func:`~lightning_galvatron.strategy.autoplan.plan_automatical
    (:func:`~lightning_galvatron.search.candidates.diverse_candidates`) and tells every rank;
 2. every rank runs each candidate for a few steps on a copy of the model (``runner``, a
    :class:`~lightning_galvatron.selection.settings.CandidateRunner`:
-   :class:`lightning_galvatron.strategy.trials.TrialRunner`
-   under the strategy), in order, while rank 0 expects the next trial to end within the time budget;
+   :class:`lightning_galvatron.strategy.trials.TrialRunner` under the strategy), in order, while rank 0 expects the next
+   trial to end within the time budget;
 3. rank 0 calibrates the cost model from what the runtime profiler saw in the trials
    (:func:`~lightning_galvatron.search.calibration.fit_calibration`) and searches again with it; a new plan is
    tried too, time permitting;

@@ -84,8 +84,7 @@ class SearchSettings:
 class AutomaticPlanFailed(PlanError):
     """Profiling or searching the model failed (on the rank the message names) for another reason than no plan
     fitting: ``plan="auto"`` then trains it under the floor
-    (:func:`~lightning_galvatron.strategy.model_setup.whole_model_plan`)
-    and says why. Raised on every rank alike."""
+    (:func:`~lightning_galvatron.strategy.model_setup.whole_model_plan`) and says why. Raised on every rank alike."""
 
 
 def _agree_on_failure(failure: str | None, what: str) -> None:
@@ -192,8 +191,8 @@ def plan_automatically(
 
     ``manual_optimizers``: how many optimizers a module with manual optimization has (0: automatic
     optimization). Its step is profiled with stand-ins for them, and plans that run the backward pass inside the
-    strategy (pipelines, micro-batches: :func:`~lightning_galvatron.plan.rules.manual_optimization_problem`) are left
-    out.
+    strategy (pipelines, micro-batches: :func:`~lightning_galvatron.plan.rules.manual_optimization_problem`) are
+    left out.
 
     ``step``: how to run the module on a batch for the profiler, ``step(module, batch) -> loss`` (default: its
     ``training_step``; a plain module under Fabric: :func:`~lightning_galvatron.profiler.model.forward_step`).

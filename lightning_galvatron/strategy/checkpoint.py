@@ -2,9 +2,8 @@
 
 ``GalvatronStrategy`` saves Lightning checkpoints as DCP directories (one shard file per rank, DCP's
 ``.metadata`` index, and ``meta.pt`` with Lightning's loop state), written aside and renamed into place when whole
-(:mod:`lightning_galvatron.strategy.checkpoint_files`); a directory whose files do not make one save is refused, naming
-the
-file (:func:`check_sharded_checkpoint`). Parameter names are those of the
+(:mod:`lightning_galvatron.strategy.checkpoint_files`); a directory whose files do not make one save is refused,
+naming the file (:func:`check_sharded_checkpoint`). Parameter names are those of the
 plain model whatever the plan, so a checkpoint loads into any other plan or world size
 (:func:`load_checkpoint`, what ``Trainer.fit(ckpt_path=...)`` runs) and assembles into the
 unparallelised model's state dict (:func:`consolidate`, ``lightning-galvatron consolidate CKPT_DIR -o

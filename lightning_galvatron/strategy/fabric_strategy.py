@@ -11,8 +11,7 @@ Read it as "what happens at which Fabric call"; the work is the library's, share
   is resolved -- given, or with ``plan="auto"`` profiled on ``example_input`` and searched without pipelines or
   micro-batches (:func:`~lightning_galvatron.plan.rules.own_loop_problem`) -- reported, and applied by
   :func:`~lightning_galvatron.strategy.preparation.prepare`, as under the Trainer. The model's first forward compares
-  its
-  input over the ranks of each data shard (:meth:`~lightning_galvatron.strategy.data.DataShards.check_first_batch`).
+  its input over the ranks of each data shard (:meth:`~lightning_galvatron.strategy.data.DataShards.check_first_batch`).
 - ``setup_optimizer`` / ``setup_module_and_optimizers``: optimizers made after ``fabric.setup(model)`` hold the split
   parameters; ones given with the model are pointed at them by name. Each step tells the gradient reducer.
 - ``distributed_sampler_kwargs`` / ``process_dataloader`` (``fabric.setup_dataloaders``): the plan's data shards,
@@ -22,8 +21,7 @@ Read it as "what happens at which Fabric call"; the work is the library's, share
 - ``clip_gradients_norm`` / ``clip_gradients_value``: the global norm over every mesh; by value on local shards.
 - ``save_checkpoint`` / ``load_checkpoint`` (``fabric.save`` / ``fabric.load`` / ``fabric.load_raw``): sharded DCP
   checkpoints laid out as the Trainer's (:mod:`lightning_galvatron.strategy.checkpoint`), loaded into any plan; a full
-  file
-  (``save_distributed_checkpoint=False``) staged and renamed into place as they are (``checkpoint_files``).
+  file (``save_distributed_checkpoint=False``) staged and renamed into place as they are (``checkpoint_files``).
 
 The watchdog (:class:`~lightning_galvatron.runtime.watchdog.RankMonitor`) ends the job, naming the rank, when a rank's
 heartbeat stops (a stopped or dead process) or it stays behind the others for ``setup_timeout_s``. It knows less than

@@ -8,9 +8,8 @@ plan's ``vocab`` strategy over all of it, no blocks -- under the fastest of DDP,
 states (weights, gradients, optimizer states; ZeRO-3 also holding the whole model gathered while it runs) fit the
 memory budget, and the setup report says why it could not do more. Where the blocks were found but profiling or
 searching the model failed (:class:`~lightning_galvatron.strategy.autoplan.AutomaticPlanFailed`: the model's code fails
-when
-the profiler runs a block alone), the same choice is made for every block and the rest alike: a uniform plan of data
-parallelism, nothing split, recomputed or pipelined. A given plan, or ``layers=``, keeps the refusal.
+when the profiler runs a block alone), the same choice is made for every block and the rest alike: a uniform plan of
+data parallelism, nothing split, recomputed or pipelined. A given plan, or ``layers=``, keeps the refusal.
 """
 
 from __future__ import annotations

@@ -5,9 +5,8 @@ it measured (a busy or throttled machine, a pipeline whose steps vary from run t
 would be faster. :class:`Replanning` times every training step and, when the plan trains measurably slower than the
 runner-up of the selection measured, tries the runner-up **in training**: the model moves to it in memory between
 two optimizer steps (:mod:`lightning_galvatron.strategy.plan_switch`), trains a window of steps, and stays there if it
-trained
-measurably faster, else moves back. Trying it in training rather than in a trial on a copy measures both plans the
-same way (the loop's own work included) and needs no second model in memory; and nothing is lost either way: a
+trained measurably faster, else moves back. Trying it in training rather than in a trial on a copy measures both plans
+the same way (the loop's own work included) and needs no second model in memory; and nothing is lost either way: a
 switch carries the parameters, the optimizer states and the position in the data exactly, the random state goes on
 untouched. Both measurements go to the cached selection, so the next ``fit`` starts from what was learned, and a
 cached selection that no longer measures as it did is checked the same way.

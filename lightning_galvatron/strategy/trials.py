@@ -22,8 +22,7 @@ of the user's data with training's step
 
 :func:`select_in_trials` is what the recipe of ``plan="auto"``
 (:func:`~lightning_galvatron.strategy.auto_setup.resolve_automatic_plan`) calls when fitting; :class:`StepClock` then
-compares
-the first training steps with the prediction. The training loop adds its own work to every step (logging,
+compares the first training steps with the prediction. The training loop adds its own work to every step (logging,
 callbacks) that neither the cost model nor a trial counts, so that comparison is a sanity check, not a calibration.
 """
 
