@@ -16,7 +16,7 @@ round to round, so the machine's slow phases fall on both alike. The figure is P
 the CPU time a step costs summed over the ranks (``harness``: ``cpu_s_per_step``), PyTorch's over Galvatron's: the
 work each side does, which the load of other jobs on a shared machine moves far less than the step time.
 
-    python benchmarks/same_plan.py [--rounds 4] [--worlds 2 4] [--families gpt2 llama bert]
+    python benchmarks/same_plan.py [--rounds 4] [--worlds 2 4] [--families gpt2 llama bert] [--plans ddp zero2 zero3]
     python benchmarks/same_plan.py --quick      # one round, fewer steps
     python benchmarks/same_plan.py --report-from results/same_plan.json   # the saved run's table, again
 """
@@ -103,9 +103,9 @@ def measure_world(world: int, families: list[str], args: Any) -> dict:
 
 
 def _measure_world(pools: list[WorkerPool], world: int, families: list[str], args: Any) -> dict:
-    cells = [(family, plan) for family in families for plan in PAIRS]
+    cells = [(family, plan) for family in families for plan in args.plans]
     runs: dict[str, dict[str, dict[str, list]]] = {
-        family: {plan: {"galvatron": [], "pytorch": []} for plan in PAIRS} for family in families
+        family: {plan: {"galvatron": [], "pytorch": []} for plan in args.plans} for family in families
     }
     for r in range(args.rounds):
         for family, plan, side in round_order(cells, r):
@@ -189,8 +189,8 @@ def report(results: dict, families: list[str], args: Any) -> str:
             phases = " ".join(f"{phase[:4]:>5s}" for phase in PHASES)
             print(f"  {columns} {'Galvatron':>10s} {'PyTorch':>9s} {'ratio':>6s} {'CPU':>6s}  {phases}  per round")
             for family in families:
-                for plan, against in PAIRS.items():
-                    row = result["summary"][family][plan]
+                for plan, row in result["summary"][family].items():
+                    against = PAIRS[plan]
                     steps = row["step_s"]
                     gal = f"{steps['galvatron'] * 1e3:.0f} ms" if "galvatron" in steps else "failed"
                     tor = f"{steps['pytorch'] * 1e3:.0f} ms" if "pytorch" in steps else "failed"
@@ -212,6 +212,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--plans", nargs="+", default=list(PAIRS), choices=PAIRS, help="default: all")
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--timed-steps", type=int, default=6)
     parser.add_argument("--output", default=None, help="default: results/same_plan.json (same_plan_quick.json)")

@@ -60,31 +60,39 @@ class _Bucket:
     ready: int = 0
     launched: bool = False
     buffer: torch.Tensor | None = None  # the flat gradients, then one presence count per parameter
-    views: dict[int, torch.Tensor] = field(default_factory=dict)  # by parameter id: its slice of ``buffer``, its shape
+    views: list[torch.Tensor] = field(default_factory=list)  # per parameter: its slice of ``buffer``, its shape
     work: dist.Work | None = None
+    #: Per parameter: whether its gradient becomes its view as soon as it is accumulated (DTensor gradients are
+    #: copied at :meth:`launch`).
+    adopts: list[bool] = field(init=False)
+    has_dtensors: bool = field(init=False)
 
-    def adopt(self, param: nn.Parameter) -> None:
-        """Make ``param``'s gradient its view of the buffer (a copy now; what autograd allocated is freed, and further
-        accumulation goes into the view). DTensor gradients are copied at :meth:`launch` instead."""
-        if self.group is None or isinstance(param, DTensor):
+    def __post_init__(self) -> None:
+        self.adopts = [self.group is not None and not isinstance(p, DTensor) for p in self.params]
+        self.has_dtensors = any(isinstance(p, DTensor) for p in self.params)
+
+    def adopt(self, param: nn.Parameter, index: int) -> None:
+        """Make ``param``'s (the ``index``-th parameter's) gradient its view of the buffer (a copy now; what autograd
+        allocated is freed, and further accumulation goes into the view)."""
+        if not self.adopts[index]:
             return
-        view = self._views()[id(param)]
+        view = (self.views or self._make_views())[index]
         grad = param.grad
-        if grad is not None and grad is not view:
+        if grad is not view and grad is not None:
             view.copy_(grad)
             param.grad = view
 
     def launch(self) -> None:
         """Copy this rank's gradients not in the buffer yet (zeros where missing) and their presence; sum it."""
         self.launched = True
-        for p in self.params:
-            match_parameter_layout(p)
+        if self.has_dtensors:
+            for p in self.params:
+                match_parameter_layout(p)
         if self.group is None:
             return
-        views = self._views()
         missing = False
-        for p in self.params:
-            grad, view = p.grad, views[id(p)]
+        for p, view in zip(self.params, self.views or self._make_views()):
+            grad = p.grad
             if grad is None:
                 view.zero_()
                 missing = True
@@ -99,14 +107,15 @@ class _Bucket:
             presence.fill_(1)
         self.work = dist.all_reduce(buffer, group=self.group, async_op=True)
 
-    def _views(self) -> dict[int, torch.Tensor]:
-        if self.buffer is None:  # made at first use, where the parameters are on their device and in their dtype
-            locals_ = [local_tensor(p) for p in self.params]
-            self.buffer = locals_[0].new_empty(sum(t.numel() for t in locals_) + len(locals_))
-            offset = 0
-            for p, t in zip(self.params, locals_):
-                self.views[id(p)] = self.buffer[offset : offset + t.numel()].view(t.shape)
-                offset += t.numel()
+    def _make_views(self) -> list[torch.Tensor]:
+        """The buffer and its views, made at first use, where the parameters are on their device and in their
+        dtype."""
+        locals_ = [local_tensor(p) for p in self.params]
+        self.buffer = buffer = locals_[0].new_empty(sum(t.numel() for t in locals_) + len(locals_))
+        offset = 0
+        for t in locals_:
+            self.views.append(buffer[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
         return self.views
 
     def finish(self) -> None:
@@ -119,10 +128,10 @@ class _Bucket:
             present = None
             if any(p.grad is None for p in self.params):
                 present = self.buffer[self.buffer.numel() - len(self.params) :].tolist()
-            for i, p in enumerate(self.params):
+            for i, (p, view) in enumerate(zip(self.params, self.views)):
                 if present is not None and present[i] == 0:
                     continue
-                grad, view = p.grad, self.views[id(p)]
+                grad = p.grad
                 if isinstance(p, DTensor):
                     if grad is None:
                         p.grad = _like(p, view.clone())
@@ -156,20 +165,6 @@ def _like(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def _weakly(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
-    """A gradient hook that calls ``method`` while its object lives. A parameter's hooks are held from C++, where the
-    garbage collector cannot see the cycle parameter -> hook -> reducer -> bucket -> parameter: a bound method as the
-    hook kept every model a process had fitted alive after its Trainer and strategy were gone."""
-    ref = weakref.WeakMethod(method)
-
-    def hook(param: nn.Parameter) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(param)
-
-    return hook
-
-
 @dataclass
 class GradientReducer:
     """Sums the gradients of registered parameters over their dp groups once per optimizer step."""
@@ -180,7 +175,7 @@ class GradientReducer:
     launched_during_backward: int = 0
     _pending: list[tuple[list[nn.Parameter], dist.ProcessGroup | None, bool]] = field(default_factory=list)
     _buckets: list[_Bucket] = field(default_factory=list)
-    _bucket_of: dict[int, _Bucket] = field(default_factory=dict)
+    _slot: dict[int, tuple[_Bucket, int]] = field(default_factory=dict)  # by parameter id: its bucket, its index there
     _group_of: dict[int, dist.ProcessGroup | None] = field(default_factory=dict)
     _registered: set[int] = field(default_factory=set)
     _deferrals: int = 0
@@ -238,8 +233,22 @@ class GradientReducer:
             self._ready_order, self._order_group = {}, order_group
         for bucket in self._buckets:
             for p in bucket.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(_weakly(self._on_gradient)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._gradient_hook(id(p))))
         self._pending = []
+
+    def _gradient_hook(self, key: int) -> Callable[[nn.Parameter], None]:
+        """The hook of the parameter with id ``key``. It holds the reducer weakly: a parameter's hooks are held from
+        C++, where the garbage collector cannot see the cycle parameter -> hook -> reducer -> bucket -> parameter (a
+        bound method as the hook kept every model a process had fitted alive after its Trainer and strategy were
+        gone). It runs once per parameter and backward: no more than one lookup before the work."""
+        reducer = weakref.ref(self)
+
+        def on_gradient(param: nn.Parameter) -> None:
+            owner = reducer()
+            if owner is not None:
+                owner._on_gradient(param, key)
+
+        return on_gradient
 
     def _bucketize(self, params: list[nn.Parameter]) -> None:
         """Buckets over ``params`` in this order: a new one where the group, dtype or device changes or the size is
@@ -262,7 +271,7 @@ class GradientReducer:
                 current, size = [], 0
         if current:
             self._buckets.append(_Bucket(current, self._group_of[id(current[0])]))
-        self._bucket_of = {id(p): bucket for bucket in self._buckets for p in bucket.params}
+        self._slot = {id(p): (bucket, i) for bucket in self._buckets for i, p in enumerate(bucket.params)}
 
     def _rebuild_in_ready_order(self) -> None:
         """Bucket again in the order the first backward's gradients became ready (``order_group``'s rank 0's).
@@ -333,19 +342,20 @@ class GradientReducer:
         """The optimizer consumed the summed gradients (hook this on every optimizer's step)."""
         self._summed = False
 
-    def _on_gradient(self, param: nn.Parameter) -> None:
+    def _on_gradient(self, param: nn.Parameter, key: int) -> None:
+        bucket, index = self._slot[key]
         if self._ready_order is not None:
-            self._ready_order.setdefault(id(param), None)
-        bucket = self._bucket_of[id(param)]
+            self._ready_order.setdefault(key, None)
         if not bucket.launched:
-            bucket.adopt(param)
-        if self.is_deferred:
+            bucket.adopt(param, index)
+        if self._deferrals:
             return
         if not self._callback_queued:
             self._check_not_summed()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
-        if id(param) in self._ready_now:  # accumulated again in the same backward (a reentrant checkpoint)
+        ready = self._ready_now
+        if key in ready:  # accumulated again in the same backward (a reentrant checkpoint)
             if bucket.launched:
                 raise RuntimeError(
                     f"the gradient of a ddp parameter of shape {tuple(param.shape)} was accumulated again after it "
@@ -353,9 +363,14 @@ class GradientReducer:
                     "outside a reentrant activation checkpoint?): use checkpoint(..., use_reentrant=False)"
                 )
             return
-        self._ready_now.add(id(param))
+        ready.add(key)
         bucket.ready += 1
-        # Launch in bucket order only, so that every rank of a group issues the same sequence.
+        if bucket.ready == len(bucket.params):
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch the complete buckets, in bucket order only, so that every rank of a group issues the same
+        sequence."""
         while self._launched < len(self._buckets):
             nxt = self._buckets[self._launched]
             if nxt.ready < len(nxt.params):
@@ -384,4 +399,4 @@ class GradientReducer:
             handle.remove()
         self._hooks = []
         for bucket in self._buckets:
-            bucket.buffer, bucket.views = None, {}
+            bucket.buffer, bucket.views = None, []
