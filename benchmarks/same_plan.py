@@ -19,6 +19,7 @@ work each side does, which the load of other jobs on a shared machine moves far 
     python benchmarks/same_plan.py [--rounds 4] [--worlds 2 4] [--families gpt2 llama bert] [--plans ddp zero2 zero3]
     python benchmarks/same_plan.py --quick      # one round, fewer steps
     python benchmarks/same_plan.py --report-from results/same_plan.json   # the saved run's table, again
+    python benchmarks/same_plan.py --report-from a.json b.json            # runs of the same code, rounds pooled
 """
 
 from __future__ import annotations
@@ -206,6 +207,29 @@ def report(results: dict, families: list[str], args: Any) -> str:
     return text.getvalue()
 
 
+def pooled(saved: list[dict]) -> dict:
+    """Runs of the same code pooled: each cell's rounds are the rounds of every run that measured it (runs with other
+    step counts are refused: their steps are not alike)."""
+    first = saved[0]
+    for other in saved[1:]:
+        if (other["warmup_steps"], other["timed_steps"]) != (first["warmup_steps"], first["timed_steps"]):
+            raise SystemExit("--report-from: the runs differ in warm-up or timed steps; pool runs of one setting")
+    worlds: dict[str, dict] = {}
+    for run in saved:
+        for world, result in run["worlds"].items():
+            cells = worlds.setdefault(world, {"runs": {}})["runs"]
+            for family, plans in result["runs"].items():
+                for plan, sides in plans.items():
+                    into = cells.setdefault(family, {}).setdefault(plan, {"galvatron": [], "pytorch": []})
+                    for side, rounds in sides.items():
+                        into[side].extend(rounds)
+    counts = {
+        len(sides["galvatron"]) for w in worlds.values() for plans in w["runs"].values() for sides in plans.values()
+    }
+    rounds = str(min(counts)) if len(counts) == 1 else f"{min(counts)}-{max(counts)} (pooled)"
+    return {**first, "rounds": rounds, "worlds": worlds}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one round, 1 warm-up and 4 timed steps")
@@ -216,10 +240,12 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--timed-steps", type=int, default=6)
     parser.add_argument("--output", default=None, help="default: results/same_plan.json (same_plan_quick.json)")
-    parser.add_argument("--report-from", default=None, help="print the table of a saved JSON again (no run)")
+    parser.add_argument(
+        "--report-from", nargs="+", default=None, help="print the table of saved JSONs again, their rounds pooled"
+    )
     args = parser.parse_args()
     if args.report_from:
-        saved = json.loads(Path(args.report_from).read_text())
+        saved = pooled([json.loads(Path(path).read_text()) for path in args.report_from])
         for key in ("rounds", "warmup_steps", "timed_steps"):
             setattr(args, key, saved[key])
         worlds = {world: {**result, "summary": summarise(result["runs"])} for world, result in saved["worlds"].items()}
