@@ -76,7 +76,7 @@ class _Bucket:
         allocated is freed, and further accumulation goes into the view)."""
         if not self.adopts[index]:
             return
-        view = (self.views or self._make_views())[index]
+        view = self._views()[index]
         grad = param.grad
         if grad is not view and grad is not None:
             view.copy_(grad)
@@ -91,7 +91,7 @@ class _Bucket:
         if self.group is None:
             return
         missing = False
-        for p, view in zip(self.params, self.views or self._make_views()):
+        for p, view in zip(self.params, self._views()):
             grad = p.grad
             if grad is None:
                 view.zero_()
@@ -107,15 +107,14 @@ class _Bucket:
             presence.fill_(1)
         self.work = dist.all_reduce(buffer, group=self.group, async_op=True)
 
-    def _make_views(self) -> list[torch.Tensor]:
-        """The buffer and its views, made at first use, where the parameters are on their device and in their
-        dtype."""
-        locals_ = [local_tensor(p) for p in self.params]
-        self.buffer = buffer = locals_[0].new_empty(sum(t.numel() for t in locals_) + len(locals_))
-        offset = 0
-        for t in locals_:
-            self.views.append(buffer[offset : offset + t.numel()].view(t.shape))
-            offset += t.numel()
+    def _views(self) -> list[torch.Tensor]:
+        if not self.views:  # made at first use, where the parameters are on their device and in their dtype
+            locals_ = [local_tensor(p) for p in self.params]
+            self.buffer = buffer = locals_[0].new_empty(sum(t.numel() for t in locals_) + len(locals_))
+            offset = 0
+            for t in locals_:
+                self.views.append(buffer[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
         return self.views
 
     def finish(self) -> None:
@@ -231,22 +230,22 @@ class GradientReducer:
             order_group = next(iter(groups.values()), None)
         if order_group is not None or not groups:
             self._ready_order, self._order_group = {}, order_group
+        hook = self._gradient_hook()
         for bucket in self._buckets:
             for p in bucket.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._gradient_hook(id(p))))
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
         self._pending = []
 
-    def _gradient_hook(self, key: int) -> Callable[[nn.Parameter], None]:
-        """The hook of the parameter with id ``key``. It holds the reducer weakly: a parameter's hooks are held from
-        C++, where the garbage collector cannot see the cycle parameter -> hook -> reducer -> bucket -> parameter (a
-        bound method as the hook kept every model a process had fitted alive after its Trainer and strategy were
-        gone). It runs once per parameter and backward: no more than one lookup before the work."""
+    def _gradient_hook(self) -> Callable[[nn.Parameter], None]:
+        """The hook of every registered parameter. It holds the reducer weakly: a parameter's hooks are held from C++,
+        where the garbage collector cannot see the cycle parameter -> hook -> reducer -> bucket -> parameter (a bound
+        method as the hook kept every model a process had fitted alive after its Trainer and strategy were gone)."""
         reducer = weakref.ref(self)
 
         def on_gradient(param: nn.Parameter) -> None:
             owner = reducer()
             if owner is not None:
-                owner._on_gradient(param, key)
+                owner._on_gradient(param)
 
         return on_gradient
 
@@ -342,7 +341,9 @@ class GradientReducer:
         """The optimizer consumed the summed gradients (hook this on every optimizer's step)."""
         self._summed = False
 
-    def _on_gradient(self, param: nn.Parameter, key: int) -> None:
+    def _on_gradient(self, param: nn.Parameter) -> None:
+        """Runs once per parameter and backward pass: one lookup before the work."""
+        key = id(param)
         bucket, index = self._slot[key]
         if self._ready_order is not None:
             self._ready_order.setdefault(key, None)
